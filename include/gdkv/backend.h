@@ -1,0 +1,100 @@
+// Backends: where values live behind the controller (memory, local NVMe store, RADOS).
+//
+// One asynchronous interface: the controller fills a BackendOp and calls submit(); the backend
+// completes it by calling op->done exactly once, from any thread (its own I/O thread, a librados
+// callback, or inline inside submit()). The controller routes the completion back to the reactor
+// that owns the command, so a backend never needs to know about reactors. submit() must not block
+// on I/O: a backend that needs to wait queues the work to its own thread or to the kernel.
+//
+// Buffers named by an op (value, the sink's buffer) stay valid until done() is called. After
+// done() the backend must not touch the op again.
+//
+// Thread safety: submit() and collect() may be called from many threads at once.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "gdkv/key.h"
+#include "gdkv/metrics.h"
+#include "gdkv/nvme_kv.h"
+
+namespace gdkv {
+
+enum class BackendOpKind : uint8_t {
+  kPut,       // store op.value under op.key, honouring op.store_options (nvme::kStoreMust*)
+  kGet,       // read op.key's value (see sink/view)
+  kDelete,    // remove op.key; kKeyNotExist if absent
+  kExists,    // kSuccess if present, else kKeyNotExist
+  kList,      // keys >= op.key (all keys when op.key.len == 0), ascending, at most list_max
+  kPrefetch,  // a hint: the keys in op.keys will be read soon; backends without a cache ignore it
+};
+
+// Bytes a backend can hand out without copying them (memory backend, cache slabs), with what keeps
+// them alive until the controller has copied them to their destination.
+struct ValueView {
+  std::span<const std::byte> bytes;
+  std::shared_ptr<const void> keepalive;
+};
+
+struct BackendOp {
+  BackendOpKind kind = BackendOpKind::kGet;
+  uint32_t nsid = 1;    // NVMe namespace: backends keep namespaces apart
+  uint32_t stream = 0;  // the queue the request came from (lets a cache learn per-queue order)
+  Key key;
+  uint8_t store_options = 0;
+
+  // kPut: the value.
+  std::span<const std::byte> value;
+
+  // kGet: once the backend knows the value's full length it either
+  //   - calls sink(op, length) and writes the first min(length, returned size) bytes there, or
+  //   - sets `view` to the whole value, kept alive by view.keepalive.
+  // Either way done() reports the full length. sink may return an empty span (nothing wanted).
+  std::span<std::byte> (*sink)(BackendOp* op, uint64_t value_len) = nullptr;
+  ValueView view;
+
+  // kList: results. kPrefetch: the keys to warm.
+  uint32_t list_max = 0;
+  std::vector<Key> keys;
+
+  // Completion: status, and for kGet the value's full length.
+  void (*done)(BackendOp* op, nvme::Status status, uint64_t value_len) = nullptr;
+  void* user = nullptr;
+
+  void complete(nvme::Status s, uint64_t len = 0) { done(this, s, len); }
+};
+
+// Sizes a backend reports for `gdkv stat` (0 where unknown).
+struct BackendInfo {
+  std::string name;
+  uint64_t keys = 0;
+  uint64_t bytes_used = 0;
+  uint64_t capacity_bytes = 0;
+  uint64_t segments = 0;  // local store: log segments in use
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual void submit(BackendOp* op) = 0;
+  virtual BackendInfo info() const = 0;
+  // Appends the backend's metrics (names without the gdkv_ prefix).
+  virtual void collect(MetricList& out) const { (void)out; }
+  // Blocks until every acknowledged write is durable and every op submitted so far has completed.
+  virtual void drain() {}
+};
+
+// The `memory` backend: a map per namespace, for tests and benchmarks. capacity_bytes counts key
+// and value bytes; a Store that would exceed it fails with kCapacityExceeded (81h).
+struct MemoryBackendOptions {
+  uint64_t capacity_bytes = uint64_t{1} << 30;  // bytes, default 1 GiB
+  uint32_t delay_us = 0;  // injected latency per op (tests of prefetch and slow backends)
+};
+std::shared_ptr<Backend> make_memory_backend(const MemoryBackendOptions& options = {});
+
+}  // namespace gdkv

@@ -1,0 +1,143 @@
+// The controller: polled reactors that serve NVMe-KV commands from queue pairs.
+//
+// N reactor threads each poll the queue pairs assigned to them (run to completion, never blocking:
+// a command whose backend work is pending is parked until the backend calls back, and the backend's
+// completion is routed to the reactor that owns the command). Each command is validated (opcode,
+// namespace, key length, value size, data pointer) before any data moves; bad input gets an NVMe
+// status, never a crash. Value bytes move through the reactor's CopyEngine.
+//
+// Transports plug in below the command layer: an in-process queue pair (create_queue) and the
+// vfio-user NVMe queues of gdkvd are both Pollers that turn SQEs into Commands and post CQEs.
+//
+// Thread safety: all public member functions are thread-safe. Poller::poll and the Command
+// callbacks run on the owning reactor thread only.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "gdkv/backend.h"
+#include "gdkv/copy_engine.h"
+#include "gdkv/histogram.h"
+#include "gdkv/metrics.h"
+#include "gdkv/nvme_kv.h"
+#include "gdkv/queue.h"
+
+namespace gdkv {
+
+struct ControllerOptions {
+  uint32_t reactors = 1;                            // reactor threads
+  uint32_t namespaces = 1;                          // NVMe namespaces 1..N
+  uint64_t max_value_bytes = uint64_t{64} << 20;    // bytes; larger Stores get 85h
+  uint32_t idle_spin_us = 200;  // µs a reactor spins with no work before it sleeps (0 = never)
+  bool never_sleep = false;     // keep spinning (GPU requesters cannot wake a reactor)
+  CopyEngineFactory copy_engine;  // default: host memcpy
+  // Allocates zeroed queue-pair memory (size, alignment 4096) and frees it; default: host heap.
+  // The GPU runtime passes mapped pinned memory here.
+  std::function<void*(size_t)> queue_alloc;
+  std::function<void(void*)> queue_free;
+};
+
+// A contiguous piece of a command's data buffer, resolved to memory the controller can reach.
+struct DataSegment {
+  std::byte* addr = nullptr;
+  size_t len = 0;
+  MemKind kind = MemKind::kHost;
+};
+using DataSegments = std::vector<DataSegment>;
+
+// Resolves data pointers of one requester into memory, checking that every byte lies inside
+// memory that requester may use. `for_write` = the controller writes there (Retrieve, List).
+class AddressSpace {
+ public:
+  virtual ~AddressSpace() = default;
+  // The data pointer of `sqe` (PRP or SGL), `len` bytes.
+  virtual nvme::Status map_data(const nvme::Sqe& sqe, size_t len, bool for_write,
+                                DataSegments& out) = 0;
+  // A plain address range (scatter entries).
+  virtual nvme::Status map_range(uint64_t addr, size_t len, bool for_write, DataSegments& out) = 0;
+};
+
+struct Command;
+class Reactor;
+
+// Per-command controller state (opaque to transports).
+struct CommandState;
+
+// One command as a transport hands it to the controller.
+struct Command {
+  nvme::Sqe sqe{};
+  AddressSpace* space = nullptr;
+  uint32_t stream = 0;  // the queue it came from
+  // Called on the owning reactor when the command is finished; the transport posts the CQE.
+  void (*complete)(Command* cmd, nvme::Status status, uint32_t dw0) = nullptr;
+  void* transport = nullptr;
+  std::unique_ptr<CommandState> state;  // created by the controller on first use
+  Command();
+  ~Command();
+};
+
+// Something a reactor polls: returns true if it did work.
+class Poller {
+ public:
+  virtual ~Poller() = default;
+  virtual bool poll() = 0;
+};
+
+// An in-process queue pair created by Controller::create_queue.
+struct QueueOptions {
+  uint32_t depth = 256;  // power of two in [2, 4096]
+  // Only accept data pointers inside registered memory (register_memory). Off: any host address
+  // is taken as valid (same address space) and registered regions still give memory its kind.
+  bool strict_regions = false;
+};
+
+class Controller {
+ public:
+  Controller(std::shared_ptr<Backend> backend, ControllerOptions options = {});
+  ~Controller();  // finishes in-flight commands, then stops the reactors
+  Controller(const Controller&) = delete;
+  Controller& operator=(const Controller&) = delete;
+
+  // Creates an in-process queue pair served by one reactor (round robin). Throws
+  // std::invalid_argument on a bad depth.
+  QueueRef create_queue(const QueueOptions& options = {});
+  // Stops serving the queue pair and frees its memory. REQUIRES: no command of it is in flight.
+  void destroy_queue(const QueueRef& q);
+
+  // Registers memory that data pointers may name (host or device). Returns false on overlap.
+  bool register_memory(const void* addr, size_t len, MemKind kind);
+  bool unregister_memory(const void* addr);
+
+  // Transport API: runs `p` on reactor (index % reactors) until remove_poller returns.
+  void add_poller(uint32_t reactor, Poller* p);
+  void remove_poller(Poller* p);
+  // Starts executing a command. Call only from the reactor thread running the caller's Poller.
+  void execute(Command* cmd);
+
+  Backend& backend() { return *backend_; }
+  const ControllerOptions& options() const { return options_; }
+  uint32_t reactor_count() const;
+  // Commands accepted and not yet completed, over all reactors.
+  uint64_t in_flight() const;
+  // Appends controller, reactor and backend metrics.
+  void collect(MetricList& out) const;
+  // Merged latency histogram of all reactors (ns, fetch to completion).
+  Histogram latency() const;
+
+  // Stops fetching new commands, waits for in-flight ones and drains the backend.
+  void stop();
+
+  struct Impl;
+
+ private:
+  std::shared_ptr<Backend> backend_;
+  ControllerOptions options_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace gdkv

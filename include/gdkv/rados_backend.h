@@ -1,0 +1,33 @@
+// The `rados` backend: values in a Ceph RADOS pool through librados' asynchronous C++ API, so
+// every node's gdkv shares one cache. One object per key, named by the key in lower-case hex, in
+// the RADOS namespace of the NVMe namespace ("ns<N>"); the value is the object's data and the
+// record header (identity digest, checksum) an xattr, which erasure-coded pools support too.
+// CRUSH places objects; replication or erasure coding is the pool's configuration.
+//
+// Thread safety: as every Backend (see backend.h). Only built when librados is found
+// (GDKV_HAVE_RADOS).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "gdkv/backend.h"
+
+namespace gdkv {
+
+struct RadosBackendOptions {
+  std::string ceph_conf;                   // path to ceph.conf; empty: $CEPH_CONF, then /etc/ceph/ceph.conf
+  std::string client_name = "client.admin";
+  std::string keyring;                     // empty: what ceph.conf says
+  std::string pool = "gdkv-rep3";
+  std::string namespace_prefix = "ns";     // RADOS namespace of NVMe namespace N is prefix + N
+  uint32_t op_timeout_ms = 5000;           // an op not done by then fails (namespace not ready)
+  uint32_t connect_timeout_ms = 10000;
+};
+
+// Connects to the cluster and opens the pool. Throws std::runtime_error with a clear message on
+// failure (no cluster, no pool, bad credentials).
+std::shared_ptr<Backend> make_rados_backend(const RadosBackendOptions& options);
+
+}  // namespace gdkv

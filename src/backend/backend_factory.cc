@@ -1,0 +1,44 @@
+#include "gdkv/backend_factory.h"
+
+#include <cstdlib>
+#include <stdexcept>
+
+namespace gdkv {
+
+std::vector<std::string> available_backends() {
+  std::vector<std::string> v{"memory", "local"};
+#ifdef GDKV_HAVE_RADOS
+  v.push_back("rados");
+#endif
+  return v;
+}
+
+std::string default_store_dir() {
+  if (const char* s = std::getenv("GDKV_STORE"); s != nullptr && *s != '\0') return s;
+  if (const char* x = std::getenv("XDG_DATA_HOME"); x != nullptr && *x != '\0') {
+    return std::string(x) + "/gdkv";
+  }
+  if (const char* h = std::getenv("HOME"); h != nullptr && *h != '\0') {
+    return std::string(h) + "/.local/share/gdkv";
+  }
+  return "/tmp/gdkv-store";
+}
+
+std::shared_ptr<Backend> open_backend(const BackendConfig& config) {
+  if (config.kind == "memory") return make_memory_backend(config.memory);
+  if (config.kind == "local") {
+    LocalBackendOptions o = config.local;
+    if (o.path.empty()) o.path = default_store_dir();
+    return make_local_backend(o);
+  }
+  if (config.kind == "rados") {
+#ifdef GDKV_HAVE_RADOS
+    return make_rados_backend(config.rados);
+#else
+    throw std::runtime_error("this gdkv was built without librados: the rados backend is missing");
+#endif
+  }
+  throw std::runtime_error("unknown backend '" + config.kind + "' (memory, local or rados)");
+}
+
+}  // namespace gdkv
