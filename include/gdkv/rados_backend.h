@@ -17,14 +17,24 @@
 namespace gdkv {
 
 struct RadosBackendOptions {
-  std::string ceph_conf;                   // path to ceph.conf; empty: $CEPH_CONF, then /etc/ceph/ceph.conf
-  std::string client_name = "client.admin";
-  std::string keyring;                     // empty: what ceph.conf says
-  std::string pool = "gdkv-rep3";
-  std::string namespace_prefix = "ns";     // RADOS namespace of NVMe namespace N is prefix + N
-  uint32_t op_timeout_ms = 5000;           // an op not done by then fails (namespace not ready)
-  uint32_t connect_timeout_ms = 10000;
+  std::string ceph_conf;  // path to ceph.conf; empty: $CEPH_CONF, then /etc/ceph/ceph.conf
+  std::string client_name = "client.admin";  // cephx identity
+  std::string keyring;                        // empty: what ceph.conf says
+  std::string pool = "gdkv-rep3";             // replicated or erasure-coded: both work
+  std::string namespace_prefix = "ns";  // RADOS namespace of NVMe namespace N is prefix + N
+  // Milliseconds, default 5000: every op completes by then, a dead or unreachable cluster with
+  // kNamespaceNotReady (82h). Must be > 0. Also bounds librados' own OSD and monitor op timeouts
+  // (rounded up to seconds) and, when the configuration is slower, makes librados notice a laggy
+  // OSD within a third of it, so an OSD failure costs seconds, not the whole budget.
+  uint32_t op_timeout_ms = 5000;
+  uint32_t connect_timeout_ms = 10000;  // milliseconds, default 10000: construction gives up then
+  // Objects without the "gdkv.hdr" xattr (stored by `rados put` or another tool) are returned as
+  // they are, unverified and counted; false: they read as unrecovered errors (88h). Default true.
+  bool allow_raw_objects = true;
 };
+
+// Maps a librados return code to the NVMe status gdkv reports (docs/rados.md has the table).
+nvme::Status rados_status(int rados_rc) noexcept;
 
 // Connects to the cluster and opens the pool. Throws std::runtime_error with a clear message on
 // failure (no cluster, no pool, bad credentials).

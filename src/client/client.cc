@@ -1,0 +1,200 @@
+#include "gdkv/client.h"
+
+#include <cstdio>
+#include <cstring>
+
+#include "gdkv/commands.h"
+
+namespace gdkv {
+
+std::unique_ptr<Client> Client::open(std::shared_ptr<Backend> backend, const ClientOptions& options) {
+  auto ctl = std::make_unique<Controller>(std::move(backend), options.controller);
+  QueueRef q = ctl->create_queue(options.queue);
+  auto c = std::make_unique<Client>(q, nullptr, ctl.get());
+  c->owned_controller_ = std::move(ctl);
+  return c;
+}
+
+Client::Client(QueueRef queue, std::shared_ptr<void> owner, Controller* controller,
+               BufferStager* stager)
+    : queue_(queue), owner_(std::move(owner)), stager_(stager), controller_(controller) {}
+
+Client::~Client() {
+  if (owned_controller_) {
+    owned_controller_->stop();
+    owned_controller_.reset();
+  }
+}
+
+std::optional<uint16_t> Client::try_start(nvme::Sqe sqe) {
+  uint16_t cid;
+  if (!queue::try_acquire(queue_, &cid)) return std::nullopt;
+  sqe.cid = cid;
+  queue::submit(queue_, &sqe, 1);
+  return cid;
+}
+
+uint16_t Client::start(nvme::Sqe sqe) {
+  for (;;) {
+    if (auto cid = try_start(sqe)) return *cid;
+    // Full: completions we reap may free credits held by finished commands of other threads.
+    queue::reap(queue_);
+    atomic::pause();
+  }
+}
+
+CmdResult Client::finish(uint16_t cid) {
+  CmdResult r = queue::result(queue_, cid);
+  queue::release(queue_, cid);
+  return r;
+}
+
+CmdResult Client::execute(nvme::Sqe sqe) { return wait(start(sqe)); }
+
+CmdResult Client::execute_data(nvme::Sqe sqe, const void* p, size_t len, bool to_controller) {
+  if (stager_ == nullptr || len == 0) return execute(sqe);
+  const uint64_t addr = stager_->acquire(p, len, to_controller);
+  if (addr == 0) return CmdResult{nvme::Status::kDataTransferError, nvme::kSctGeneric, 0};
+  sqe.dptr.prp.prp1 = addr;
+  CmdResult r = execute(sqe);
+  stager_->release(addr, const_cast<void*>(p), len, to_controller);
+  return r;
+}
+
+void Client::run_batch(std::span<nvme::Sqe> sqes, std::span<CmdResult> results) {
+  std::vector<uint16_t> cids(sqes.size());
+  size_t next = 0;
+  size_t done = 0;
+  while (done < sqes.size()) {
+    // Acquire as many ids as the queue allows, submit them with one doorbell.
+    size_t group = 0;
+    while (next + group < sqes.size()) {
+      uint16_t cid;
+      if (!queue::try_acquire(queue_, &cid)) break;
+      sqes[next + group].cid = cid;
+      cids[next + group] = cid;
+      ++group;
+    }
+    if (group > 0) {
+      queue::submit(queue_, sqes.data() + next, static_cast<uint32_t>(group));
+      next += group;
+    }
+    // Wait for the oldest outstanding one; it frees room for the next group.
+    if (done < next) {
+      results[done] = wait(cids[done]);
+      ++done;
+    } else {
+      queue::reap(queue_);
+    }
+  }
+}
+
+CmdResult Client::put(const Key& key, std::span<const std::byte> value, uint8_t options,
+                      uint32_t nsid) {
+  return execute_data(cmd::store(key.bytes, key.len, value.data(),
+                                 static_cast<uint32_t>(value.size()), options, nsid),
+                      value.data(), value.size(), true);
+}
+
+CmdResult Client::get(const Key& key, std::span<std::byte> buf, uint32_t nsid) {
+  return execute_data(
+      cmd::retrieve(key.bytes, key.len, buf.data(), static_cast<uint32_t>(buf.size()), nsid),
+      buf.data(), buf.size(), false);
+}
+
+CmdResult Client::get(const Key& key, std::vector<std::byte>& out, uint32_t nsid, size_t hint) {
+  out.resize(hint);
+  for (;;) {
+    CmdResult r = get(key, std::span<std::byte>(out), nsid);
+    if (!r.ok()) {
+      out.clear();
+      return r;
+    }
+    if (r.dw0 <= out.size()) {
+      out.resize(r.dw0);
+      return r;
+    }
+    out.resize(r.dw0);  // the value grew past the buffer: read it whole
+  }
+}
+
+CmdResult Client::del(const Key& key, uint32_t nsid) {
+  return execute(cmd::remove(key.bytes, key.len, nsid));
+}
+
+CmdResult Client::exists(const Key& key, uint32_t nsid) {
+  return execute(cmd::exist(key.bytes, key.len, nsid));
+}
+
+CmdResult Client::list(const Key& start, std::vector<Key>& out, uint32_t buf_bytes,
+                       uint32_t nsid) {
+  std::vector<std::byte> buf(buf_bytes);
+  CmdResult r = execute_data(cmd::list(start.bytes, start.len, buf.data(), buf_bytes, nsid),
+                             buf.data(), buf.size(), false);
+  if (!r.ok()) return r;
+  uint32_t count;
+  std::memcpy(&count, buf.data(), sizeof(count));
+  size_t off = sizeof(nvme::KeyListHeader);
+  for (uint32_t i = 0; i < count && off + 2 <= buf.size(); ++i) {
+    uint16_t len;
+    std::memcpy(&len, buf.data() + off, 2);
+    if (len < 1 || len > nvme::kMaxKeyLength || off + 2 + len > buf.size()) break;
+    out.push_back(Key::from_bytes(buf.data() + off + 2, len));
+    off += nvme::key_list_entry_size(len);
+  }
+  return r;
+}
+
+CmdResult Client::list_all(std::vector<Key>& out, uint32_t nsid) {
+  // The smallest key is one zero byte; continuation restarts at the last key and skips it.
+  Key start = Key::from_bytes("\0", 1);
+  bool skip_first = false;
+  for (;;) {
+    std::vector<Key> page;
+    CmdResult r = list(start, page, 64 * 1024, nsid);
+    if (!r.ok()) return r;
+    size_t from = (skip_first && !page.empty() && page.front() == start) ? 1 : 0;
+    if (page.size() <= from) return r;
+    out.insert(out.end(), page.begin() + static_cast<std::ptrdiff_t>(from), page.end());
+    start = page.back();
+    skip_first = true;
+  }
+}
+
+CmdResult Client::prefetch(std::span<const Key> keys, uint32_t nsid) {
+  size_t bytes = sizeof(nvme::KeyListHeader);
+  for (const Key& k : keys) bytes += nvme::key_list_entry_size(k.len);
+  std::vector<std::byte> buf(bytes);
+  const uint32_t count = static_cast<uint32_t>(keys.size());
+  std::memcpy(buf.data(), &count, sizeof(count));
+  size_t off = sizeof(nvme::KeyListHeader);
+  for (const Key& k : keys) {
+    const uint16_t len = k.len;
+    std::memcpy(buf.data() + off, &len, 2);
+    std::memcpy(buf.data() + off + 2, k.bytes, k.len);
+    off += nvme::key_list_entry_size(k.len);
+  }
+  return execute_data(cmd::prefetch(buf.data(), static_cast<uint32_t>(bytes), nsid), buf.data(),
+                      buf.size(), true);
+}
+
+CmdResult Client::scatter_get(const Key& key, std::span<const nvme::ScatterEntry> pieces,
+                              uint32_t nsid) {
+  std::vector<std::byte> desc(sizeof(nvme::ScatterHeader) + pieces.size_bytes());
+  nvme::ScatterHeader hdr{static_cast<uint32_t>(pieces.size()), 0};
+  std::memcpy(desc.data(), &hdr, sizeof(hdr));
+  if (!pieces.empty()) std::memcpy(desc.data() + sizeof(hdr), pieces.data(), pieces.size_bytes());
+  // The descriptor is staged; the destinations it names must be reachable by the controller.
+  return execute_data(cmd::scatter_retrieve(key.bytes, key.len, desc.data(),
+                                            static_cast<uint32_t>(desc.size()), nsid),
+                      desc.data(), desc.size(), true);
+}
+
+std::string describe(const CmdResult& r) {
+  char buf[96];
+  std::snprintf(buf, sizeof(buf), "%s (%02Xh)", nvme::status_name(r.status),
+                static_cast<unsigned>(r.status));
+  return buf;
+}
+
+}  // namespace gdkv

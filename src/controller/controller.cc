@@ -1,0 +1,555 @@
+// Command execution: validation, the backend op, and the copies around it.
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+#include <thread>
+
+#include "controller/controller_impl.h"
+#include "controller/queue_poller.h"
+
+namespace gdkv {
+
+Command::Command() = default;
+Command::~Command() = default;
+
+namespace {
+
+using nvme::Status;
+
+constexpr const char* kOpNames[ReactorStats::kOps] = {"store",  "retrieve", "list",   "delete",
+                                                      "exist",  "prefetch", "scatter_retrieve"};
+constexpr uint8_t kNoOp = 0xFF;
+constexpr uint32_t kMaxListKeys = 65536;
+constexpr uint32_t kMaxPrefetchBytes = 64 * 1024;
+constexpr size_t kKeepStagingBytes = 1 << 20;  // staging larger than this is freed after use
+
+uint8_t op_index(uint8_t opcode) {
+  switch (static_cast<nvme::Opcode>(opcode)) {
+    case nvme::Opcode::kStore: return 0;
+    case nvme::Opcode::kRetrieve: return 1;
+    case nvme::Opcode::kList: return 2;
+    case nvme::Opcode::kDelete: return 3;
+    case nvme::Opcode::kExist: return 4;
+    case nvme::Opcode::kPrefetch: return 5;
+    case nvme::Opcode::kScatterRetrieve: return 6;
+  }
+  return kNoOp;
+}
+
+void bump(std::atomic<uint64_t>& a, uint64_t by = 1) {
+  a.store(a.load(std::memory_order_relaxed) + by, std::memory_order_relaxed);
+}
+
+CommandState& state_of(Command* cmd) { return *cmd->state; }
+
+// Appends copies that spread `n` bytes from `src` over `segs` (stopping when either runs out).
+void add_spread(CommandState& st, const std::byte* src, size_t n, const DataSegments& segs) {
+  for (const DataSegment& s : segs) {
+    if (n == 0) break;
+    size_t take = std::min(n, s.len);
+    st.copy_segs.push_back(CopySegment{s.addr, src, take, s.kind, MemKind::kHost});
+    src += take;
+    n -= take;
+  }
+}
+
+// Appends copies that gather `segs` into `dst`.
+void add_gather(CommandState& st, std::byte* dst, const DataSegments& segs) {
+  for (const DataSegment& s : segs) {
+    st.copy_segs.push_back(CopySegment{dst, s.addr, s.len, MemKind::kHost, s.kind});
+    dst += s.len;
+  }
+}
+
+bool single_host_segment(const DataSegments& segs) {
+  return segs.size() == 1 && segs[0].kind == MemKind::kHost;
+}
+
+// Reads a KeyList (List/Prefetch layout) from `buf`.
+bool parse_key_list(std::span<const std::byte> buf, std::vector<Key>& out) {
+  if (buf.size() < sizeof(nvme::KeyListHeader)) return false;
+  uint32_t count;
+  std::memcpy(&count, buf.data(), sizeof(count));
+  size_t off = sizeof(nvme::KeyListHeader);
+  if (count > buf.size() / 4) return false;
+  out.reserve(count);
+  for (uint32_t i = 0; i < count; ++i) {
+    uint16_t len;
+    if (off + 2 > buf.size()) return false;
+    std::memcpy(&len, buf.data() + off, 2);
+    if (len < 1 || len > nvme::kMaxKeyLength) return false;
+    const size_t entry = nvme::key_list_entry_size(len);
+    if (off + entry > buf.size()) return false;
+    out.push_back(Key::from_bytes(buf.data() + off + 2, len));
+    off += entry;
+  }
+  return true;
+}
+
+std::span<std::byte> retrieve_sink(BackendOp* op, uint64_t value_len) {
+  auto* cmd = static_cast<Command*>(op->user);
+  CommandState& st = state_of(cmd);
+  const size_t want = static_cast<size_t>(std::min<uint64_t>(value_len, st.deliver_cap));
+  if (st.scatter.empty() && single_host_segment(st.segs)) {
+    st.direct = true;
+    return {st.segs[0].addr, want};
+  }
+  st.direct = false;
+  st.staging.resize(want);
+  return {st.staging.data(), want};
+}
+
+void backend_done(BackendOp* op, Status status, uint64_t value_len) {
+  auto* cmd = static_cast<Command*>(op->user);
+  CommandState& st = state_of(cmd);
+  st.status = status;
+  st.value_len = value_len;
+  st.owner->post(cmd);
+}
+
+void copy_done(CopyJob* job, Status status);
+
+void launch_copy(Command* cmd, CmdPhase phase) {
+  CommandState& st = state_of(cmd);
+  st.phase = phase;
+  st.copy.segs = st.copy_segs.data();
+  st.copy.count = static_cast<uint32_t>(st.copy_segs.size());
+  st.copy.done = &copy_done;
+  st.copy.user = cmd;
+  st.copy_start_ns = now_ns();
+  st.owner->engine().submit(&st.copy);
+}
+
+void submit_backend(Command* cmd) {
+  CommandState& st = state_of(cmd);
+  st.phase = CmdPhase::kBackend;
+  st.op.nsid = cmd->sqe.nsid;
+  st.op.stream = cmd->stream;
+  st.op.user = cmd;
+  st.op.done = &backend_done;
+  st.ctl->backend->submit(&st.op);
+}
+
+}  // namespace
+
+bool Controller::Impl::find_region(uintptr_t addr, size_t len, MemoryRegion* out) const {
+  if (region_count.load(std::memory_order_acquire) == 0) return false;
+  std::shared_lock lk(regions_mu);
+  auto it = regions.upper_bound(addr);
+  if (it == regions.begin()) return false;
+  --it;
+  const MemoryRegion& r = it->second;
+  if (addr < r.begin || addr + len > r.end || addr + len < addr) return false;
+  *out = r;
+  return true;
+}
+
+void Controller::Impl::finish(Command* cmd, Status status, uint32_t dw0) {
+  CommandState& st = state_of(cmd);
+  ReactorStats& rs = st.owner->stats();
+  if (st.op_index != kNoOp) {
+    bump(rs.ops[st.op_index]);
+    if (status != Status::kSuccess) bump(rs.errors[st.op_index]);
+  } else {
+    bump(rs.invalid);
+  }
+  rs.latency.record(now_ns() - st.start_ns);
+  st.op.view = ValueView{};
+  st.op.value = {};
+  st.op.keys.clear();
+  if (st.staging.capacity() > kKeepStagingBytes) std::vector<std::byte>().swap(st.staging);
+  st.phase = CmdPhase::kIdle;
+  st.owner->in_flight().fetch_sub(1, std::memory_order_relaxed);
+  cmd->complete(cmd, status, dw0);
+}
+
+namespace {
+
+void finish(Command* cmd, Status s, uint32_t dw0 = 0) { state_of(cmd).ctl->finish(cmd, s, dw0); }
+
+// After the key list of a Prefetch or the descriptors of a Scatter Retrieve were staged.
+void after_staging(Command* cmd) {
+  CommandState& st = state_of(cmd);
+  std::span<const std::byte> buf(st.staging.data(), st.staging.size());
+  if (st.phase == CmdPhase::kStoreStaging) {
+    st.op.value = buf;
+    submit_backend(cmd);
+    return;
+  }
+  if (st.phase == CmdPhase::kPrefetchStaging) {
+    st.op.keys.clear();
+    if (!parse_key_list(buf, st.op.keys)) return finish(cmd, Status::kInvalidField);
+    st.op.kind = BackendOpKind::kPrefetch;
+    submit_backend(cmd);
+    return;
+  }
+  // Scatter: a header and `count` entries; each entry's destination must be mapped.
+  nvme::ScatterHeader hdr;
+  std::memcpy(&hdr, buf.data(), sizeof(hdr));
+  if (hdr.count == 0 || hdr.count > nvme::kMaxScatterEntries ||
+      sizeof(hdr) + size_t{hdr.count} * sizeof(nvme::ScatterEntry) > buf.size()) {
+    return finish(cmd, Status::kInvalidField);
+  }
+  st.scatter.resize(hdr.count);
+  std::memcpy(st.scatter.data(), buf.data() + sizeof(hdr), hdr.count * sizeof(nvme::ScatterEntry));
+  st.scatter_segs.resize(hdr.count);
+  uint64_t end = 0;
+  for (uint32_t i = 0; i < hdr.count; ++i) {
+    const nvme::ScatterEntry& e = st.scatter[i];
+    st.scatter_segs[i].clear();
+    if (e.length == 0) continue;
+    Status s = cmd->space->map_range(e.address, e.length, true, st.scatter_segs[i]);
+    if (s != Status::kSuccess) return finish(cmd, s);
+    end = std::max<uint64_t>(end, uint64_t{e.value_offset} + e.length);
+  }
+  if (end > st.ctl->options.max_value_bytes) return finish(cmd, Status::kInvalidValueSize);
+  st.deliver_cap = end;
+  st.op.kind = BackendOpKind::kGet;
+  st.op.sink = &retrieve_sink;
+  submit_backend(cmd);
+}
+
+void copy_done(CopyJob* job, Status status) {
+  auto* cmd = static_cast<Command*>(job->user);
+  CommandState& st = state_of(cmd);
+  ReactorStats& rs = st.owner->stats();
+  bump(rs.copy_bytes, job->bytes());
+  bump(rs.copy_ns, now_ns() - st.copy_start_ns);
+  st.copy_segs.clear();
+  if (status != Status::kSuccess) return finish(cmd, Status::kDataTransferError);
+  if (st.phase == CmdPhase::kDeliver) {
+    return finish(cmd, Status::kSuccess, static_cast<uint32_t>(st.value_len));
+  }
+  after_staging(cmd);
+}
+
+// Stages `len` bytes of the requester's data buffer into controller memory, then continues.
+void stage_in(Command* cmd, size_t len, CmdPhase phase) {
+  CommandState& st = state_of(cmd);
+  st.staging.resize(len);
+  st.copy_segs.clear();
+  add_gather(st, st.staging.data(), st.segs);
+  launch_copy(cmd, phase);
+}
+
+}  // namespace
+
+void Controller::Impl::execute(Command* cmd) {
+  if (!cmd->state) cmd->state = std::make_unique<CommandState>();
+  CommandState& st = *cmd->state;
+  st.ctl = this;
+  st.owner = Reactor::current();
+  st.phase = CmdPhase::kIdle;
+  st.start_ns = now_ns();
+  st.op = BackendOp{};
+  st.segs.clear();
+  st.copy_segs.clear();
+  st.staging.clear();
+  st.scatter.clear();
+  st.direct = false;
+  st.deliver_cap = 0;
+  st.status = Status::kSuccess;
+  st.value_len = 0;
+  st.owner->in_flight().fetch_add(1, std::memory_order_relaxed);
+
+  const nvme::Sqe& sqe = cmd->sqe;
+  st.op_index = op_index(sqe.opcode);
+  if (st.op_index == kNoOp) return finish(cmd, Status::kInvalidOpcode);
+  if (sqe.nsid == 0 || sqe.nsid > options.namespaces) return finish(cmd, Status::kInvalidNamespace);
+  if ((sqe.flags & 0x3) != 0) return finish(cmd, Status::kInvalidField);  // no fused commands
+
+  const auto opcode = static_cast<nvme::Opcode>(sqe.opcode);
+  if (opcode == nvme::Opcode::kPrefetch) {
+    const uint32_t len = sqe.cdw10;
+    if (len < sizeof(nvme::KeyListHeader) || len > kMaxPrefetchBytes) {
+      return finish(cmd, Status::kInvalidField);
+    }
+    if (Status s = cmd->space->map_data(sqe, len, false, st.segs); s != Status::kSuccess) {
+      return finish(cmd, s);
+    }
+    return stage_in(cmd, len, CmdPhase::kPrefetchStaging);
+  }
+
+  // Every other command names a key.
+  st.op.key = Key::from_sqe(sqe);
+  if (!st.op.key.valid()) return finish(cmd, Status::kInvalidKeySize);
+
+  switch (opcode) {
+    case nvme::Opcode::kStore: {
+      if ((sqe.options & ~nvme::kStoreOptionsValid) != 0 ||
+          (sqe.options & nvme::kStoreMustExist && sqe.options & nvme::kStoreMustNotExist)) {
+        return finish(cmd, Status::kInvalidField);
+      }
+      const uint32_t len = sqe.cdw10;
+      if (len > options.max_value_bytes) return finish(cmd, Status::kInvalidValueSize);
+      if (Status s = cmd->space->map_data(sqe, len, false, st.segs); s != Status::kSuccess) {
+        return finish(cmd, s);
+      }
+      st.op.kind = BackendOpKind::kPut;
+      st.op.store_options = sqe.options & (nvme::kStoreMustExist | nvme::kStoreMustNotExist);
+      bump(st.owner->stats().bytes_in, len);
+      if (len == 0 || single_host_segment(st.segs)) {
+        if (len != 0) st.op.value = {st.segs[0].addr, len};
+        return submit_backend(cmd);
+      }
+      return stage_in(cmd, len, CmdPhase::kStoreStaging);
+    }
+    case nvme::Opcode::kRetrieve: {
+      if ((sqe.options & ~nvme::kRetrieveOptionsValid) != 0) {
+        return finish(cmd, Status::kInvalidField);
+      }
+      const uint32_t cap = sqe.cdw10;
+      if (Status s = cmd->space->map_data(sqe, cap, true, st.segs); s != Status::kSuccess) {
+        return finish(cmd, s);
+      }
+      st.deliver_cap = cap;
+      st.op.kind = BackendOpKind::kGet;
+      st.op.sink = &retrieve_sink;
+      return submit_backend(cmd);
+    }
+    case nvme::Opcode::kScatterRetrieve: {
+      const uint32_t len = sqe.cdw10;
+      if (len < sizeof(nvme::ScatterHeader) + sizeof(nvme::ScatterEntry) ||
+          len > sizeof(nvme::ScatterHeader) + nvme::kMaxScatterEntries * sizeof(nvme::ScatterEntry)) {
+        return finish(cmd, Status::kInvalidField);
+      }
+      if (Status s = cmd->space->map_data(sqe, len, false, st.segs); s != Status::kSuccess) {
+        return finish(cmd, s);
+      }
+      return stage_in(cmd, len, CmdPhase::kScatterStaging);
+    }
+    case nvme::Opcode::kList: {
+      const uint32_t cap = sqe.cdw10;
+      if (cap < sizeof(nvme::KeyListHeader)) return finish(cmd, Status::kInvalidField);
+      if (Status s = cmd->space->map_data(sqe, cap, true, st.segs); s != Status::kSuccess) {
+        return finish(cmd, s);
+      }
+      st.deliver_cap = cap;
+      st.op.kind = BackendOpKind::kList;
+      st.op.list_max = std::min<uint32_t>((cap - 4) / 4, kMaxListKeys);
+      return submit_backend(cmd);
+    }
+    case nvme::Opcode::kDelete:
+      st.op.kind = BackendOpKind::kDelete;
+      return submit_backend(cmd);
+    case nvme::Opcode::kExist:
+      st.op.kind = BackendOpKind::kExists;
+      return submit_backend(cmd);
+    default:
+      return finish(cmd, Status::kInvalidOpcode);
+  }
+}
+
+void Controller::Impl::on_backend_done(Command* cmd) {
+  CommandState& st = state_of(cmd);
+  if (st.status != Status::kSuccess) return ::gdkv::finish(cmd, st.status);
+  ReactorStats& rs = st.owner->stats();
+  switch (static_cast<nvme::Opcode>(cmd->sqe.opcode)) {
+    case nvme::Opcode::kRetrieve: {
+      const uint64_t want = std::min(st.value_len, st.deliver_cap);
+      bump(rs.bytes_out, want);
+      if (st.op.view.bytes.data() != nullptr || st.op.view.keepalive) {
+        st.copy_segs.clear();
+        add_spread(st, st.op.view.bytes.data(), std::min<size_t>(want, st.op.view.bytes.size()),
+                   st.segs);
+        return launch_copy(cmd, CmdPhase::kDeliver);
+      }
+      if (st.direct || want == 0) {
+        return ::gdkv::finish(cmd, Status::kSuccess, static_cast<uint32_t>(st.value_len));
+      }
+      st.copy_segs.clear();
+      add_spread(st, st.staging.data(), std::min<size_t>(want, st.staging.size()), st.segs);
+      return launch_copy(cmd, CmdPhase::kDeliver);
+    }
+    case nvme::Opcode::kScatterRetrieve: {
+      const bool from_view = st.op.view.bytes.data() != nullptr || st.op.view.keepalive;
+      const std::byte* src = from_view ? st.op.view.bytes.data() : st.staging.data();
+      const uint64_t have = from_view ? st.op.view.bytes.size() : st.staging.size();
+      st.copy_segs.clear();
+      for (size_t i = 0; i < st.scatter.size(); ++i) {
+        const nvme::ScatterEntry& e = st.scatter[i];
+        if (e.value_offset >= have) continue;
+        const size_t n = static_cast<size_t>(std::min<uint64_t>(e.length, have - e.value_offset));
+        bump(rs.bytes_out, n);
+        add_spread(st, src + e.value_offset, n, st.scatter_segs[i]);
+      }
+      return launch_copy(cmd, CmdPhase::kDeliver);
+    }
+    case nvme::Opcode::kList: {
+      // Encode as many keys as fit; dw0 = the number returned.
+      st.staging.assign(st.deliver_cap, std::byte{0});
+      uint32_t count = 0;
+      size_t off = sizeof(nvme::KeyListHeader);
+      for (const Key& k : st.op.keys) {
+        const size_t entry = nvme::key_list_entry_size(k.len);
+        if (off + entry > st.deliver_cap) break;
+        const uint16_t len = k.len;
+        std::memcpy(st.staging.data() + off, &len, 2);
+        std::memcpy(st.staging.data() + off + 2, k.bytes, k.len);
+        off += entry;
+        ++count;
+      }
+      std::memcpy(st.staging.data(), &count, sizeof(count));
+      st.value_len = count;
+      st.copy_segs.clear();
+      add_spread(st, st.staging.data(), off, st.segs);
+      return launch_copy(cmd, CmdPhase::kDeliver);
+    }
+    default:
+      return ::gdkv::finish(cmd, Status::kSuccess);
+  }
+}
+
+// ---- Controller ---------------------------------------------------------------------------------
+
+Controller::Controller(std::shared_ptr<Backend> backend, ControllerOptions options)
+    : backend_(std::move(backend)), options_(std::move(options)), impl_(std::make_unique<Impl>()) {
+  if (!backend_) throw std::invalid_argument("controller needs a backend");
+  if (options_.reactors == 0) options_.reactors = 1;
+  if (options_.namespaces == 0) options_.namespaces = 1;
+  if (!options_.copy_engine) {
+    options_.copy_engine = [](uint32_t) { return make_host_copy_engine(); };
+  }
+  impl_->self = this;
+  impl_->backend = backend_.get();
+  impl_->options = options_;
+  for (uint32_t i = 0; i < options_.reactors; ++i) {
+    impl_->reactors.push_back(std::make_unique<Reactor>(impl_.get(), i, options_.copy_engine(i)));
+  }
+  for (auto& r : impl_->reactors) r->start();
+}
+
+Controller::~Controller() {
+  stop();
+  impl_->reactors.clear();
+  impl_->queues.clear();
+}
+
+void Controller::stop() {
+  if (impl_->stopping.exchange(true)) {
+    // Already stopping or stopped; a second caller still waits for the reactors.
+    for (auto& r : impl_->reactors) r->join();
+    return;
+  }
+  while (in_flight() != 0) std::this_thread::sleep_for(std::chrono::microseconds(100));
+  backend_->drain();
+  for (auto& r : impl_->reactors) r->request_exit();
+  for (auto& r : impl_->reactors) r->join();
+}
+
+QueueRef Controller::create_queue(const QueueOptions& options) {
+  const uint32_t n = impl_->next_queue.fetch_add(1);
+  Reactor& r = *impl_->reactors[n % impl_->reactors.size()];
+  auto poller = std::make_unique<QueuePoller>(impl_.get(), options, static_cast<uint16_t>(n + 1),
+                                              r.wake_word());
+  QueueRef ref = poller->ref();
+  r.add_poller(poller.get());
+  std::lock_guard lk(impl_->queues_mu);
+  impl_->queues.push_back(std::move(poller));
+  return ref;
+}
+
+void Controller::destroy_queue(const QueueRef& q) {
+  std::unique_ptr<Poller> victim;
+  {
+    std::lock_guard lk(impl_->queues_mu);
+    for (auto it = impl_->queues.begin(); it != impl_->queues.end(); ++it) {
+      if (static_cast<QueuePoller*>(it->get())->ref().sq == q.sq) {
+        victim = std::move(*it);
+        impl_->queues.erase(it);
+        break;
+      }
+    }
+  }
+  if (victim) remove_poller(victim.get());
+}
+
+bool Controller::register_memory(const void* addr, size_t len, MemKind kind) {
+  const auto begin = reinterpret_cast<uintptr_t>(addr);
+  if (len == 0 || begin + len < begin) return false;
+  std::unique_lock lk(impl_->regions_mu);
+  auto it = impl_->regions.lower_bound(begin);
+  if (it != impl_->regions.end() && it->second.begin < begin + len) return false;
+  if (it != impl_->regions.begin() && std::prev(it)->second.end > begin) return false;
+  impl_->regions.emplace(begin, MemoryRegion{begin, begin + len, kind});
+  impl_->region_count.fetch_add(1, std::memory_order_release);
+  return true;
+}
+
+bool Controller::unregister_memory(const void* addr) {
+  std::unique_lock lk(impl_->regions_mu);
+  if (impl_->regions.erase(reinterpret_cast<uintptr_t>(addr)) == 0) return false;
+  impl_->region_count.fetch_sub(1, std::memory_order_release);
+  return true;
+}
+
+void Controller::add_poller(uint32_t reactor, Poller* p) {
+  impl_->reactors[reactor % impl_->reactors.size()]->add_poller(p);
+}
+
+void Controller::remove_poller(Poller* p) {
+  for (auto& r : impl_->reactors) r->remove_poller(p);
+}
+
+void Controller::execute(Command* cmd) { impl_->execute(cmd); }
+
+uint32_t Controller::reactor_count() const {
+  return static_cast<uint32_t>(impl_->reactors.size());
+}
+
+uint64_t Controller::in_flight() const {
+  uint64_t n = 0;
+  for (const auto& r : impl_->reactors) n += r->in_flight().load();
+  return n;
+}
+
+Histogram Controller::latency() const {
+  Histogram h;
+  for (const auto& r : impl_->reactors) h.merge(r->stats().latency.snapshot());
+  return h;
+}
+
+void Controller::collect(MetricList& out) const {
+  for (const auto& r : impl_->reactors) {
+    const ReactorStats& s = r->stats();
+    const std::string idx = std::to_string(r->index());
+    auto add = [&](const char* name, const char* help, MetricType type, double v,
+                   std::vector<std::pair<std::string, std::string>> labels = {}) {
+      labels.insert(labels.begin(), {"reactor", idx});
+      out.push_back(Metric{name, help, type, std::move(labels), v});
+    };
+    for (int i = 0; i < ReactorStats::kOps; ++i) {
+      add("commands_total", "NVMe-KV commands completed", MetricType::kCounter,
+          static_cast<double>(s.ops[i].load()), {{"op", kOpNames[i]}});
+      add("command_errors_total", "commands completed with a non-success status",
+          MetricType::kCounter, static_cast<double>(s.errors[i].load()), {{"op", kOpNames[i]}});
+    }
+    add("commands_invalid_total", "commands rejected for an unknown opcode", MetricType::kCounter,
+        static_cast<double>(s.invalid.load()));
+    add("value_bytes_in_total", "value bytes stored", MetricType::kCounter,
+        static_cast<double>(s.bytes_in.load()));
+    add("value_bytes_out_total", "value bytes delivered", MetricType::kCounter,
+        static_cast<double>(s.bytes_out.load()));
+    add("dma_bytes_total", "bytes moved by the copy engine", MetricType::kCounter,
+        static_cast<double>(s.copy_bytes.load()), {{"engine", r->engine().name()}});
+    add("dma_busy_seconds_total", "time copies were in flight", MetricType::kCounter,
+        static_cast<double>(s.copy_ns.load()) / 1e9, {{"engine", r->engine().name()}});
+    add("queue_depth", "commands in flight", MetricType::kGauge,
+        static_cast<double>(r->in_flight().load()));
+    add("reactor_busy_polls_total", "poll iterations that found work", MetricType::kCounter,
+        static_cast<double>(s.busy_polls.load()));
+    add("reactor_sleeps_total", "times the reactor went to sleep", MetricType::kCounter,
+        static_cast<double>(s.sleeps.load()));
+    const Histogram h = s.latency.snapshot();
+    for (double q : {0.5, 0.99, 0.999}) {
+      add("command_latency_seconds", "command latency, fetch to completion", MetricType::kGauge,
+          static_cast<double>(h.percentile(q)) / 1e9, {{"quantile", std::to_string(q)}});
+    }
+    add("command_latency_jitter_seconds", "p99 minus p50 command latency", MetricType::kGauge,
+        static_cast<double>(h.percentile(0.99) - h.percentile(0.5)) / 1e9);
+  }
+  backend_->collect(out);
+}
+
+}  // namespace gdkv

@@ -1,0 +1,80 @@
+// Controller internals shared by its source files.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <vector>
+
+#include "controller/reactor.h"
+#include "gdkv/controller.h"
+
+namespace gdkv {
+
+// Which stage a command is in when its copy or backend op completes.
+enum class CmdPhase : uint8_t {
+  kIdle,
+  kStoreStaging,     // copying the value from the requester into a staging buffer
+  kBackend,          // backend op outstanding
+  kDeliver,          // copying the result to the requester
+  kPrefetchStaging,  // copying the key list in
+  kScatterStaging,   // copying the scatter descriptors in
+};
+
+struct CommandState {
+  Controller::Impl* ctl = nullptr;
+  Reactor* owner = nullptr;
+  CmdPhase phase = CmdPhase::kIdle;
+  uint8_t op_index = 0;  // ReactorStats slot
+  uint64_t start_ns = 0;
+  uint64_t copy_start_ns = 0;
+  BackendOp op;
+  CopyJob copy;
+  std::vector<CopySegment> copy_segs;  // when a job has more than CopyJob::kInlineSegments
+  DataSegments segs;                   // the requester's data buffer
+  std::vector<std::byte> staging;      // controller-owned bytes (device data, lists, scatter)
+  bool direct = false;                 // the backend wrote straight into segs[0]
+  uint64_t deliver_cap = 0;            // bytes of the value the requester wants
+  nvme::Status status = nvme::Status::kSuccess;
+  uint64_t value_len = 0;
+  // Scatter retrieve: where each piece goes.
+  std::vector<nvme::ScatterEntry> scatter;
+  std::vector<DataSegments> scatter_segs;
+};
+
+struct MemoryRegion {
+  uintptr_t begin;
+  uintptr_t end;
+  MemKind kind;
+};
+
+struct Controller::Impl {
+  Controller* self = nullptr;
+  Backend* backend = nullptr;
+  ControllerOptions options;
+  std::vector<std::unique_ptr<Reactor>> reactors;
+  std::atomic<bool> stopping{false};
+  std::atomic<uint32_t> next_queue{0};
+
+  mutable std::shared_mutex regions_mu;
+  std::map<uintptr_t, MemoryRegion> regions;  // by begin
+  std::atomic<uint32_t> region_count{0};
+
+  std::mutex queues_mu;
+  std::vector<std::unique_ptr<Poller>> queues;  // in-process queue pollers
+
+  // Looks up [addr, addr+len): the region holding all of it, or none.
+  bool find_region(uintptr_t addr, size_t len, MemoryRegion* out) const;
+
+  // Command execution (controller.cc).
+  void execute(Command* cmd);
+  void on_backend_done(Command* cmd);  // on the owning reactor
+  void finish(Command* cmd, nvme::Status status, uint32_t dw0 = 0);
+};
+
+uint64_t now_ns() noexcept;
+
+}  // namespace gdkv

@@ -1,0 +1,173 @@
+#include "controller/reactor.h"
+
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <ctime>
+
+#include "controller/controller_impl.h"
+#include "gdkv/queue.h"
+
+namespace gdkv {
+
+namespace {
+thread_local Reactor* tls_reactor = nullptr;
+
+void futex_wait(uint32_t* word, uint32_t expected, long timeout_ns) {
+  timespec ts{0, timeout_ns};
+  syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, expected, &ts, nullptr, 0);
+}
+void futex_wake(uint32_t* word) { syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0); }
+}  // namespace
+
+uint64_t now_ns() noexcept {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+
+namespace queue {
+void wake_controller(uint32_t* word) noexcept {
+  // Only the thread that flips the word from sleeping pays for the system call.
+  if (__atomic_exchange_n(word, 0u, __ATOMIC_SEQ_CST) != 0) futex_wake(word);
+}
+}  // namespace queue
+
+Reactor::Reactor(Controller::Impl* ctl, uint32_t index, std::unique_ptr<CopyEngine> engine)
+    : ctl_(ctl), index_(index), engine_(std::move(engine)) {}
+
+Reactor::~Reactor() {
+  request_exit();
+  join();
+}
+
+Reactor* Reactor::current() noexcept { return tls_reactor; }
+
+void Reactor::start() { thread_ = std::thread([this] { run(); }); }
+
+void Reactor::request_exit() {
+  exit_.store(true);
+  wake();
+}
+
+void Reactor::join() {
+  if (thread_.joinable()) thread_.join();
+}
+
+void Reactor::wake() noexcept { queue::wake_controller(&wake_word_); }
+
+void Reactor::add_poller(Poller* p) {
+  std::lock_guard lk(pollers_mu_);
+  pollers_.push_back(p);
+  pollers_version_.fetch_add(1);
+  wake();
+}
+
+void Reactor::remove_poller(Poller* p) {
+  uint64_t version;
+  {
+    std::lock_guard lk(pollers_mu_);
+    pollers_.erase(std::remove(pollers_.begin(), pollers_.end(), p), pollers_.end());
+    version = pollers_version_.fetch_add(1) + 1;
+  }
+  if (current() == this) {
+    refresh_pollers();
+    return;
+  }
+  // Wait until the reactor thread runs with a list that no longer holds p.
+  while (thread_.joinable() && !exit_.load() && pollers_seen_.load() < version) {
+    wake();
+    std::this_thread::yield();
+  }
+}
+
+void Reactor::refresh_pollers() {
+  std::lock_guard lk(pollers_mu_);
+  active_ = pollers_;
+  pollers_seen_.store(pollers_version_.load());
+}
+
+void Reactor::post(Command* cmd) {
+  if (tls_reactor == this) {
+    local_.push_back(cmd);
+    return;
+  }
+  {
+    std::lock_guard lk(inbox_mu_);
+    inbox_.push_back(cmd);
+    inbox_nonempty_.store(true, std::memory_order_release);
+  }
+  if (__atomic_load_n(&wake_word_, __ATOMIC_SEQ_CST) != 0) wake();
+}
+
+bool Reactor::drain_inbox() {
+  draining_.clear();
+  if (inbox_nonempty_.load(std::memory_order_acquire)) {
+    std::lock_guard lk(inbox_mu_);
+    draining_.swap(inbox_);
+    inbox_nonempty_.store(false, std::memory_order_relaxed);
+  }
+  if (!local_.empty()) {
+    draining_.insert(draining_.end(), local_.begin(), local_.end());
+    local_.clear();
+  }
+  for (Command* c : draining_) ctl_->on_backend_done(c);
+  return !draining_.empty();
+}
+
+bool Reactor::poll_once() {
+  if (pollers_seen_.load(std::memory_order_relaxed) !=
+      pollers_version_.load(std::memory_order_acquire)) {
+    refresh_pollers();
+  }
+  bool busy = drain_inbox();
+  for (Poller* p : active_) busy |= p->poll();
+  busy |= engine_->poll();
+  return busy;
+}
+
+void Reactor::run() {
+  tls_reactor = this;
+  const uint64_t spin_ns = uint64_t{ctl_->options.idle_spin_us} * 1000;
+  uint64_t idle_since = now_ns();
+  uint32_t idle_iters = 0;
+  for (;;) {
+    if (exit_.load(std::memory_order_relaxed) && in_flight_.load() == 0) break;
+    if (poll_once()) {
+      stats_.busy_polls.store(stats_.busy_polls.load(std::memory_order_relaxed) + 1,
+                              std::memory_order_relaxed);
+      idle_iters = 0;
+      continue;
+    }
+    // Reading the clock on every idle iteration costs more than the poll; check it every 64.
+    if ((++idle_iters & 63) != 0) {
+      atomic::pause();
+      continue;
+    }
+    const uint64_t now = now_ns();
+    if (idle_iters == 64) idle_since = now;
+    if (ctl_->options.never_sleep || now - idle_since < spin_ns) {
+      atomic::pause();
+      continue;
+    }
+    // Announce the sleep, then look once more: a requester that rang before seeing the flag is
+    // caught by this poll; one that rings after sees the flag and wakes us.
+    __atomic_store_n(&wake_word_, 1u, __ATOMIC_SEQ_CST);
+    if (poll_once() || exit_.load()) {
+      __atomic_store_n(&wake_word_, 0u, __ATOMIC_SEQ_CST);
+      idle_iters = 0;
+      continue;
+    }
+    stats_.sleeps.store(stats_.sleeps.load(std::memory_order_relaxed) + 1,
+                        std::memory_order_relaxed);
+    // The timeout bounds the cost of a wake-up lost to a requester that cannot wake us.
+    futex_wait(&wake_word_, 1u, 5'000'000);
+    __atomic_store_n(&wake_word_, 0u, __ATOMIC_SEQ_CST);
+    idle_iters = 0;
+  }
+  tls_reactor = nullptr;
+}
+
+}  // namespace gdkv

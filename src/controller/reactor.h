@@ -1,0 +1,89 @@
+// A reactor: one thread that polls its pollers, drains backend completions routed to it, and polls
+// its copy engine. Private to the controller.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "gdkv/controller.h"
+#include "gdkv/copy_engine.h"
+#include "gdkv/histogram.h"
+
+namespace gdkv {
+
+// Counters of one reactor: written by the reactor thread only (relaxed), read by collect().
+struct ReactorStats {
+  static constexpr int kOps = 7;  // store, retrieve, list, delete, exist, prefetch, scatter
+  std::atomic<uint64_t> ops[kOps] = {};
+  std::atomic<uint64_t> errors[kOps] = {};
+  std::atomic<uint64_t> invalid = {};  // rejected before reaching the backend
+  std::atomic<uint64_t> bytes_in = {};   // value bytes stored
+  std::atomic<uint64_t> bytes_out = {};  // value bytes delivered
+  std::atomic<uint64_t> copy_bytes = {};
+  std::atomic<uint64_t> copy_ns = {};  // time copies were in flight (for bandwidth)
+  std::atomic<uint64_t> busy_polls = {};
+  std::atomic<uint64_t> sleeps = {};
+  HistogramRecorder latency;  // ns, fetch to completion
+};
+
+class Reactor {
+ public:
+  Reactor(Controller::Impl* ctl, uint32_t index, std::unique_ptr<CopyEngine> engine);
+  ~Reactor();
+
+  void start();
+  void request_exit();
+  void join();
+
+  void add_poller(Poller* p);
+  void remove_poller(Poller* p);
+
+  // Routes a finished backend op's command back to this reactor (any thread).
+  void post(Command* cmd);
+  void wake() noexcept;
+
+  // The reactor running on the calling thread, or null.
+  static Reactor* current() noexcept;
+
+  uint32_t index() const noexcept { return index_; }
+  uint32_t* wake_word() noexcept { return &wake_word_; }
+  CopyEngine& engine() noexcept { return *engine_; }
+  ReactorStats& stats() noexcept { return stats_; }
+  const ReactorStats& stats() const noexcept { return stats_; }
+  std::atomic<uint64_t>& in_flight() noexcept { return in_flight_; }
+  const std::atomic<uint64_t>& in_flight() const noexcept { return in_flight_; }
+
+ private:
+  void run();
+  bool drain_inbox();
+  bool poll_once();
+  void refresh_pollers();
+
+  Controller::Impl* ctl_;
+  uint32_t index_;
+  std::unique_ptr<CopyEngine> engine_;
+  std::thread thread_;
+  std::atomic<bool> exit_{false};
+  uint32_t wake_word_ = 0;  // futex word: 1 while sleeping
+
+  std::mutex pollers_mu_;
+  std::vector<Poller*> pollers_;          // guarded by pollers_mu_
+  std::atomic<uint64_t> pollers_version_{0};
+  std::atomic<uint64_t> pollers_seen_{0};  // version the thread runs with
+  std::vector<Poller*> active_;            // reactor thread only
+
+  std::mutex inbox_mu_;
+  std::vector<Command*> inbox_;  // guarded by inbox_mu_
+  std::atomic<bool> inbox_nonempty_{false};
+  std::vector<Command*> local_;  // completions posted from this thread
+  std::vector<Command*> draining_;
+
+  std::atomic<uint64_t> in_flight_{0};
+  ReactorStats stats_;
+};
+
+}  // namespace gdkv

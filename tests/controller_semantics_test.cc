@@ -1,0 +1,441 @@
+// Every opcode's semantics and every kind of bad input, through a queue pair and a real controller,
+// against each backend (one suite, parameterised).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <set>
+#include <mutex>
+#include <thread>
+
+#include "backend_params.h"
+#include "gdkv/client.h"
+#include "gdkv/commands.h"
+
+namespace gdkv {
+namespace {
+
+using nvme::Status;
+
+std::vector<std::byte> random_bytes(size_t n, uint32_t seed) {
+  std::vector<std::byte> v(n);
+  std::mt19937 rng(seed);
+  for (auto& b : v) b = static_cast<std::byte>(rng());
+  return v;
+}
+
+Key key(const std::string& s) { return *Key::from_string(s); }
+
+// "prefix-a-b" without string concatenation (GCC 12 warns falsely on operator+ chains).
+Key key(const char* prefix, int a, int b = -1) {
+  char buf[32];
+  if (b < 0) {
+    std::snprintf(buf, sizeof(buf), "%s%d", prefix, a);
+  } else {
+    std::snprintf(buf, sizeof(buf), "%s%d-%d", prefix, a, b);
+  }
+  return *Key::from_string(buf);
+}
+
+class Semantics : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override { open_client({}); }
+
+  void open_client(ControllerOptions co, QueueOptions qo = {}) {
+    client_.reset();
+    backend_.reset();
+    fixture_ = std::make_unique<test::BackendFixture>();
+    backend_ = fixture_->open(GetParam());
+    if (!backend_) GTEST_SKIP() << "no Ceph cluster: set GDKV_CEPH_CONF (scripts/test does)";
+    co.namespaces = std::max<uint32_t>(co.namespaces, 2);
+    co.max_value_bytes = 4u << 20;
+    ClientOptions o;
+    o.controller = co;
+    o.queue = qo;
+    client_ = Client::open(backend_, o);
+  }
+
+  void TearDown() override {
+    client_.reset();
+    backend_.reset();
+    fixture_.reset();
+  }
+
+  std::unique_ptr<test::BackendFixture> fixture_;
+  std::shared_ptr<Backend> backend_;
+  std::unique_ptr<Client> client_;
+};
+
+TEST_P(Semantics, StoreRetrieveRoundTripManySizes) {
+  uint32_t seed = 1;
+  for (size_t n : {size_t{1}, size_t{7}, size_t{4096}, size_t{4097}, size_t{65536 + 13},
+                   size_t{(2u << 20) + 5}}) {
+    Key k = key("size-", static_cast<int>(n));
+    auto v = random_bytes(n, seed++);
+    ASSERT_TRUE(client_->put(k, v).ok()) << n;
+    std::vector<std::byte> out;
+    CmdResult r = client_->get(k, out);
+    ASSERT_TRUE(r.ok()) << describe(r);
+    EXPECT_EQ(r.dw0, n);
+    EXPECT_TRUE(out == v) << "value of " << n << " bytes differs";
+  }
+}
+
+TEST_P(Semantics, EmptyValue) {
+  ASSERT_TRUE(client_->put(key("empty"), {}).ok());
+  std::byte buf[8];
+  CmdResult r = client_->get(key("empty"), buf);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r.dw0, 0u);
+}
+
+TEST_P(Semantics, OverwriteReplacesTheValue) {
+  auto a = random_bytes(5000, 1), b = random_bytes(300, 2);
+  ASSERT_TRUE(client_->put(key("k"), a).ok());
+  ASSERT_TRUE(client_->put(key("k"), b).ok());
+  std::vector<std::byte> out;
+  ASSERT_TRUE(client_->get(key("k"), out).ok());
+  EXPECT_TRUE(out == b);
+}
+
+TEST_P(Semantics, StoreOptions) {
+  auto v = random_bytes(100, 3);
+  EXPECT_EQ(client_->put(key("opt"), v, nvme::kStoreMustExist).status, Status::kKeyNotExist);
+  EXPECT_EQ(client_->exists(key("opt")).status, Status::kKeyNotExist);
+  EXPECT_TRUE(client_->put(key("opt"), v, nvme::kStoreMustNotExist).ok());
+  EXPECT_EQ(client_->put(key("opt"), v, nvme::kStoreMustNotExist).status, Status::kKeyExists);
+  auto w = random_bytes(50, 4);
+  EXPECT_TRUE(client_->put(key("opt"), w, nvme::kStoreMustExist).ok());
+  std::vector<std::byte> out;
+  ASSERT_TRUE(client_->get(key("opt"), out).ok());
+  EXPECT_TRUE(out == w);
+  // Both at once contradict each other; unknown option bits are invalid.
+  EXPECT_EQ(client_->put(key("opt"), v, nvme::kStoreMustExist | nvme::kStoreMustNotExist).status,
+            Status::kInvalidField);
+  EXPECT_EQ(client_->put(key("opt"), v, 0x80).status, Status::kInvalidField);
+  // The compression hint is accepted.
+  EXPECT_TRUE(client_->put(key("opt"), v, nvme::kStoreCompressHint).ok());
+}
+
+TEST_P(Semantics, RetrieveIntoShortBufferGivesFirstBytesAndFullLength) {
+  auto v = random_bytes(10000, 5);
+  ASSERT_TRUE(client_->put(key("short"), v).ok());
+  std::vector<std::byte> buf(1000, std::byte{0xEE});
+  buf.resize(1100, std::byte{0xEE});
+  CmdResult r = client_->get(key("short"), std::span(buf).first(1000));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r.dw0, 10000u);
+  EXPECT_EQ(0, std::memcmp(buf.data(), v.data(), 1000));
+  for (size_t i = 1000; i < 1100; ++i) ASSERT_EQ(buf[i], std::byte{0xEE}) << "wrote past the buffer";
+  // A zero-length buffer asks for the length only.
+  r = client_->execute(cmd::retrieve(key("short").bytes, 5, nullptr, 0));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r.dw0, 10000u);
+}
+
+TEST_P(Semantics, MissingKeys) {
+  std::byte buf[16];
+  EXPECT_EQ(client_->get(key("nope"), buf).status, Status::kKeyNotExist);
+  EXPECT_EQ(client_->del(key("nope")).status, Status::kKeyNotExist);
+  EXPECT_EQ(client_->exists(key("nope")).status, Status::kKeyNotExist);
+}
+
+TEST_P(Semantics, DeleteAndExist) {
+  ASSERT_TRUE(client_->put(key("d"), random_bytes(10, 6)).ok());
+  EXPECT_TRUE(client_->exists(key("d")).ok());
+  EXPECT_TRUE(client_->del(key("d")).ok());
+  EXPECT_EQ(client_->exists(key("d")).status, Status::kKeyNotExist);
+  std::byte buf[16];
+  EXPECT_EQ(client_->get(key("d"), buf).status, Status::kKeyNotExist);
+  EXPECT_EQ(client_->del(key("d")).status, Status::kKeyNotExist);
+}
+
+TEST_P(Semantics, ListOrderAndContinuation) {
+  std::set<Key> expected;
+  std::mt19937 rng(7);
+  for (int i = 0; i < 120; ++i) {
+    uint8_t b[16];
+    const uint32_t len = 1 + rng() % 16;
+    for (uint32_t j = 0; j < len; ++j) b[j] = static_cast<uint8_t>(rng());
+    Key k = Key::from_bytes(b, len);
+    expected.insert(k);
+    ASSERT_TRUE(client_->put(k, random_bytes(8, i)).ok());
+  }
+  // Small pages force many continuations.
+  std::vector<Key> got;
+  Key start = Key::from_bytes("\0", 1);
+  bool skip = false;
+  for (int pages = 0; pages < 1000; ++pages) {
+    std::vector<Key> page;
+    CmdResult r = client_->list(start, page, 100);
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ(r.dw0, page.size());
+    size_t from = (skip && !page.empty() && page.front() == start) ? 1 : 0;
+    if (page.size() <= from) break;
+    got.insert(got.end(), page.begin() + static_cast<long>(from), page.end());
+    start = page.back();
+    skip = true;
+  }
+  std::vector<Key> want(expected.begin(), expected.end());
+  EXPECT_TRUE(got == want) << "got " << got.size() << " keys, want " << want.size();
+  EXPECT_TRUE(std::is_sorted(got.begin(), got.end()));
+  std::vector<Key> all;
+  ASSERT_TRUE(client_->list_all(all).ok());
+  EXPECT_TRUE(all == want);
+  // Listing starts at the first key >= the one given.
+  std::vector<Key> tail;
+  ASSERT_TRUE(client_->list(want[60], tail).ok());
+  ASSERT_FALSE(tail.empty());
+  EXPECT_EQ(tail.front(), want[60]);
+  EXPECT_EQ(tail.size(), want.size() - 60);
+}
+
+TEST_P(Semantics, NamespacesAreApart) {
+  ASSERT_TRUE(client_->put(key("shared-name"), random_bytes(10, 8), 0, 1).ok());
+  EXPECT_EQ(client_->exists(key("shared-name"), 2).status, Status::kKeyNotExist);
+  std::vector<Key> keys;
+  ASSERT_TRUE(client_->list_all(keys, 2).ok());
+  EXPECT_TRUE(keys.empty());
+  EXPECT_TRUE(client_->exists(key("shared-name"), 1).ok());
+}
+
+TEST_P(Semantics, ScatterRetrievePlacesPieces) {
+  auto v = random_bytes(4096 * 4, 9);
+  ASSERT_TRUE(client_->put(key("layers"), v).ok());
+  std::vector<std::byte> slots[4];
+  std::vector<nvme::ScatterEntry> pieces;
+  for (int i = 0; i < 4; ++i) {
+    slots[i].assign(4096, std::byte{0});
+    // Layers land in reverse order to prove each offset is honoured.
+    pieces.push_back({reinterpret_cast<uint64_t>(slots[i].data()),
+                      static_cast<uint32_t>((3 - i) * 4096), 4096});
+  }
+  CmdResult r = client_->scatter_get(key("layers"), pieces);
+  ASSERT_TRUE(r.ok()) << describe(r);
+  EXPECT_EQ(r.dw0, v.size());
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(0, std::memcmp(slots[i].data(), v.data() + (3 - i) * 4096, 4096)) << i;
+  }
+  EXPECT_EQ(client_->scatter_get(key("missing"), pieces).status, Status::kKeyNotExist);
+  EXPECT_EQ(client_->scatter_get(key("layers"), {}).status, Status::kInvalidField);
+}
+
+TEST_P(Semantics, PrefetchIsAcceptedAndValidated) {
+  std::vector<Key> keys{key("a"), key("bb"), key("ccc")};
+  EXPECT_TRUE(client_->prefetch(keys).ok());
+  // A key list whose count runs past the buffer is invalid.
+  uint32_t bogus[2] = {1000, 0};
+  EXPECT_EQ(client_->execute(cmd::prefetch(bogus, sizeof(bogus))).status, Status::kInvalidField);
+}
+
+TEST_P(Semantics, BadInputGetsTheRightStatus) {
+  auto v = random_bytes(64, 10);
+  Key k = key("bad");
+  nvme::Sqe s = cmd::store(k.bytes, k.len, v.data(), 64);
+  // Key length 0 and > 16.
+  s.key_length = 0;
+  EXPECT_EQ(client_->execute(s).status, Status::kInvalidKeySize);
+  s.key_length = 17;
+  EXPECT_EQ(client_->execute(s).status, Status::kInvalidKeySize);
+  s.key_length = 255;
+  EXPECT_EQ(client_->execute(s).status, Status::kInvalidKeySize);
+  // Value over the limit (4 MiB here).
+  s = cmd::store(k.bytes, k.len, v.data(), (4u << 20) + 1);
+  EXPECT_EQ(client_->execute(s).status, Status::kInvalidValueSize);
+  // Unknown opcodes, including unused vendor ones.
+  for (uint8_t op : {0x00, 0x03, 0x05, 0x11, 0x7F, 0x80, 0x9F, 0xFF}) {
+    nvme::Sqe u = cmd::exist(k.bytes, k.len);
+    u.opcode = op;
+    EXPECT_EQ(client_->execute(u).status, Status::kInvalidOpcode) << int(op);
+  }
+  // Namespaces 0 and past the last.
+  EXPECT_EQ(client_->execute(cmd::exist(k.bytes, k.len, 0)).status, Status::kInvalidNamespace);
+  EXPECT_EQ(client_->execute(cmd::exist(k.bytes, k.len, 99)).status, Status::kInvalidNamespace);
+  EXPECT_EQ(client_->execute(cmd::exist(k.bytes, k.len, 0xFFFFFFFF)).status,
+            Status::kInvalidNamespace);
+  // Missing data buffer.
+  EXPECT_EQ(client_->execute(cmd::store(k.bytes, k.len, nullptr, 64)).status,
+            Status::kInvalidField);
+  EXPECT_EQ(client_->execute(cmd::retrieve(k.bytes, k.len, nullptr, 64)).status,
+            Status::kInvalidField);
+  // List buffer too short for even the count.
+  char tiny[3];
+  EXPECT_EQ(client_->execute(cmd::list(k.bytes, k.len, tiny, 3)).status, Status::kInvalidField);
+  // Reserved PSDT value, fused bits, unknown retrieve option.
+  s = cmd::store(k.bytes, k.len, v.data(), 64);
+  s.set_psdt(3);
+  EXPECT_EQ(client_->execute(s).status, Status::kInvalidField);
+  s = cmd::store(k.bytes, k.len, v.data(), 64);
+  s.flags |= 1;
+  EXPECT_EQ(client_->execute(s).status, Status::kInvalidField);
+  nvme::Sqe g = cmd::retrieve(k.bytes, k.len, v.data(), 64);
+  g.options = 0x10;
+  EXPECT_EQ(client_->execute(g).status, Status::kInvalidField);
+  // An SGL whose length is shorter than the transfer.
+  s = cmd::store(k.bytes, k.len, nullptr, 64);
+  s.set_psdt(nvme::kPsdtSglContiguous);
+  s.dptr.sgl.address = reinterpret_cast<uint64_t>(v.data());
+  s.dptr.sgl.length = 32;
+  EXPECT_EQ(client_->execute(s).status, Status::kDataTransferError);
+  s.dptr.sgl.length = 64;
+  EXPECT_TRUE(client_->execute(s).ok());
+  // None of it broke the controller.
+  std::vector<std::byte> out;
+  ASSERT_TRUE(client_->get(k, out).ok());
+  EXPECT_TRUE(out == v);
+}
+
+TEST_P(Semantics, StrictRegionsRejectUnregisteredMemory) {
+  QueueOptions qo;
+  qo.strict_regions = true;
+  open_client({}, qo);
+  if (!client_) return;
+  auto v = random_bytes(4096, 11);
+  Key k = key("strict");
+  EXPECT_EQ(client_->put(k, v).status, Status::kDataTransferError);
+  Controller* ctl = client_->controller();
+  ASSERT_TRUE(ctl->register_memory(v.data(), v.size(), MemKind::kHost));
+  EXPECT_FALSE(ctl->register_memory(v.data() + 10, 10, MemKind::kHost)) << "overlap accepted";
+  EXPECT_TRUE(client_->put(k, v).ok());
+  // A range running one byte past the region is refused.
+  EXPECT_EQ(client_->execute(cmd::store(k.bytes, k.len, v.data() + 1, 4096)).status,
+            Status::kDataTransferError);
+  std::vector<std::byte> out(4096);
+  EXPECT_EQ(client_->get(k, std::span(out)).status, Status::kDataTransferError);
+  ASSERT_TRUE(ctl->register_memory(out.data(), out.size(), MemKind::kHost));
+  ASSERT_TRUE(client_->get(k, std::span(out)).ok());
+  EXPECT_TRUE(out == v);
+  EXPECT_TRUE(ctl->unregister_memory(out.data()));
+  EXPECT_EQ(client_->get(k, std::span(out)).status, Status::kDataTransferError);
+}
+
+TEST_P(Semantics, DeviceMemoryWithoutAGpuEngineIsATransferError) {
+  auto v = random_bytes(1024, 12);
+  std::vector<std::byte> fake_device(1024);
+  ASSERT_TRUE(client_->put(key("dev"), v).ok());
+  ASSERT_TRUE(client_->controller()->register_memory(fake_device.data(), 1024, MemKind::kDevice));
+  EXPECT_EQ(client_->get(key("dev"), std::span(fake_device)).status, Status::kDataTransferError);
+  EXPECT_EQ(client_->put(key("dev2"), fake_device).status, Status::kDataTransferError);
+  EXPECT_EQ(client_->exists(key("dev2")).status, Status::kKeyNotExist);
+}
+
+TEST_P(Semantics, ConcurrentClientsThroughOneQueue) {
+  constexpr int kThreads = 4, kOps = 300;
+  std::atomic<int> failures{0};
+  std::vector<std::thread> ts;
+  for (int t = 0; t < kThreads; ++t) {
+    ts.emplace_back([&, t] {
+      for (int i = 0; i < kOps; ++i) {
+        Key k = key("c", t, i);
+        auto v = random_bytes(100 + i, t * 1000 + i);
+        if (!client_->put(k, v).ok()) ++failures;
+        std::vector<std::byte> out;
+        if (!client_->get(k, out).ok() || out != v) ++failures;
+      }
+    });
+  }
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(failures.load(), 0);
+}
+
+TEST_P(Semantics, BatchedCommands) {
+  constexpr int kN = 500;
+  std::vector<std::vector<std::byte>> values;
+  std::vector<Key> keys;
+  std::vector<nvme::Sqe> sqes;
+  for (int i = 0; i < kN; ++i) {
+    keys.push_back(key("b", i));
+    values.push_back(random_bytes(64 + i % 200, i));
+  }
+  for (int i = 0; i < kN; ++i) {
+    sqes.push_back(cmd::store(keys[i].bytes, keys[i].len, values[i].data(),
+                              static_cast<uint32_t>(values[i].size())));
+  }
+  std::vector<CmdResult> results(kN);
+  client_->run_batch(sqes, results);
+  for (auto& r : results) ASSERT_TRUE(r.ok()) << describe(r);
+  std::vector<std::vector<std::byte>> outs(kN, std::vector<std::byte>(300));
+  sqes.clear();
+  for (int i = 0; i < kN; ++i) {
+    sqes.push_back(cmd::retrieve(keys[i].bytes, keys[i].len, outs[i].data(), 300));
+  }
+  client_->run_batch(sqes, results);
+  for (int i = 0; i < kN; ++i) {
+    ASSERT_TRUE(results[i].ok());
+    ASSERT_EQ(results[i].dw0, values[i].size());
+    ASSERT_EQ(0, std::memcmp(outs[i].data(), values[i].data(), values[i].size()));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, Semantics, ::testing::ValuesIn(test::backend_kinds()),
+                         [](const auto& info) { return info.param; });
+
+// Memory-backend only: a store that would pass capacity gets 81h and changes nothing.
+TEST(MemoryBackend, CapacityExceeded) {
+  MemoryBackendOptions mo;
+  mo.capacity_bytes = 10000;
+  auto client = Client::open(make_memory_backend(mo));
+  auto v = random_bytes(6000, 1);
+  ASSERT_TRUE(client->put(key("one"), v).ok());
+  EXPECT_EQ(client->put(key("two"), v).status, Status::kCapacityExceeded);
+  EXPECT_EQ(client->exists(key("two")).status, Status::kKeyNotExist);
+  ASSERT_TRUE(client->del(key("one")).ok());
+  EXPECT_TRUE(client->put(key("two"), v).ok());
+}
+
+// A backend that holds every op until the test releases them.
+class GateBackend final : public Backend {
+ public:
+  void submit(BackendOp* op) override {
+    std::lock_guard lk(mu_);
+    held_.push_back(op);
+  }
+  BackendInfo info() const override { return {"gate"}; }
+  size_t held() {
+    std::lock_guard lk(mu_);
+    return held_.size();
+  }
+  void release_all() {
+    std::vector<BackendOp*> ops;
+    {
+      std::lock_guard lk(mu_);
+      ops.swap(held_);
+    }
+    // Complete from this (foreign) thread, as librados or io_uring threads would.
+    for (BackendOp* op : ops) op->complete(Status::kKeyNotExist);
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<BackendOp*> held_;
+};
+
+// A pending backend op never blocks its reactor: every command reaches the backend before any
+// completes, completions from a foreign thread come back, and a full queue pushes back.
+TEST(Controller, PendingBackendWorkDoesNotBlockTheReactor) {
+  auto gate = std::make_shared<GateBackend>();
+  ClientOptions co;
+  co.queue.depth = 64;
+  auto client = Client::open(gate, co);
+  Key k = key("x");
+  std::vector<uint16_t> cids;
+  for (int i = 0; i < 63; ++i) cids.push_back(client->start(cmd::exist(k.bytes, k.len)));
+  // depth - 1 commands in flight: the queue is full.
+  EXPECT_FALSE(client->try_start(cmd::exist(k.bytes, k.len)).has_value());
+  for (int spins = 0; gate->held() < 63 && spins < 100000; ++spins) std::this_thread::yield();
+  ASSERT_EQ(gate->held(), 63u);
+  EXPECT_EQ(client->controller()->in_flight(), 63u);
+  for (uint16_t c : cids) EXPECT_FALSE(client->poll(c));
+  gate->release_all();
+  for (uint16_t c : cids) EXPECT_EQ(client->wait(c).status, Status::kKeyNotExist);
+  auto again = client->try_start(cmd::exist(k.bytes, k.len));
+  ASSERT_TRUE(again.has_value());
+  for (int spins = 0; gate->held() < 1 && spins < 100000; ++spins) std::this_thread::yield();
+  gate->release_all();
+  EXPECT_EQ(client->wait(*again).status, Status::kKeyNotExist);
+}
+
+}  // namespace
+}  // namespace gdkv
