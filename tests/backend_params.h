@@ -40,7 +40,8 @@ class BackendFixture {
       c.rados.pool = "gdkv-rep3";
       // A namespace of our own, so earlier runs' objects never show up in List.
       std::random_device rd;
-      c.rados.namespace_prefix = "t" + std::to_string(::getpid()) + "-" + std::to_string(rd()) + "-";
+      c.rados.namespace_prefix =
+          "t" + std::to_string(::getpid()) + "-" + std::to_string(rd()) + "-";
     }
     return open_backend(c);
   }

@@ -5,9 +5,9 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <mutex>
 #include <random>
 #include <set>
-#include <mutex>
 #include <thread>
 
 #include "backend_params.h"
@@ -128,7 +128,8 @@ TEST_P(Semantics, RetrieveIntoShortBufferGivesFirstBytesAndFullLength) {
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r.dw0, 10000u);
   EXPECT_EQ(0, std::memcmp(buf.data(), v.data(), 1000));
-  for (size_t i = 1000; i < 1100; ++i) ASSERT_EQ(buf[i], std::byte{0xEE}) << "wrote past the buffer";
+  for (size_t i = 1000; i < 1100; ++i)
+    ASSERT_EQ(buf[i], std::byte{0xEE}) << "wrote past the buffer";
   // A zero-length buffer asks for the length only.
   r = client_->execute(cmd::retrieve(key("short").bytes, 5, nullptr, 0));
   ASSERT_TRUE(r.ok());
@@ -209,8 +210,8 @@ TEST_P(Semantics, ScatterRetrievePlacesPieces) {
   for (int i = 0; i < 4; ++i) {
     slots[i].assign(4096, std::byte{0});
     // Layers land in reverse order to prove each offset is honoured.
-    pieces.push_back({reinterpret_cast<uint64_t>(slots[i].data()),
-                      static_cast<uint32_t>((3 - i) * 4096), 4096});
+    pieces.push_back(
+        {reinterpret_cast<uint64_t>(slots[i].data()), static_cast<uint32_t>((3 - i) * 4096), 4096});
   }
   CmdResult r = client_->scatter_get(key("layers"), pieces);
   ASSERT_TRUE(r.ok()) << describe(r);

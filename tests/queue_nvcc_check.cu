@@ -11,7 +11,8 @@ __global__ void queue_round_trip(gdkv::QueueRef q, const uint8_t* keys, void* ou
   const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
   uint16_t cid;
   while (!gdkv::queue::try_acquire(q, &cid)) gdkv::queue::reap(q);
-  gdkv::nvme::Sqe s = gdkv::cmd::retrieve(keys + 16 * i, 16, static_cast<char*>(out) + i * len, len);
+  gdkv::nvme::Sqe s =
+      gdkv::cmd::retrieve(keys + 16 * i, 16, static_cast<char*>(out) + i * len, len);
   s.cid = cid;
   gdkv::queue::submit(q, &s, 1);
   results[i] = gdkv::queue::wait(q, cid);

@@ -14,7 +14,7 @@ namespace gdkv {
 struct BackendConfig {
   std::string kind = "local";  // memory | local | rados
   MemoryBackendOptions memory;
-  LocalBackendOptions local;   // local.path empty: default_store_dir()
+  LocalBackendOptions local;  // local.path empty: default_store_dir()
   RadosBackendOptions rados;
 };
 

@@ -1,8 +1,8 @@
 // The client API: NVMe-KV commands through a queue pair, synchronous or asynchronous.
 //
 // A Client owns one queue pair of a controller: either an in-process controller it created
-// (Client::open) or a queue it was handed (a vfio-user connection to gdkvd). Every call goes through
-// the queue: the client never touches the backend directly.
+// (Client::open) or a queue it was handed (a vfio-user connection to gdkvd). Every call goes
+// through the queue: the client never touches the backend directly.
 //
 // Thread safety: a Client may be used from many threads at once (the queue protocol is lock-free);
 // an async command id is used by the thread that started it until it finishes it.

@@ -31,8 +31,8 @@ GDKV_HD inline nvme::Sqe store(const uint8_t* key, uint32_t key_len, const void*
   return s;
 }
 
-GDKV_HD inline nvme::Sqe retrieve(const uint8_t* key, uint32_t key_len, void* buf,
-                                  uint32_t buf_len, uint32_t nsid = 1) noexcept {
+GDKV_HD inline nvme::Sqe retrieve(const uint8_t* key, uint32_t key_len, void* buf, uint32_t buf_len,
+                                  uint32_t nsid = 1) noexcept {
   nvme::Sqe s = base(nvme::Opcode::kRetrieve, key, key_len, nsid);
   s.dptr.prp.prp1 = reinterpret_cast<uint64_t>(buf);
   s.cdw10 = buf_len;

@@ -40,9 +40,7 @@ struct Key {
   static std::optional<Key> from_hex(std::string_view hex) noexcept;
 
   bool valid() const noexcept { return len >= 1 && len <= nvme::kMaxKeyLength; }
-  std::string_view view() const noexcept {
-    return {reinterpret_cast<const char*>(bytes), len};
-  }
+  std::string_view view() const noexcept { return {reinterpret_cast<const char*>(bytes), len}; }
   // Lower-case hex of the key's bytes (the RADOS object name, the CLI's printed form).
   std::string hex() const;
 

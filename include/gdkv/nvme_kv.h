@@ -62,22 +62,38 @@ enum class Status : uint8_t {
 // A short, stable name for logs and CLI messages ("key does not exist (87h)").
 GDKV_HD constexpr const char* status_name(Status s) noexcept {
   switch (s) {
-    case Status::kSuccess: return "success";
-    case Status::kInvalidOpcode: return "invalid opcode";
-    case Status::kInvalidField: return "invalid field";
-    case Status::kDataTransferError: return "data transfer error";
-    case Status::kInternalError: return "internal error";
-    case Status::kAbortRequested: return "aborted";
-    case Status::kInvalidNamespace: return "invalid namespace";
-    case Status::kCapacityExceeded: return "capacity exceeded";
-    case Status::kNamespaceNotReady: return "namespace not ready";
-    case Status::kReservationConflict: return "reservation conflict";
-    case Status::kFormatInProgress: return "format in progress";
-    case Status::kInvalidValueSize: return "invalid value size";
-    case Status::kInvalidKeySize: return "invalid key size";
-    case Status::kKeyNotExist: return "key does not exist";
-    case Status::kUnrecoveredError: return "unrecovered error";
-    case Status::kKeyExists: return "key exists";
+    case Status::kSuccess:
+      return "success";
+    case Status::kInvalidOpcode:
+      return "invalid opcode";
+    case Status::kInvalidField:
+      return "invalid field";
+    case Status::kDataTransferError:
+      return "data transfer error";
+    case Status::kInternalError:
+      return "internal error";
+    case Status::kAbortRequested:
+      return "aborted";
+    case Status::kInvalidNamespace:
+      return "invalid namespace";
+    case Status::kCapacityExceeded:
+      return "capacity exceeded";
+    case Status::kNamespaceNotReady:
+      return "namespace not ready";
+    case Status::kReservationConflict:
+      return "reservation conflict";
+    case Status::kFormatInProgress:
+      return "format in progress";
+    case Status::kInvalidValueSize:
+      return "invalid value size";
+    case Status::kInvalidKeySize:
+      return "invalid key size";
+    case Status::kKeyNotExist:
+      return "key does not exist";
+    case Status::kUnrecoveredError:
+      return "unrecovered error";
+    case Status::kKeyExists:
+      return "key exists";
   }
   return "unknown status";
 }
@@ -86,8 +102,8 @@ GDKV_HD constexpr const char* status_name(Status s) noexcept {
 inline constexpr uint8_t kStoreMustExist = 0x01;     // don't store if the key does not exist (87h)
 inline constexpr uint8_t kStoreMustNotExist = 0x02;  // don't store if the key exists (89h)
 inline constexpr uint8_t kStoreCompressHint = 0x04;  // accepted and ignored
-inline constexpr uint8_t kStoreOptionsValid = kStoreMustExist | kStoreMustNotExist |
-                                              kStoreCompressHint;
+inline constexpr uint8_t kStoreOptionsValid =
+    kStoreMustExist | kStoreMustNotExist | kStoreCompressHint;
 inline constexpr uint8_t kRetrieveRaw = 0x01;  // no decompression: gdkv never compresses
 inline constexpr uint8_t kRetrieveOptionsValid = kRetrieveRaw;
 
@@ -148,16 +164,16 @@ static_assert(sizeof(Sqe) == 64);
 static_assert(offsetof(Sqe, opcode) == 0);
 static_assert(offsetof(Sqe, flags) == 1);
 static_assert(offsetof(Sqe, cid) == 2);
-static_assert(offsetof(Sqe, nsid) == 4);     // CDW1
-static_assert(offsetof(Sqe, key_lo) == 8);   // CDW2
-static_assert(offsetof(Sqe, mptr) == 16);    // CDW4
-static_assert(offsetof(Sqe, dptr) == 24);    // CDW6
-static_assert(offsetof(Sqe, cdw10) == 40);   // CDW10
+static_assert(offsetof(Sqe, nsid) == 4);         // CDW1
+static_assert(offsetof(Sqe, key_lo) == 8);       // CDW2
+static_assert(offsetof(Sqe, mptr) == 16);        // CDW4
+static_assert(offsetof(Sqe, dptr) == 24);        // CDW6
+static_assert(offsetof(Sqe, cdw10) == 40);       // CDW10
 static_assert(offsetof(Sqe, key_length) == 44);  // CDW11 bits 7:0
 static_assert(offsetof(Sqe, options) == 45);     // CDW11 bits 15:8
-static_assert(offsetof(Sqe, cdw12) == 48);   // CDW12
-static_assert(offsetof(Sqe, cdw13) == 52);   // CDW13
-static_assert(offsetof(Sqe, key_hi) == 56);  // CDW14
+static_assert(offsetof(Sqe, cdw12) == 48);       // CDW12
+static_assert(offsetof(Sqe, cdw13) == 52);       // CDW13
+static_assert(offsetof(Sqe, key_hi) == 56);      // CDW14
 
 // Writes key bytes into CDW2–3 and CDW14–15 and the length into CDW11 bits 7:0. Bytes past
 // `len` are zeroed. REQUIRES: len <= 16.

@@ -42,7 +42,7 @@ struct CmdResult {
 
 // Per command id: where the reaper leaves a completion for its requester.
 struct CmdSlot {
-  uint32_t done;    // 1 once the completion arrived; 0 again after release()
+  uint32_t done;  // 1 once the completion arrived; 0 again after release()
   uint32_t dw0;
   uint16_t status;  // CQE status field, phase bit cleared
   uint16_t reserved0;

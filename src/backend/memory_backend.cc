@@ -53,13 +53,22 @@ class MemoryBackend final : public Backend {
   }
 
   void collect(MetricList& out) const override {
-    out.push_back(Metric{"backend_ops_total", "ops submitted to the backend", MetricType::kCounter,
-                         {{"backend", "memory"}}, static_cast<double>(ops_.load())});
+    out.push_back(Metric{"backend_ops_total",
+                         "ops submitted to the backend",
+                         MetricType::kCounter,
+                         {{"backend", "memory"}},
+                         static_cast<double>(ops_.load())});
     const BackendInfo i = info();
-    out.push_back(Metric{"backend_keys", "keys stored", MetricType::kGauge, {{"backend", "memory"}},
+    out.push_back(Metric{"backend_keys",
+                         "keys stored",
+                         MetricType::kGauge,
+                         {{"backend", "memory"}},
                          static_cast<double>(i.keys)});
-    out.push_back(Metric{"backend_bytes_used", "bytes stored", MetricType::kGauge,
-                         {{"backend", "memory"}}, static_cast<double>(i.bytes_used)});
+    out.push_back(Metric{"backend_bytes_used",
+                         "bytes stored",
+                         MetricType::kGauge,
+                         {{"backend", "memory"}},
+                         static_cast<double>(i.bytes_used)});
   }
 
   void drain() override {
@@ -77,7 +86,9 @@ class MemoryBackend final : public Backend {
       std::lock_guard lk(mu_);
       Map& m = spaces_[op->nsid];
       switch (op->kind) {
-        case BackendOpKind::kPut: s = put(m, *op); break;
+        case BackendOpKind::kPut:
+          s = put(m, *op);
+          break;
         case BackendOpKind::kGet: {
           auto it = m.find(op->key);
           if (it == m.end()) {
@@ -98,14 +109,18 @@ class MemoryBackend final : public Backend {
           m.erase(it);
           break;
         }
-        case BackendOpKind::kExists: s = m.count(op->key) ? Status::kSuccess : Status::kKeyNotExist; break;
+        case BackendOpKind::kExists:
+          s = m.count(op->key) ? Status::kSuccess : Status::kKeyNotExist;
+          break;
         case BackendOpKind::kList: {
           op->keys.clear();
           auto it = op->key.len == 0 ? m.begin() : m.lower_bound(op->key);
-          for (; it != m.end() && op->keys.size() < op->list_max; ++it) op->keys.push_back(it->first);
+          for (; it != m.end() && op->keys.size() < op->list_max; ++it)
+            op->keys.push_back(it->first);
           break;
         }
-        case BackendOpKind::kPrefetch: break;
+        case BackendOpKind::kPrefetch:
+          break;
       }
     }
     op->complete(s, len);

@@ -7,7 +7,8 @@
 
 namespace gdkv {
 
-std::unique_ptr<Client> Client::open(std::shared_ptr<Backend> backend, const ClientOptions& options) {
+std::unique_ptr<Client> Client::open(std::shared_ptr<Backend> backend,
+                                     const ClientOptions& options) {
   auto ctl = std::make_unique<Controller>(std::move(backend), options.controller);
   QueueRef q = ctl->create_queue(options.queue);
   auto c = std::make_unique<Client>(q, nullptr, ctl.get());
@@ -126,8 +127,7 @@ CmdResult Client::exists(const Key& key, uint32_t nsid) {
   return execute(cmd::exist(key.bytes, key.len, nsid));
 }
 
-CmdResult Client::list(const Key& start, std::vector<Key>& out, uint32_t buf_bytes,
-                       uint32_t nsid) {
+CmdResult Client::list(const Key& start, std::vector<Key>& out, uint32_t buf_bytes, uint32_t nsid) {
   std::vector<std::byte> buf(buf_bytes);
   CmdResult r = execute_data(cmd::list(start.bytes, start.len, buf.data(), buf_bytes, nsid),
                              buf.data(), buf.size(), false);

@@ -17,8 +17,8 @@ namespace {
 
 using nvme::Status;
 
-constexpr const char* kOpNames[ReactorStats::kOps] = {"store",  "retrieve", "list",   "delete",
-                                                      "exist",  "prefetch", "scatter_retrieve"};
+constexpr const char* kOpNames[ReactorStats::kOps] = {
+    "store", "retrieve", "list", "delete", "exist", "prefetch", "scatter_retrieve"};
 constexpr uint8_t kNoOp = 0xFF;
 constexpr uint32_t kMaxListKeys = 65536;
 constexpr uint32_t kMaxPrefetchBytes = 64 * 1024;
@@ -26,13 +26,20 @@ constexpr size_t kKeepStagingBytes = 1 << 20;  // staging larger than this is fr
 
 uint8_t op_index(uint8_t opcode) {
   switch (static_cast<nvme::Opcode>(opcode)) {
-    case nvme::Opcode::kStore: return 0;
-    case nvme::Opcode::kRetrieve: return 1;
-    case nvme::Opcode::kList: return 2;
-    case nvme::Opcode::kDelete: return 3;
-    case nvme::Opcode::kExist: return 4;
-    case nvme::Opcode::kPrefetch: return 5;
-    case nvme::Opcode::kScatterRetrieve: return 6;
+    case nvme::Opcode::kStore:
+      return 0;
+    case nvme::Opcode::kRetrieve:
+      return 1;
+    case nvme::Opcode::kList:
+      return 2;
+    case nvme::Opcode::kDelete:
+      return 3;
+    case nvme::Opcode::kExist:
+      return 4;
+    case nvme::Opcode::kPrefetch:
+      return 5;
+    case nvme::Opcode::kScatterRetrieve:
+      return 6;
   }
   return kNoOp;
 }
@@ -311,7 +318,8 @@ void Controller::Impl::execute(Command* cmd) {
     case nvme::Opcode::kScatterRetrieve: {
       const uint32_t len = sqe.cdw10;
       if (len < sizeof(nvme::ScatterHeader) + sizeof(nvme::ScatterEntry) ||
-          len > sizeof(nvme::ScatterHeader) + nvme::kMaxScatterEntries * sizeof(nvme::ScatterEntry)) {
+          len >
+              sizeof(nvme::ScatterHeader) + nvme::kMaxScatterEntries * sizeof(nvme::ScatterEntry)) {
         return finish(cmd, Status::kInvalidField);
       }
       if (Status s = cmd->space->map_data(sqe, len, false, st.segs); s != Status::kSuccess) {
@@ -494,9 +502,7 @@ void Controller::remove_poller(Poller* p) {
 
 void Controller::execute(Command* cmd) { impl_->execute(cmd); }
 
-uint32_t Controller::reactor_count() const {
-  return static_cast<uint32_t>(impl_->reactors.size());
-}
+uint32_t Controller::reactor_count() const { return static_cast<uint32_t>(impl_->reactors.size()); }
 
 uint64_t Controller::in_flight() const {
   uint64_t n = 0;

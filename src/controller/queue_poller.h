@@ -31,7 +31,8 @@ class QueuePoller final : public Poller {
   const QueueRef& ref() const { return ref_; }
 
  private:
-  static constexpr uint32_t kMaxBatch = 64;  // SQEs fetched per poll, so one queue can't starve others
+  static constexpr uint32_t kMaxBatch =
+      64;  // SQEs fetched per poll, so one queue can't starve others
   struct Pending {
     uint16_t cid;
     nvme::Status status;

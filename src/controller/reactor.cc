@@ -19,7 +19,9 @@ void futex_wait(uint32_t* word, uint32_t expected, long timeout_ns) {
   timespec ts{0, timeout_ns};
   syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, expected, &ts, nullptr, 0);
 }
-void futex_wake(uint32_t* word) { syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0); }
+void futex_wake(uint32_t* word) {
+  syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
+}
 }  // namespace
 
 uint64_t now_ns() noexcept {
@@ -45,7 +47,9 @@ Reactor::~Reactor() {
 
 Reactor* Reactor::current() noexcept { return tls_reactor; }
 
-void Reactor::start() { thread_ = std::thread([this] { run(); }); }
+void Reactor::start() {
+  thread_ = std::thread([this] { run(); });
+}
 
 void Reactor::request_exit() {
   exit_.store(true);

@@ -20,7 +20,7 @@ struct ReactorStats {
   static constexpr int kOps = 7;  // store, retrieve, list, delete, exist, prefetch, scatter
   std::atomic<uint64_t> ops[kOps] = {};
   std::atomic<uint64_t> errors[kOps] = {};
-  std::atomic<uint64_t> invalid = {};  // rejected before reaching the backend
+  std::atomic<uint64_t> invalid = {};    // rejected before reaching the backend
   std::atomic<uint64_t> bytes_in = {};   // value bytes stored
   std::atomic<uint64_t> bytes_out = {};  // value bytes delivered
   std::atomic<uint64_t> copy_bytes = {};
@@ -71,7 +71,7 @@ class Reactor {
   uint32_t wake_word_ = 0;  // futex word: 1 while sleeping
 
   std::mutex pollers_mu_;
-  std::vector<Poller*> pollers_;          // guarded by pollers_mu_
+  std::vector<Poller*> pollers_;  // guarded by pollers_mu_
   std::atomic<uint64_t> pollers_version_{0};
   std::atomic<uint64_t> pollers_seen_{0};  // version the thread runs with
   std::vector<Poller*> active_;            // reactor thread only

@@ -151,7 +151,8 @@ int run_bench(gdkv::Client& client, const BenchOptions& b, uint32_t nsid) {
     client.run_batch(sqes, rs);
     for (auto& r : rs) {
       if (!r.ok()) {
-        std::fprintf(stderr, "gdkv: bench: populating keys failed: %s\n", gdkv::describe(r).c_str());
+        std::fprintf(stderr, "gdkv: bench: populating keys failed: %s\n",
+                     gdkv::describe(r).c_str());
         return kExitFailure;
       }
     }
@@ -172,8 +173,8 @@ int run_bench(gdkv::Client& client, const BenchOptions& b, uint32_t nsid) {
       gdkv::nvme::Sqe s =
           put ? gdkv::cmd::store(k.bytes, k.len, value.data(), b.value_size, 0, nsid)
               : gdkv::cmd::retrieve(k.bytes, k.len, bufs[slot].data(), b.value_size, nsid);
-      starts[slot] = static_cast<uint64_t>(
-          std::chrono::steady_clock::now().time_since_epoch().count());
+      starts[slot] =
+          static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
       cids[slot] = client.start(s);
     };
     for (uint32_t s = 0; s < b.qd; ++s) issue(s);
@@ -182,8 +183,8 @@ int run_bench(gdkv::Client& client, const BenchOptions& b, uint32_t nsid) {
       for (uint32_t s = 0; s < b.qd; ++s) {
         if (!client.poll(cids[s])) continue;
         CmdResult res = client.finish(cids[s]);
-        const uint64_t now = static_cast<uint64_t>(
-            std::chrono::steady_clock::now().time_since_epoch().count());
+        const uint64_t now =
+            static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
         hists[t].record(now - starts[s]);
         if (!res.ok()) errors.fetch_add(1, std::memory_order_relaxed);
         if (++local_ops % 64 == 0) total_ops.fetch_add(64, std::memory_order_relaxed);
@@ -243,9 +244,11 @@ int run_bench(gdkv::Client& client, const BenchOptions& b, uint32_t nsid) {
     std::printf("  %.0f ops/s  %.3f GB/s  latency p50 %.2f us  p99 %.2f us  p999 %.2f us\n", ops,
                 bps / 1e9, h.percentile(0.5) / 1e3, h.percentile(0.99) / 1e3,
                 h.percentile(0.999) / 1e3);
-    std::printf("  memcpy of the same bytes: %.3f GB/s  ratio %.3f  (%.1f ns per op beyond memcpy)\n",
-                memcpy_bps / 1e9, ratio, 1e9 / ops - 1e9 * b.value_size / memcpy_bps);
-    if (errors.load() != 0) std::printf("  errors: %llu\n", static_cast<unsigned long long>(errors.load()));
+    std::printf(
+        "  memcpy of the same bytes: %.3f GB/s  ratio %.3f  (%.1f ns per op beyond memcpy)\n",
+        memcpy_bps / 1e9, ratio, 1e9 / ops - 1e9 * b.value_size / memcpy_bps);
+    if (errors.load() != 0)
+      std::printf("  errors: %llu\n", static_cast<unsigned long long>(errors.load()));
   }
   return errors.load() == 0 ? kExitOk : kExitFailure;
 }
@@ -279,8 +282,9 @@ int run_demo(gdkv::Client& client, uint32_t nsid) {
     }
     return v;
   };
-  std::printf("model shape: %u layers x K,V x %u heads x %u dims, fp16; %u tokens per block = %u KiB\n",
-              kLayers, kKvHeads, kHeadDim, kBlockTokens, kBlockBytes / 1024);
+  std::printf(
+      "model shape: %u layers x K,V x %u heads x %u dims, fp16; %u tokens per block = %u KiB\n",
+      kLayers, kKvHeads, kHeadDim, kBlockTokens, kBlockBytes / 1024);
   std::printf("prompt A: %zu tokens -> %zu full blocks; prompt B: %zu tokens -> %zu full blocks\n",
               prompt_a.size(), keys_a.size(), prompt_b.size(), keys_b.size());
   std::printf("(both start with the same %zu-token system prompt)\n\n", system_prompt.size());
@@ -321,8 +325,7 @@ int run_demo(gdkv::Client& client, uint32_t nsid) {
   }
   std::printf("\nprompt B reuses %zu of %zu blocks (%zu tokens, %zu KiB loaded and verified);\n",
               hits, keys_b.size(), hits * kBlockTokens, hits * kBlockBytes / 1024);
-  std::printf("only its last %zu tokens need a prefill.\n",
-              prompt_b.size() - hits * kBlockTokens);
+  std::printf("only its last %zu tokens need a prefill.\n", prompt_b.size() - hits * kBlockTokens);
   return hits == system_prompt.size() / kBlockTokens ? kExitOk : kExitFailure;
 }
 
@@ -360,7 +363,8 @@ int main(int argc, char** argv) {
   app.add_option("--ceph-conf", o.backend.rados.ceph_conf,
                  "ceph.conf (default $CEPH_CONF, then /etc/ceph/ceph.conf)");
   app.add_option("--ceph-client", o.backend.rados.client_name, "Ceph client name (client.admin)");
-  app.add_option("--ceph-keyring", o.backend.rados.keyring, "Ceph keyring (default: from ceph.conf)");
+  app.add_option("--ceph-keyring", o.backend.rados.keyring,
+                 "Ceph keyring (default: from ceph.conf)");
   app.add_option("--nsid", o.nsid, "NVMe namespace (default 1)")->check(CLI::Range(1u, 1024u));
   app.add_flag("--hex", o.hex, "KEY arguments are hex (1-16 bytes as 2-32 hex digits)");
   app.add_option("--reactors", o.reactors, "reactor threads (default 1)")
@@ -384,9 +388,11 @@ int main(int argc, char** argv) {
   auto* ls = app.add_subcommand("ls", "list keys in order");
   ls->add_option("--prefix", prefix, "only keys starting with these bytes (hex with --hex)");
   auto* stat = app.add_subcommand("stat", "backend sizes and metrics");
-  auto* demo = app.add_subcommand("demo", "store one prompt's KV blocks, find another's shared prefix");
+  auto* demo =
+      app.add_subcommand("demo", "store one prompt's KV blocks, find another's shared prefix");
   BenchOptions bo;
-  auto* bench = app.add_subcommand("bench", "put/get workload; compares with memcpy in the same run");
+  auto* bench =
+      app.add_subcommand("bench", "put/get workload; compares with memcpy in the same run");
   bench->add_option("--value-size", bo.value_size, "bytes per value (4096)");
   bench->add_option("--qd", bo.qd, "commands in flight per thread (32)");
   bench->add_option("--threads", bo.threads, "submitting threads (1)");
@@ -408,7 +414,8 @@ int main(int argc, char** argv) {
   }
 
   try {
-    if (must_exist && must_not_exist) throw UsageError("--must-exist and --must-not-exist conflict");
+    if (must_exist && must_not_exist)
+      throw UsageError("--must-exist and --must-not-exist conflict");
     Key key;
     if (put->parsed() || get->parsed() || del->parsed() || exists->parsed()) {
       key = parse_key(key_text, o.hex);
@@ -447,13 +454,15 @@ int main(int argc, char** argv) {
       if (!r.ok()) return fail("get", key, o.hex, r);
       if (out_file.empty()) {
         if (!out.empty() && std::fwrite(out.data(), 1, out.size(), stdout) != out.size()) {
-          std::fprintf(stderr, "gdkv: get '%s': writing stdout failed\n", show_key(key, o.hex).c_str());
+          std::fprintf(stderr, "gdkv: get '%s': writing stdout failed\n",
+                       show_key(key, o.hex).c_str());
           return kExitFailure;
         }
         std::fflush(stdout);
       } else {
         std::ofstream f(out_file, std::ios::binary | std::ios::trunc);
-        f.write(reinterpret_cast<const char*>(out.data()), static_cast<std::streamsize>(out.size()));
+        f.write(reinterpret_cast<const char*>(out.data()),
+                static_cast<std::streamsize>(out.size()));
         if (!f) {
           std::fprintf(stderr, "gdkv: get '%s': cannot write '%s': %s\n",
                        show_key(key, o.hex).c_str(), out_file.c_str(), std::strerror(errno));
