@@ -40,6 +40,11 @@ struct ControllerOptions {
   // The GPU runtime passes mapped pinned memory here.
   std::function<void*(size_t)> queue_alloc;
   std::function<void(void*)> queue_free;
+  // Controller-owned staging buffers (values staged from device memory, List results, key lists,
+  // scatter descriptors): allocate/free `bytes`. The GPU runtime passes pinned memory so a copy
+  // to or from GPU memory is one DMA. Default: the heap.
+  std::function<void*(size_t bytes)> staging_alloc;
+  std::function<void(void* p, size_t bytes)> staging_free;
 };
 
 // A contiguous piece of a command's data buffer, resolved to memory the controller can reach.

@@ -103,7 +103,10 @@ std::span<std::byte> retrieve_sink(BackendOp* op, uint64_t value_len) {
     return {st.segs[0].addr, want};
   }
   st.direct = false;
-  st.staging.resize(want);
+  if (!st.staging.resize(want)) {
+    st.sink_failed = true;  // the backend gets nowhere to write; the command fails
+    return {};
+  }
   return {st.staging.data(), want};
 }
 
@@ -165,7 +168,7 @@ void Controller::Impl::finish(Command* cmd, Status status, uint32_t dw0) {
   st.op.view = ValueView{};
   st.op.value = {};
   st.op.keys.clear();
-  if (st.staging.capacity() > kKeepStagingBytes) std::vector<std::byte>().swap(st.staging);
+  st.staging.trim(kKeepStagingBytes);
   st.phase = CmdPhase::kIdle;
   st.owner->in_flight().fetch_sub(1, std::memory_order_relaxed);
   cmd->complete(cmd, status, dw0);
@@ -234,7 +237,7 @@ void copy_done(CopyJob* job, Status status) {
 // Stages `len` bytes of the requester's data buffer into controller memory, then continues.
 void stage_in(Command* cmd, size_t len, CmdPhase phase) {
   CommandState& st = state_of(cmd);
-  st.staging.resize(len);
+  if (!st.staging.resize(len)) return finish(cmd, Status::kInternalError);
   st.copy_segs.clear();
   add_gather(st, st.staging.data(), st.segs);
   launch_copy(cmd, phase);
@@ -246,6 +249,7 @@ void Controller::Impl::execute(Command* cmd) {
   if (!cmd->state) cmd->state = std::make_unique<CommandState>();
   CommandState& st = *cmd->state;
   st.ctl = this;
+  st.staging.set_allocator(&options);
   st.owner = Reactor::current();
   st.phase = CmdPhase::kIdle;
   st.start_ns = now_ns();
@@ -255,6 +259,7 @@ void Controller::Impl::execute(Command* cmd) {
   st.staging.clear();
   st.scatter.clear();
   st.direct = false;
+  st.sink_failed = false;
   st.deliver_cap = 0;
   st.status = Status::kSuccess;
   st.value_len = 0;
@@ -352,6 +357,7 @@ void Controller::Impl::execute(Command* cmd) {
 void Controller::Impl::on_backend_done(Command* cmd) {
   CommandState& st = state_of(cmd);
   if (st.status != Status::kSuccess) return ::gdkv::finish(cmd, st.status);
+  if (st.sink_failed) return ::gdkv::finish(cmd, Status::kInternalError);
   ReactorStats& rs = st.owner->stats();
   switch (static_cast<nvme::Opcode>(cmd->sqe.opcode)) {
     case nvme::Opcode::kRetrieve: {
@@ -386,7 +392,8 @@ void Controller::Impl::on_backend_done(Command* cmd) {
     }
     case nvme::Opcode::kList: {
       // Encode as many keys as fit; dw0 = the number returned.
-      st.staging.assign(st.deliver_cap, std::byte{0});
+      if (!st.staging.resize(st.deliver_cap)) return ::gdkv::finish(cmd, Status::kInternalError);
+      std::memset(st.staging.data(), 0, st.deliver_cap);
       uint32_t count = 0;
       size_t off = sizeof(nvme::KeyListHeader);
       for (const Key& k : st.op.keys) {

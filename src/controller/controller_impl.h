@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <shared_mutex>
 #include <vector>
 
@@ -24,6 +25,57 @@ enum class CmdPhase : uint8_t {
   kScatterStaging,   // copying the scatter descriptors in
 };
 
+// Controller-owned bytes of one command (device data staged in or out, List results, key lists,
+// scatter descriptors). Allocated through ControllerOptions::staging_alloc, so the GPU runtime can
+// make them pinned and a copy to or from GPU memory is one DMA. Contents are not kept on resize.
+class StagingBuffer {
+ public:
+  StagingBuffer() = default;
+  StagingBuffer(const StagingBuffer&) = delete;
+  StagingBuffer& operator=(const StagingBuffer&) = delete;
+  ~StagingBuffer() { release(); }
+
+  void set_allocator(const ControllerOptions* o) { options_ = o; }
+  // Makes room for n bytes. Returns false if the allocation failed.
+  bool resize(size_t n) {
+    if (n > capacity_) {
+      release();
+      const size_t cap = n < 4096 ? 4096 : n;
+      data_ = static_cast<std::byte*>(options_ && options_->staging_alloc
+                                          ? options_->staging_alloc(cap)
+                                          : ::operator new(cap, std::nothrow));
+      if (data_ == nullptr) return false;
+      capacity_ = cap;
+    }
+    size_ = n;
+    return true;
+  }
+  void clear() { size_ = 0; }
+  // Frees the memory if it is larger than `keep` bytes.
+  void trim(size_t keep) {
+    if (capacity_ > keep) release();
+  }
+  std::byte* data() { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  void release() {
+    if (data_ != nullptr) {
+      if (options_ && options_->staging_free) {
+        options_->staging_free(data_, capacity_);
+      } else {
+        ::operator delete(data_);
+      }
+    }
+    data_ = nullptr;
+    capacity_ = size_ = 0;
+  }
+  const ControllerOptions* options_ = nullptr;
+  std::byte* data_ = nullptr;
+  size_t capacity_ = 0;
+  size_t size_ = 0;
+};
+
 struct CommandState {
   Controller::Impl* ctl = nullptr;
   Reactor* owner = nullptr;
@@ -35,8 +87,9 @@ struct CommandState {
   CopyJob copy;
   std::vector<CopySegment> copy_segs;  // when a job has more than CopyJob::kInlineSegments
   DataSegments segs;                   // the requester's data buffer
-  std::vector<std::byte> staging;      // controller-owned bytes (device data, lists, scatter)
+  StagingBuffer staging;               // controller-owned bytes (device data, lists, scatter)
   bool direct = false;                 // the backend wrote straight into segs[0]
+  bool sink_failed = false;            // no staging memory could be had for the backend
   uint64_t deliver_cap = 0;            // bytes of the value the requester wants
   nvme::Status status = nvme::Status::kSuccess;
   uint64_t value_len = 0;
