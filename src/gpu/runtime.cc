@@ -54,6 +54,9 @@ ControllerOptions controller_options(ControllerOptions base, const GpuOptions& g
   base.never_sleep = true;
   base.queue_alloc = [](size_t bytes) { return alloc_mapped(bytes); };
   base.queue_free = [](void* p) { free_mapped(p); };
+  // Pinned staging: a value staged from or to GPU memory moves in one DMA.
+  base.staging_alloc = [](size_t bytes) { return alloc_mapped(bytes); };
+  base.staging_free = [](void* p, size_t) { free_mapped(p); };
   base.copy_engine = [gpu](uint32_t) { return make_cuda_copy_engine(gpu); };
   return base;
 }
