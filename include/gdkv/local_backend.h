@@ -20,11 +20,21 @@ struct LocalBackendOptions {
   std::string path;  // a directory (the store file is created inside it) or a block device
   uint64_t capacity_bytes = uint64_t{8} << 30;  // bytes of log space, default 8 GiB
   uint32_t segment_bytes = 64u << 20;           // bytes per segment, default 64 MiB
-  uint32_t queue_depth = 128;                   // io_uring submission queue entries
+  uint32_t queue_depth = 128;                   // io_uring entries, 64..4096, default 128
+  // Reserve each segment's space with fallocate when the log first uses it, so a full file system
+  // shows up (81h) before data is written. Off: a sparse file; ENOSPC then surfaces on write.
+  bool preallocate = true;
+  // How long open waits for the store's lock. A process killed while it had I/O in flight keeps
+  // the lock until the kernel has torn down its io_uring (usually milliseconds), so a restart
+  // right after a crash waits briefly instead of failing. 0: fail at once if the store is in use.
+  uint32_t lock_wait_ms = 2000;
 };
 
 // Opens (creating if needed) the store and rebuilds its index. Throws std::runtime_error with a
-// clear message when the path cannot be used or io_uring lacks what the store needs.
+// clear message when the path cannot be used, another process has the store open (flock), or
+// io_uring lacks what the store needs. An existing store keeps the segment size it was created
+// with, and never shrinks below the segments its file holds. Values up to segment_bytes − 8 KiB
+// are accepted (larger: 85h). Format, durability and reclaim: docs/local-store.md.
 std::shared_ptr<Backend> make_local_backend(const LocalBackendOptions& options);
 
 }  // namespace gdkv

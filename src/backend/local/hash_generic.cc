@@ -1,0 +1,2 @@
+#define HASH_IMPL generic
+#include "backend/local/hash_impl.inc"

@@ -1,0 +1,315 @@
+// Test helper for the local store, run by local_backend_test as a separate process.
+//
+//   local_store_helper writer DIR LOG [big]
+//     Opens the store in DIR and stores (and sometimes deletes) values as fast as it can, at most
+//     one op in flight per key, logging "S key version kind" before each submit and
+//     "A key version" once acknowledged, with one write(2) per line so a kill -9 loses nothing
+//     the kernel accepted. Runs until killed. "big": only values of 1-3 MiB.
+//
+//   local_store_helper diskfull DIR
+//     Mounts a small tmpfs (and, as root with mkfs.ext4 at hand, a loop-mounted ext4 image) in a
+//     private mount namespace under DIR, fills a store on it until the file system is full, and
+//     checks: the full disk is reported as 81h, nothing acknowledged is lost or altered, the store
+//     keeps serving and reopens consistent. Exit 0: pass; 77: cannot mount here (skip); else fail.
+#include <fcntl.h>
+#include <sched.h>
+#include <sys/mount.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backend/local/test_util.h"
+#include "gdkv/local_backend.h"
+
+namespace gdkv::local::test {
+namespace {
+
+using nvme::Status;
+constexpr uint32_t kWriterKeys = 512;
+constexpr int kWriterDepth = 16;
+
+// Segments of 32 MiB (several switches per run); capacity far above what 24 runs write (the byte
+// budget below bounds a run), so nothing is reclaimed and every acknowledged value must stay.
+constexpr uint64_t kRunBudget = 48u << 20;
+
+LocalBackendOptions writer_options(const std::string& dir) {
+  LocalBackendOptions o;
+  o.path = dir;
+  o.segment_bytes = 32u << 20;  // room for batches longer than the 4 staging chunks in flight
+  o.capacity_bytes = uint64_t{8} << 30;
+  return o;
+}
+
+void log_line(int fd, const std::string& s) {
+  if (::write(fd, s.data(), s.size()) != static_cast<ssize_t>(s.size())) std::_Exit(3);
+}
+
+struct WriterShared {
+  int log_fd = -1;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::set<uint32_t> busy;  // keys with an op in flight: ops on one key are sequential
+  int inflight = 0;
+};
+
+struct WriterOp {
+  BackendOp op;
+  WriterShared* sh = nullptr;
+  // Page-aligned, as the cache's slabs are: large values take the direct (no-copy) write path.
+  std::unique_ptr<std::byte, decltype(&std::free)> value{nullptr, &std::free};
+  uint32_t key = 0;
+  uint64_t version = 0;
+};
+
+void writer_done(BackendOp* op, Status s, uint64_t) {
+  auto* w = static_cast<WriterOp*>(op->user);
+  WriterShared* sh = w->sh;
+  const std::string id = std::to_string(w->key) + " " + std::to_string(w->version);
+  if (s == Status::kSuccess) {
+    log_line(sh->log_fd, "A " + id + "\n");
+  } else if (op->kind == BackendOpKind::kDelete && s == Status::kKeyNotExist) {
+    log_line(sh->log_fd, "N " + id + "\n");  // a delete of an absent key: changes nothing
+  } else {
+    log_line(sh->log_fd, "F " + id + " " + std::to_string(static_cast<int>(s)) + "\n");
+  }
+  {
+    std::lock_guard lk(sh->mu);
+    sh->busy.erase(w->key);
+    --sh->inflight;
+  }
+  sh->cv.notify_one();
+  delete w;
+}
+
+int writer(const std::string& dir, const std::string& log, bool big) {
+  WriterShared sh;
+  sh.log_fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (sh.log_fd < 0) return 2;
+  auto store = make_local_backend(writer_options(dir));
+  log_line(sh.log_fd, "ready\n");
+  std::mt19937_64 rng(std::random_device{}());
+  // Versions grow across runs too (microseconds since the epoch), so they never repeat.
+  uint64_t version = static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch() /
+                                           std::chrono::microseconds(1));
+  uint64_t written = 0;
+  for (;;) {
+    if (written > kRunBudget) {
+      // A fast disk: stop before the log could wrap; the kill lands while we idle.
+      std::this_thread::sleep_for(std::chrono::seconds(1));
+      continue;
+    }
+    uint32_t k;
+    {
+      std::unique_lock lk(sh.mu);
+      sh.cv.wait(lk, [&] { return sh.inflight < kWriterDepth; });
+      do {
+        k = static_cast<uint32_t>(rng() % kWriterKeys);
+      } while (sh.busy.count(k) != 0);
+      sh.busy.insert(k);
+      ++sh.inflight;
+    }
+    auto* w = new WriterOp;
+    w->sh = &sh;
+    w->key = k;
+    // In a big run every value is 1–3 MiB: batches then span many staging chunks, and a kill
+    // can land between them, leaving a torn last batch for the next open to drop.
+    w->version = big ? (++version / 1000 + 1) * 1000 + 999 : ++version;
+    version = std::max(version, w->version);
+    const bool del = rng() % 10 == 0;
+    w->op.key = int_key(k);
+    w->op.user = w;
+    w->op.done = &writer_done;
+    if (del) {
+      w->op.kind = BackendOpKind::kDelete;
+    } else {
+      w->op.kind = BackendOpKind::kPut;
+      const auto v = make_value(k, w->version, value_len(k, w->version));
+      w->value.reset(static_cast<std::byte*>(
+          std::aligned_alloc(4096, (v.size() + 4095) / 4096 * 4096 + 4096)));
+      std::memcpy(w->value.get(), v.data(), v.size());
+      w->op.value = std::span<const std::byte>(w->value.get(), v.size());
+      written += v.size();
+    }
+    log_line(sh.log_fd,
+             "S " + std::to_string(k) + " " + std::to_string(w->version) + (del ? " D\n" : " P\n"));
+    store->submit(&w->op);
+  }
+}
+
+// ---- disk full ----------------------------------------------------------------------------------
+
+#define CHECK(c)                                                                 \
+  do {                                                                           \
+    if (!(c)) {                                                                  \
+      std::fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #c); \
+      return false;                                                              \
+    }                                                                            \
+  } while (0)
+
+bool enter_private_mount_namespace() {
+  if (::unshare(CLONE_NEWNS) != 0) {
+    // Not root: a user namespace lets an unprivileged user mount a tmpfs of its own.
+    const uid_t uid = ::getuid();
+    const gid_t gid = ::getgid();
+    if (::unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0) return false;
+    auto write_file = [](const char* path, const std::string& s) {
+      const int fd = ::open(path, O_WRONLY | O_CLOEXEC);
+      if (fd < 0) return false;
+      const bool ok = ::write(fd, s.data(), s.size()) == static_cast<ssize_t>(s.size());
+      ::close(fd);
+      return ok;
+    };
+    write_file("/proc/self/setgroups", "deny");
+    if (!write_file("/proc/self/uid_map", "0 " + std::to_string(uid) + " 1") ||
+        !write_file("/proc/self/gid_map", "0 " + std::to_string(gid) + " 1")) {
+      return false;
+    }
+  }
+  // Keep our mounts out of the parent namespace (and theirs out of ours).
+  return ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) == 0;
+}
+
+// Fills a store on a small file system and checks what the issue asks of a full disk.
+bool fill_until_full(const std::string& dir, bool preallocate, const char* what) {
+  std::printf("[%s, preallocate=%d]\n", what, preallocate ? 1 : 0);
+  LocalBackendOptions o;
+  o.path = dir;
+  o.segment_bytes = 1u << 20;
+  o.capacity_bytes = 64u << 20;  // far more than the file system holds
+  o.preallocate = preallocate;
+  std::map<uint32_t, uint64_t> acked;  // key → version
+  constexpr size_t kLen = 48 << 10;
+  bool saw_full = false;
+  uint64_t version = 1;
+  uint32_t next_key = 0;
+  {
+    auto store = make_local_backend(o);
+    const uint64_t cap0 = store->info().capacity_bytes;
+    for (int i = 0; i < 400 && !saw_full; ++i, ++version) {
+      const uint32_t k = next_key++;
+      const auto v = make_value(k, version, kLen);
+      const Status s = put(*store, int_key(k), v);
+      if (s == Status::kSuccess) {
+        acked[k] = version;
+      } else {
+        CHECK(s == Status::kCapacityExceeded);
+        saw_full = true;
+      }
+    }
+    CHECK(saw_full);
+    std::printf("  81h after %zu acknowledged values; capacity %llu -> %llu bytes\n", acked.size(),
+                static_cast<unsigned long long>(cap0),
+                static_cast<unsigned long long>(store->info().capacity_bytes));
+    CHECK(metric(*store, "local_disk_full_total") >= 1);
+    // Nothing acknowledged was lost or altered by the failure.
+    for (const auto& [k, ver] : acked) {
+      const GetResult r = get(*store, int_key(k));
+      CHECK(r.status == Status::kSuccess);
+      CHECK(r.data == make_value(k, ver, kLen));
+    }
+    // The store keeps serving: it reclaims its oldest segment instead of growing.
+    int ok = 0;
+    for (int i = 0; i < 60; ++i, ++version) {
+      const uint32_t k = next_key++;
+      const Status s = put(*store, int_key(k), make_value(k, version, kLen));
+      CHECK(s == Status::kSuccess || s == Status::kCapacityExceeded);
+      if (s == Status::kSuccess) {
+        acked[k] = version;
+        ++ok;
+      }
+    }
+    std::printf("  afterwards %d of 60 stores succeeded (oldest segments reclaimed: %.0f)\n", ok,
+                metric(*store, "local_segments_reclaimed_total"));
+    CHECK(ok > 0);
+    CHECK(metric(*store, "local_checksum_failures_total") == 0);
+  }
+  // Reopen: every key the index has reads back byte-exact, the newest ones are there, and what
+  // is gone is gone because it was reclaimed (oldest first), never because of the failure.
+  auto store = make_local_backend(o);
+  const auto keys = list(*store, Key{}, 1u << 20);
+  CHECK(!keys.empty());
+  uint32_t oldest_present = ~0u;
+  for (const Key& key : keys) {
+    uint32_t k;
+    std::memcpy(&k, key.bytes + 4, 4);
+    CHECK(acked.count(k) == 1);
+    const GetResult r = get(*store, key);
+    CHECK(r.status == Status::kSuccess);
+    CHECK(r.data == make_value(k, acked[k], kLen));
+    oldest_present = std::min(oldest_present, k);
+  }
+  for (const auto& [k, ver] : acked) {
+    if (k >= oldest_present)
+      CHECK(simple(*store, BackendOpKind::kExists, int_key(k)) == Status::kSuccess);
+  }
+  std::printf("  reopened: %zu keys, all byte-exact\n", keys.size());
+  return true;
+}
+
+int diskfull(const std::string& dir) {
+  namespace fs = std::filesystem;
+  if (!enter_private_mount_namespace()) {
+    std::printf("cannot create a private mount namespace here: skipping\n");
+    return 77;
+  }
+  const std::string mnt = dir + "/mnt";
+  fs::create_directories(mnt);
+  if (::mount("gdkv-full", mnt.c_str(), "tmpfs", 0, "size=8m") != 0) {
+    std::printf("cannot mount a tmpfs here (%s): skipping\n", std::strerror(errno));
+    return 77;
+  }
+  if (!fill_until_full(mnt + "/a", true, "tmpfs 8 MiB")) return 1;
+  fs::remove_all(mnt + "/a");
+  if (!fill_until_full(mnt + "/b", false, "tmpfs 8 MiB")) return 1;
+  ::umount(mnt.c_str());
+
+  // A real block file system too, where fallocate and O_DIRECT behave as on an NVMe drive.
+  if (::geteuid() == 0 && std::system("command -v mkfs.ext4 >/dev/null 2>&1") == 0) {
+    const std::string img = dir + "/ext4.img";
+    const std::string cmd = "truncate -s 16M " + img + " && mkfs.ext4 -q -F " + img +
+                            " >/dev/null 2>&1 && mount -o loop " + img + " " + mnt +
+                            " >/dev/null 2>&1";
+    if (std::system(cmd.c_str()) == 0) {
+      const bool ok = fill_until_full(mnt + "/a", true, "ext4 16 MiB on a loop device") &&
+                      (fs::remove_all(mnt + "/a"), true) &&
+                      fill_until_full(mnt + "/b", false, "ext4 16 MiB on a loop device");
+      ::umount(mnt.c_str());
+      if (!ok) return 1;
+    } else {
+      std::printf("[ext4 on a loop device: not available here, skipped]\n");
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace gdkv::local::test
+
+int main(int argc, char** argv) {
+  using namespace gdkv::local::test;
+  const std::string cmd = argc > 1 ? argv[1] : "";
+  try {
+    if (cmd == "writer" && (argc == 4 || argc == 5)) {
+      return writer(argv[2], argv[3], argc == 5 && std::string(argv[4]) == "big");
+    }
+    if (cmd == "diskfull" && argc == 3) return diskfull(argv[2]);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "local_store_helper: %s\n", e.what());
+    return 2;
+  }
+  std::fprintf(stderr, "usage: local_store_helper writer DIR LOG [big] | diskfull DIR\n");
+  return 2;
+}

@@ -1,0 +1,359 @@
+// The local store's implementation, shared by its source files: store.cc (open, submission, the
+// I/O thread's loop), rebuild.cc (the index at open), write_path.cc (group commit, segments,
+// reclaim) and read_path.cc (Gets). The public face is include/gdkv/local_backend.h; the format
+// is format.h; docs/local-store.md explains the design.
+//
+// Threads: submit() runs on callers' threads and only validates, hashes a Store's value (the
+// checksum and digest, spread over the callers instead of serialised on the I/O thread) and
+// queues the op. One I/O thread owns the ring, the index, the segment table and every buffer; it
+// alone decides, so no lock guards the index. Completions (op->done) run on the I/O thread.
+//
+// Writes: Stores and Deletes wait in `pending_` while a batch is being written; when it is
+// durable the next batch takes everything pending (group commit: one write stream, one
+// fdatasync). Only one batch is in flight, which is what makes recovery simple: only the last
+// batch of the newest segment can be torn, and the index is always current when a batch forms,
+// so conditional Stores are decided against durable state.
+#pragma once
+
+#include <liburing.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "backend/local/format.h"
+#include "backend/local/hash.h"
+#include "backend/local/index.h"
+#include "backend/local/uring.h"
+#include "gdkv/local_backend.h"
+
+namespace gdkv::local {
+
+using nvme::Status;
+
+// Buffer arena: write staging (a batch streams through these) and read bounce buffers.
+constexpr uint32_t kStageBytes = 2u << 20;
+constexpr uint32_t kStageChunks = 4;
+constexpr uint32_t kBounceBytes = 256u << 10;
+constexpr uint32_t kBounceCount = 32;
+constexpr uint32_t kChunksPerJob = 4;  // bounce reads one Get keeps in flight
+constexpr uint32_t kDirectPieces = 4;  // a large direct read is split in up to this many pieces
+constexpr uint32_t kMinDirectPiece = 256u << 10;
+// A batch stops growing at kMaxBatchBytes (a single record may exceed it).
+constexpr uint64_t kMaxBatchBytes = 32u << 20;
+constexpr uint32_t kScanWindow = 128u << 10;  // rebuild reads the log in windows this big
+// Values at least this large, in memory aligned for O_DIRECT, are written straight from the
+// caller's buffer (up to kDirectWrites at once) instead of being copied into staging.
+constexpr uint64_t kDirectWriteMin = 256u << 10;
+constexpr uint32_t kDirectWrites = 16;
+// Ring entries the write path and the wake-up may use (staging, direct writes, fsync,
+// invalidation, wake); reads use the rest.
+constexpr unsigned kReservedSqes = kStageChunks + kDirectWrites + 4;
+constexpr uint32_t kNone = ~uint32_t{0};
+
+[[noreturn]] inline void fail(const std::string& what, int err) {
+  throw std::runtime_error("local store: " + what + ": " + std::strerror(err));
+}
+
+inline bool is_disk_full(int err) { return err == ENOSPC || err == EDQUOT || err == EFBIG; }
+
+struct FreeDeleter {
+  void operator()(void* p) const noexcept { std::free(p); }
+};
+using AlignedBuf = std::unique_ptr<std::byte[], FreeDeleter>;
+inline AlignedBuf alloc_aligned(size_t n, size_t align) {
+  void* p = nullptr;
+  if (posix_memalign(&p, std::max<size_t>(align, sizeof(void*)), std::max<size_t>(n, 1)) != 0) {
+    throw std::bad_alloc();
+  }
+  return AlignedBuf(static_cast<std::byte*>(p));
+}
+
+struct NsKey {
+  uint32_t nsid;
+  Key key;
+  friend bool operator==(const NsKey& a, const NsKey& b) noexcept {
+    return a.nsid == b.nsid && a.key == b.key;
+  }
+};
+struct NsKeyHash {
+  size_t operator()(const NsKey& k) const noexcept { return KeyHash{}(k.key) ^ k.nsid; }
+};
+
+// What submit() hands the I/O thread: the op, and for a Store its value's checksum and digest.
+struct Incoming {
+  BackendOp* op;
+  uint64_t checksum;
+  Key digest;
+};
+
+// user_data of every SQE.
+struct IoTag {
+  enum Kind : uint8_t {
+    kWake,
+    kStage,
+    kDirectWrite,
+    kFsync,
+    kInvalidate,
+    kDirect,
+    kChunk,
+    kScan
+  } kind;
+  uint32_t slot = 0;
+  void* owner = nullptr;
+};
+
+struct SegState {
+  uint64_t seq = 0;       // 0: free (no live log)
+  uint32_t end = 0;       // bytes of log written (0: nothing, not even the header)
+  uint32_t readers = 0;   // Gets in flight against this segment: reclaim waits for them
+  uint64_t live = 0;      // index entries pointing here (reclaim skips the scan when 0)
+  bool reserved = false;  // disk space known to exist (fallocated, or a block device)
+};
+
+// One Get in progress. The value's bytes arrive in two parts: a prefix read with O_DIRECT straight
+// into the caller's buffer (in up to kDirectPieces pieces, so hashing the first pieces overlaps
+// reading the last), then the rest through bounce buffers. The checksum is a stream, fed in value
+// order as the parts land.
+struct ReadJob {
+  struct Piece {       // of the direct prefix
+    uint64_t off = 0;  // in the value
+    uint32_t len = 0;
+    uint32_t got = 0;
+    bool done = false;
+    IoTag tag{IoTag::kDirect};
+  };
+  struct Chunk {  // a bounce read
+    uint32_t buf;
+    uint64_t file_off;
+    uint32_t len;
+    uint32_t got;
+    bool done;
+    IoTag tag{IoTag::kChunk};
+  };
+  BackendOp* op = nullptr;
+  uint32_t seg = 0;
+  uint64_t vfile = 0;  // file offset of the value's first byte
+  uint32_t len = 0;
+  uint64_t checksum = 0;
+  std::byte* dst = nullptr;  // the caller's buffer (sink) or ours (view)
+  uint64_t want = 0;         // bytes of the value the caller wants
+  uint64_t direct = 0;       // bytes read straight into dst (a multiple of the I/O alignment)
+  Piece pieces[kDirectPieces];
+  uint32_t npieces = 0;
+  uint32_t pieces_hashed = 0;
+  bool direct_issued = false;
+  bool fallback = false;             // O_DIRECT into dst was refused: redo through bounce buffers
+  std::shared_ptr<std::byte> owned;  // the view's buffer when the op has no sink
+  uint64_t next_file = 0;            // the part of the value read through bounce buffers
+  uint64_t end_file = 0;
+  uint64_t hashed = 0;  // value bytes fed to the checksum, in order
+  bool failed = false;
+  bool waiting = false;
+  uint32_t outstanding = 0;
+  Chunk chunks[kChunksPerJob];
+  uint32_t first = 0;
+  uint32_t count = 0;
+  Checksum64 sum;
+};
+
+class LocalStore final : public Backend {
+ public:
+  explicit LocalStore(const LocalBackendOptions& o);
+  ~LocalStore() override;
+
+  void submit(BackendOp* op) override;
+  BackendInfo info() const override;
+  void collect(MetricList& out) const override;
+  void drain() override;
+
+ private:
+  // ---- open ----
+  void open_file(const LocalBackendOptions& o);
+  void load_or_create_superblock(const LocalBackendOptions& o);
+  void rebuild();
+  uint64_t seg_base(uint32_t s) const { return kBlock + uint64_t{s} * seg_bytes_; }
+
+  // ---- I/O thread ----
+  void run(unsigned entries, std::promise<void>& ready);
+  void arm_wake();
+  void dispatch(const Incoming& in);
+  void on_cqe(IoTag* t, int res);
+  void finish(BackendOp* op, Status s, uint64_t len = 0);
+  void do_list(BackendOp* op);
+
+  // writes
+  void form_batch();
+  bool head_fits(uint64_t need) const;
+  Status switch_segment();
+  void seal_head();
+  void start_head(uint32_t s, bool wait_readers);
+  int reserve(uint32_t s);
+  void cap_segments();
+  void reclaim(uint32_t s);
+  void start_batch(uint64_t inline_bytes, uint64_t data_bytes);
+  uint32_t fill_stage(std::byte* dst, uint32_t max);
+  void pump_writes();
+  void issue_stage_write(uint32_t slot);
+  void on_stage(uint32_t slot, int res);
+  void issue_direct_write(uint32_t slot);
+  void on_direct_write(uint32_t slot, int res);
+  void on_fsync(int res);
+  void on_invalidate(int res);
+  void commit_batch();
+  void fail_batch();
+
+  // reads
+  void start_get(BackendOp* op);
+  void advance(ReadJob* j);
+  void on_read(IoTag* t, int res);
+  void direct_mode(ReadJob* j);
+  void issue_piece(ReadJob* j, uint32_t idx);
+  void issue_chunk(ReadJob* j, uint32_t idx);
+  void finish_read(ReadJob* j, Status s);
+  void pump_waiting();
+  bool read_credit() const { return sqe_inflight_ < read_sqe_limit_; }
+
+  std::byte* stage(uint32_t i) const { return arena_ + size_t{i} * kStageBytes; }
+  std::byte* bounce(uint32_t i) const {
+    return arena_ + size_t{kStageChunks} * kStageBytes + size_t{i} * kBounceBytes;
+  }
+  std::byte* zero_block() const {
+    return arena_ + size_t{kStageChunks} * kStageBytes + size_t{kBounceCount} * kBounceBytes;
+  }
+  void prep_read(io_uring_sqe* s, std::byte* buf, uint32_t n, uint64_t off, bool arena);
+  void prep_write(io_uring_sqe* s, const std::byte* buf, uint32_t n, uint64_t off);
+
+  // ---- configuration ----
+  std::string file_;
+  int fd_ = -1;
+  bool blockdev_ = false;
+  bool direct_io_ = true;
+  bool preallocate_ = true;
+  uint32_t io_align_ = kBlock;   // offsets and lengths of O_DIRECT I/O
+  uint32_t mem_align_ = kBlock;  // buffer addresses of O_DIRECT I/O
+  uint32_t seg_bytes_ = 0;
+  uint32_t nseg_ = 0;
+  uint64_t store_id_ = 0;
+  uint64_t file_size_ = 0;
+  uint64_t max_value_ = 0;
+
+  std::unique_ptr<Uring> ring_;  // created, used and destroyed by the I/O thread only
+  bool registered_ = false;
+  std::byte* arena_ = nullptr;
+  size_t arena_bytes_ = 0;
+  int wake_fd_ = -1;
+  uint64_t wake_buf_ = 0;
+  IoTag wake_tag_{IoTag::kWake};
+  IoTag fsync_tag_{IoTag::kFsync};
+  IoTag inval_tag_{IoTag::kInvalidate};
+  unsigned sqe_inflight_ = 0;
+  unsigned read_sqe_limit_ = 0;
+
+  // ---- state owned by the I/O thread ----
+  Index index_;
+  std::vector<SegState> segments_;
+  std::deque<uint32_t> fifo_;   // segments holding log, oldest first; the head is at the back
+  std::vector<uint32_t> free_;  // free segments, highest index first (we take from the back)
+  uint32_t head_ = kNone;
+  bool head_wait_readers_ = false;
+  uint64_t next_seq_ = 1;
+  uint64_t next_batch_ = 1;
+  uint64_t last_sealed_seq_ = 0;
+  uint32_t last_sealed_end_ = 0;
+  bool degraded_ = false;  // a failed batch could not be invalidated: refuse writes until reopen
+
+  std::deque<Incoming> pending_;                        // Stores and Deletes waiting for a batch
+  std::unordered_map<NsKey, bool, NsKeyHash> overlay_;  // per forming batch: key present after it
+  std::unordered_set<NsKey, NsKeyHash> blocked_;        // keys with an op deferred to next batch
+
+  struct Piece {
+    const std::byte* src;  // nullptr: zeros (padding)
+    uint64_t len;
+    bool direct = false;  // written straight from src, not through staging
+  };
+  struct Batch {
+    bool active = false;
+    enum Phase { kWriting, kSyncing, kInvalidating } phase = kWriting;
+    uint32_t seg = 0;
+    uint32_t stream_start = 0;  // segment offset of the stream (0 when it carries the seg header)
+    uint32_t batch_off = 0;
+    uint64_t stream_len = 0;
+    uint64_t header_end = 0;  // stream bytes up to the end of the batch header's block
+    uint64_t batch_no = 0;
+    uint64_t data_bytes = 0;
+    std::vector<Incoming> recs;
+    std::vector<uint32_t> value_off;
+    std::vector<std::byte> head_bytes;  // [segment header] + header area
+    std::vector<Piece> pieces;
+    size_t piece = 0;
+    uint64_t piece_off = 0;
+    uint64_t produced = 0;
+    uint64_t landed = 0;  // bytes of the stream prefix known written (for invalidation)
+    uint32_t inflight = 0;
+    int error = 0;
+    bool restage = false;  // the kernel refused a direct write's memory: rewrite all staged
+    int inval_left = 0;
+    bool inval_failed = false;
+  } batch_;
+  struct Stage {
+    bool busy = false;
+    uint64_t stream_off = 0;
+    uint32_t len = 0;
+    uint32_t got = 0;
+    IoTag tag{IoTag::kStage};
+  } stages_[kStageChunks];
+  struct DirectWrite {
+    bool busy = false;
+    const std::byte* src = nullptr;
+    uint64_t stream_off = 0;
+    uint64_t len = 0;
+    uint64_t got = 0;
+    IoTag tag{IoTag::kDirectWrite};
+  } direct_writes_[kDirectWrites];
+
+  std::vector<uint32_t> bounce_free_;
+  std::vector<std::unique_ptr<ReadJob>> job_pool_;
+  std::deque<ReadJob*> waiting_;
+  uint64_t jobs_active_ = 0;
+
+  // ---- shared with callers ----
+  std::mutex in_mu_;
+  std::vector<Incoming> incoming_;
+  std::atomic<bool> sleeping_{false};
+  std::atomic<bool> stopping_{false};
+  std::atomic<uint64_t> submitted_{0};
+  std::atomic<uint64_t> completed_{0};
+  std::mutex drain_mu_;
+  std::condition_variable drain_cv_;
+  std::atomic<int> drain_waiters_{0};
+  std::thread thread_;
+
+  // ---- statistics (relaxed; read by info() and collect()) ----
+  std::atomic<uint64_t> ops_[6] = {};
+  std::atomic<uint64_t> read_bytes_{0}, written_bytes_{0}, log_bytes_{0}, direct_written_{0};
+  std::atomic<uint64_t> checksum_failures_{0}, read_errors_{0}, write_errors_{0};
+  std::atomic<uint64_t> disk_full_{0}, reclaimed_{0}, flushes_{0}, batch_records_{0};
+  std::atomic<uint64_t> batch_max_{0};
+  std::atomic<uint64_t> keys_{0}, bytes_used_{0}, capacity_{0}, segments_used_{0};
+  std::atomic<uint64_t> index_bytes_{0};
+  uint64_t rebuild_ns_ = 0, rebuild_records_ = 0;
+  uint64_t torn_dropped_ = 0, invalid_headers_ = 0, truncated_segments_ = 0;
+};
+
+}  // namespace gdkv::local
