@@ -1,5 +1,6 @@
 // gdkv: the command-line client. Runs a controller in-process over the chosen backend (the local
-// store by default) and talks to it through a queue pair, like any other requester.
+// store by default) and talks to it through a queue pair, like any other requester; with
+// --connect DIR it is a client of the gdkvd serving DIR instead (vfio-user).
 //
 // Exit codes: 0 success, 1 key does not exist, 2 usage error, 3 any other failure; each failure
 // prints one line on stderr naming the key and the NVMe status.
@@ -21,6 +22,7 @@
 #include "gdkv/client.h"
 #include "gdkv/commands.h"
 #include "gdkv/histogram.h"
+#include "gdkv/vfio_user.h"
 
 namespace {
 
@@ -39,7 +41,12 @@ struct Options {
   bool hex = false;
   uint32_t reactors = 1;
   uint64_t max_value = uint64_t{64} << 20;
+  std::string connect;  // a running gdkvd's socket directory
 };
+
+// With --connect: the gdkvd connection. Asynchronous commands (bench) name their buffers
+// directly, so those must live in the memory it shares with gdkvd.
+std::shared_ptr<gdkv::VfioUserDevice> g_device;
 
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -85,6 +92,13 @@ std::vector<std::byte> read_all(std::istream& in) {
 }
 
 std::unique_ptr<gdkv::Client> open_client(const Options& o) {
+  if (!o.connect.empty()) {
+    gdkv::VfioUserClientOptions vo;
+    vo.queue_depth = 1024;
+    vo.shared_memory_bytes = size_t{1} << 30;  // committed only when touched
+    g_device = gdkv::VfioUserDevice::open(o.connect, vo);
+    return g_device->make_client();
+  }
   gdkv::ClientOptions co;
   co.controller.reactors = o.reactors;
   co.controller.max_value_bytes = o.max_value;
@@ -125,6 +139,19 @@ double measure_memcpy_bps(uint32_t value_size, uint32_t keys, double seconds) {
   return static_cast<double>(bytes) / el;
 }
 
+// A buffer for asynchronous commands: gdkvd-shared memory with --connect, else the heap.
+std::byte* bench_buffer(size_t n, std::vector<std::unique_ptr<std::byte[]>>& owned) {
+  if (g_device) {
+    auto* p = static_cast<std::byte*>(g_device->alloc(n, 4096));
+    if (p == nullptr) {
+      throw std::runtime_error("bench: shared memory exhausted (lower --qd or --threads)");
+    }
+    return p;
+  }
+  owned.push_back(std::make_unique<std::byte[]>(n));
+  return owned.back().get();
+}
+
 int run_bench(gdkv::Client& client, const BenchOptions& b, uint32_t nsid) {
   if (b.value_size == 0 || b.qd == 0 || b.threads == 0 || b.keys == 0 || b.duration <= 0) {
     throw UsageError("bench: sizes, depth, threads, keys and duration must be positive");
@@ -134,7 +161,8 @@ int run_bench(gdkv::Client& client, const BenchOptions& b, uint32_t nsid) {
   }
   // Populate the keys once (also what a put benchmark overwrites).
   std::vector<Key> keys(b.keys);
-  std::vector<std::byte> value(b.value_size);
+  std::vector<std::unique_ptr<std::byte[]>> owned;
+  const std::span<std::byte> value(bench_buffer(b.value_size, owned), b.value_size);
   std::mt19937_64 rng(42);
   for (auto& x : value) x = static_cast<std::byte>(rng());
   for (uint32_t i = 0; i < b.keys; ++i) {
@@ -164,7 +192,9 @@ int run_bench(gdkv::Client& client, const BenchOptions& b, uint32_t nsid) {
   const bool tty = isatty(STDERR_FILENO);
   auto worker = [&](uint32_t t) {
     std::mt19937_64 r(t + 1);
-    std::vector<std::vector<std::byte>> bufs(b.qd, std::vector<std::byte>(b.value_size));
+    std::vector<std::unique_ptr<std::byte[]>> mine;
+    std::vector<std::byte*> bufs(b.qd);
+    for (auto& p : bufs) p = bench_buffer(b.value_size, mine);
     std::vector<uint16_t> cids(b.qd);
     std::vector<uint64_t> starts(b.qd);
     auto issue = [&](uint32_t slot) {
@@ -172,7 +202,7 @@ int run_bench(gdkv::Client& client, const BenchOptions& b, uint32_t nsid) {
       const bool put = b.op == "put" || (b.op == "mixed" && (r() & 1));
       gdkv::nvme::Sqe s =
           put ? gdkv::cmd::store(k.bytes, k.len, value.data(), b.value_size, 0, nsid)
-              : gdkv::cmd::retrieve(k.bytes, k.len, bufs[slot].data(), b.value_size, nsid);
+              : gdkv::cmd::retrieve(k.bytes, k.len, bufs[slot], b.value_size, nsid);
       starts[slot] =
           static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
       cids[slot] = client.start(s);
@@ -331,6 +361,11 @@ int run_demo(gdkv::Client& client, uint32_t nsid) {
 
 int run_stat(gdkv::Client& client) {
   gdkv::Controller* ctl = client.controller();
+  if (ctl == nullptr) {
+    std::fprintf(
+        stderr, "gdkv: stat: not available with --connect: gdkvd serves its metrics on /metrics\n");
+    return kExitFailure;
+  }
   const gdkv::BackendInfo info = ctl->backend().info();
   std::printf("backend   %s\n", info.name.c_str());
   std::printf("keys      %llu\n", static_cast<unsigned long long>(info.keys));
@@ -367,6 +402,9 @@ int main(int argc, char** argv) {
                  "Ceph keyring (default: from ceph.conf)");
   app.add_option("--nsid", o.nsid, "NVMe namespace (default 1)")->check(CLI::Range(1u, 1024u));
   app.add_flag("--hex", o.hex, "KEY arguments are hex (1-16 bytes as 2-32 hex digits)");
+  app.add_option("--connect", o.connect,
+                 "use the gdkvd serving DIR (socket DIR/cntrl) instead of an in-process controller")
+      ->envname("GDKV_CONNECT");
   app.add_option("--reactors", o.reactors, "reactor threads (default 1)")
       ->check(CLI::Range(1u, 64u));
 

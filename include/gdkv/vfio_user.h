@@ -1,0 +1,154 @@
+// gdkv over vfio-user: the controller as an emulated PCI NVMe-KV device other processes and VMs
+// attach to, and gdkv's own user-space NVMe driver for it.
+//
+// Server (gdkvd): VfioUserServer listens on <socket_dir>/cntrl. Every connection is its own NVMe
+// controller (registers, admin queue, up to 31 I/O queue pairs) whose I/O commands run on the
+// shared gdkv Controller, so many processes share one cache and one backend connection. Real
+// clients attach too: SPDK's NVMe driver (trtype:VFIOUSER traddr:<socket_dir>) and QEMU's
+// vfio-user-pci (docs/vfio-user.md). Each connection's peer is identified by SO_PEERCRED and sees
+// only the namespaces its uid/gid is allowed; a namespace maps to a backend namespace of its own.
+//
+// Client: connect_vfio_user() is a user-space NVMe driver: it shares a memfd with the daemon as
+// DMA memory, brings the controller up through its registers, creates an I/O queue pair in that
+// memory with gdkv's counter doorbells (so many threads, or GPU threads, submit lock-free as with
+// an in-process queue), and returns an ordinary gdkv::Client. Buffers passed to the synchronous
+// Client calls are staged through the shared memory; asynchronous callers put their buffers in
+// memory from VfioUserDevice::alloc() and pass those pointers directly (DMA address = pointer).
+//
+// Thread safety: VfioUserServer's member functions are thread-safe. A VfioUserDevice may be used
+// from many threads; its Clients are thread-safe as every Client.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gdkv/client.h"
+#include "gdkv/controller.h"
+#include "gdkv/metrics.h"
+#include "gdkv/queue.h"
+
+namespace gdkv {
+
+// ---- Server ------------------------------------------------------------------------------------
+
+// One NVMe namespace of the device and who may use it.
+struct VfioUserNamespace {
+  uint32_t nsid = 1;               // the NVMe namespace ID clients see (1..1024)
+  uint32_t backend_namespace = 1;  // where its keys live: RADOS namespace "ns<N>", local index N
+  std::string name;                // for logs and the namespace's NGUID
+  // Peers allowed to see and use it: a matching uid, or a matching primary or supplementary gid.
+  // Both empty: everyone who can open the socket.
+  std::vector<uint32_t> uids;
+  std::vector<uint32_t> gids;
+};
+
+// Imports device (GPU) memory named by an IPC handle, for the vendor admin command C0h. gdkvd's
+// CUDA builds provide one (cudaIpcOpenMemHandle); without it that command fails with 02h and
+// completion DW0 = 1 ("not supported").
+class DeviceMemoryImporter {
+ public:
+  virtual ~DeviceMemoryImporter() = default;
+  // A device pointer the controller's copy engine can use for `size` bytes, or null.
+  virtual void* open(const uint8_t (&handle)[64], uint64_t size, std::string* why) = 0;
+  virtual void close(void* ptr) = 0;
+};
+
+struct VfioUserServerOptions {
+  std::string socket_dir;       // required; the socket is <socket_dir>/cntrl (created if missing)
+  uint32_t socket_mode = 0660;  // permissions of the socket file
+  // Namespaces and tenants. Empty: nsid 1 = backend namespace 1, open to everyone. The same nsid
+  // may appear in several entries (one per tenant): a peer sees the first entry it is allowed.
+  std::vector<VfioUserNamespace> namespaces;
+  uint32_t max_clients = 64;     // connections at once; more are closed at accept
+  uint32_t max_dma_maps = 1024;  // DMA_MAP regions per connection
+  // Accept DMA memory a client could shrink under gdkvd (memfds without F_SEAL_SHRINK, files on
+  // hugetlbfs/tmpfs such as SPDK's): a hostile client could then crash gdkvd with SIGBUS. Off:
+  // only shrink-sealed memfds (gdkv's client, QEMU memory-backend-memfd with seal=on).
+  bool allow_unsealed_memory = false;
+  uint16_t msix_vectors = 32;         // MSI-X vectors of the device
+  uint32_t max_queue_entries = 4096;  // per queue (CAP.MQES + 1)
+  uint16_t pci_vendor_id = 0x4e58;    // PCI IDs (see docs/vfio-user.md)
+  uint16_t pci_device_id = 0x0001;
+  std::string serial;  // Identify serial number; default: "gdkv-" + hostname
+  DeviceMemoryImporter* device_memory = nullptr;  // not owned; null: no GPU memory registration
+  // One line per connection event (accept, reject, disconnect, errors); default: stderr.
+  std::function<void(const std::string&)> log;
+};
+
+class VfioUserServer {
+ public:
+  // REQUIRES: `controller` outlives the server, and the server is stopped before the controller.
+  VfioUserServer(Controller& controller, VfioUserServerOptions options);
+  ~VfioUserServer();  // stop()
+  VfioUserServer(const VfioUserServer&) = delete;
+  VfioUserServer& operator=(const VfioUserServer&) = delete;
+
+  // Creates the socket and starts accepting. Throws std::runtime_error with a clear message (the
+  // directory is unusable, another gdkvd serves it).
+  void start();
+  // Stops accepting, lets every client's in-flight commands finish (their completions are
+  // posted), then closes every connection and removes the socket. Idempotent.
+  void stop();
+
+  std::string socket_path() const;
+  size_t clients() const;
+  // Appends server metrics (connections, messages, per-device NVMe counters).
+  void collect(MetricList& out) const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// ---- Client driver -----------------------------------------------------------------------------
+
+struct VfioUserClientOptions {
+  uint32_t queue_depth = 256;  // I/O queue entries, a power of two in [2, 4096]
+  // Bytes of memory shared with gdkvd (a sealed memfd): queues and staged buffers. Pages are only
+  // committed when touched. Values larger than this cannot be staged.
+  size_t shared_memory_bytes = size_t{256} << 20;
+  uint32_t admin_queue_depth = 32;
+  uint32_t timeout_ms = 10000;  // controller enable/disable and admin commands
+};
+
+// An open connection to a gdkvd: its controller, shared memory and admin queue.
+class VfioUserDevice : public std::enable_shared_from_this<VfioUserDevice> {
+ public:
+  // Connects to <socket_dir>/cntrl and brings the controller up. Throws std::runtime_error with a
+  // clear message (no daemon, a refused connection, a controller that does not become ready).
+  static std::shared_ptr<VfioUserDevice> open(const std::string& socket_dir,
+                                              const VfioUserClientOptions& options = {});
+  virtual ~VfioUserDevice() = default;
+
+  // A Client on a new I/O queue pair (depth 0: the options' depth). Throws when the controller
+  // refuses the queue (31 pairs per connection at most).
+  virtual std::unique_ptr<Client> make_client(uint32_t depth = 0) = 0;
+
+  // Memory in the shared region: usable directly as data buffers of asynchronous commands.
+  // Null when exhausted. free() takes what alloc() returned.
+  virtual void* alloc(size_t bytes, size_t align = 64) = 0;
+  virtual void free(void* p) = 0;
+
+  // Active namespace IDs (Identify CNS 02h): the namespaces this peer may use.
+  virtual std::vector<uint32_t> namespaces() = 0;
+  // Runs one admin command; `data` (len bytes) is staged through shared memory both ways.
+  virtual CmdResult admin(nvme::Sqe sqe, void* data = nullptr, size_t len = 0) = 0;
+  // Device memory (GPU) joins this connection's DMA space at `iova` (use the allocation's device
+  // pointer): `ipc_handle` is the 64-byte cudaIpcMemHandle_t of the allocation.
+  virtual CmdResult register_device_memory(const void* ipc_handle, uint64_t iova,
+                                           uint64_t size) = 0;
+  virtual CmdResult unregister_device_memory(uint64_t iova, uint64_t size) = 0;
+  // Whether the daemon offers device memory registration (Identify vendor flags).
+  virtual bool device_memory_supported() const = 0;
+};
+
+// A Client on a running gdkvd: VfioUserDevice::open(socket_dir, options)->make_client().
+std::unique_ptr<Client> connect_vfio_user(const std::string& socket_dir,
+                                          const VfioUserClientOptions& options = {});
+
+}  // namespace gdkv

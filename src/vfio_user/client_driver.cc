@@ -1,0 +1,696 @@
+// gdkv's user-space NVMe driver for a gdkvd over vfio-user (see gdkv/vfio_user.h).
+//
+// Bring-up, as a host driver does it: VERSION, device and region info (the doorbell page comes as
+// a sparse-mmap area and is mapped here), PCI config checks, DMA_MAP of one sealed memfd (the DMA
+// address of every byte is its address in this process, so pointers into it need no
+// translation), CC.EN = 0 and wait, the admin queue in shared memory, CC.EN = 1 with CSS = 110b
+// and wait for CSTS.RDY, Identify Controller (the gdkv vendor area says counter doorbells are
+// offered), Set Features Number of Queues. I/O queue pairs are created on demand with counter
+// doorbells; the requester bookkeeping of gdkv::QueueRef stays in private memory.
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <fcntl.h>
+
+#include <algorithm>
+#include <bitset>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <unordered_map>
+
+#include "gdkv/vfio_user.h"
+#include "vfio_user/nvme_defs.h"
+#include "vfio_user/pci_config.h"
+#include "vfio_user/protocol.h"
+#include "vfio_user/socket_io.h"
+
+namespace gdkv {
+
+namespace {
+
+using namespace vfio_user;  // NOLINT: the driver speaks this protocol throughout
+using Clock = std::chrono::steady_clock;
+
+[[noreturn]] void fail(const std::string& what) { throw std::runtime_error(what); }
+
+size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+// An owned mmap.
+class Mapping {
+ public:
+  Mapping() = default;
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+  ~Mapping() {
+    if (p_ != nullptr) ::munmap(p_, n_);
+  }
+  void reset(void* p, size_t n) {
+    if (p_ != nullptr) ::munmap(p_, n_);
+    p_ = p;
+    n_ = n;
+  }
+  void* get() const { return p_; }
+
+ private:
+  void* p_ = nullptr;
+  size_t n_ = 0;
+};
+
+// First-fit allocator over the shared region; blocks callers while it is full (bounded wait).
+class ShmAllocator {
+ public:
+  void init(std::byte* base, size_t size) {
+    base_ = base;
+    size_ = size;
+    free_[0] = size;
+  }
+  bool contains(const void* p, size_t len) const {
+    const auto* b = static_cast<const std::byte*>(p);
+    return b >= base_ && b < base_ + size_ && len <= static_cast<size_t>(base_ + size_ - b);
+  }
+  void* alloc(size_t bytes, size_t align) {
+    std::lock_guard lk(mu_);
+    return alloc_locked(bytes, align);
+  }
+  void* alloc_wait(size_t bytes, size_t align, std::chrono::milliseconds timeout) {
+    std::unique_lock lk(mu_);
+    if (bytes > size_) return nullptr;
+    void* p = nullptr;
+    cv_.wait_for(lk, timeout, [&] { return (p = alloc_locked(bytes, align)) != nullptr; });
+    return p;
+  }
+  void free(void* p) {
+    if (p == nullptr) return;
+    {
+      std::lock_guard lk(mu_);
+      const size_t off = static_cast<size_t>(static_cast<std::byte*>(p) - base_);
+      auto u = used_.find(off);
+      if (u == used_.end()) return;
+      size_t start = off, len = u->second;
+      used_.erase(u);
+      // Coalesce with the free neighbours.
+      auto next = free_.lower_bound(start);
+      if (next != free_.end() && next->first == start + len) {
+        len += next->second;
+        next = free_.erase(next);
+      }
+      if (next != free_.begin()) {
+        auto prev = std::prev(next);
+        if (prev->first + prev->second == start) {
+          start = prev->first;
+          len += prev->second;
+          free_.erase(prev);
+        }
+      }
+      free_[start] = len;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  void* alloc_locked(size_t bytes, size_t align) {
+    bytes = align_up(std::max<size_t>(bytes, 1), 64);
+    align = std::max<size_t>(align, 64);
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      const size_t off = it->first, len = it->second;
+      const size_t at = align_up(off, align);
+      if (at + bytes > off + len) continue;
+      free_.erase(it);
+      if (at > off) free_[off] = at - off;
+      if (at + bytes < off + len) free_[at + bytes] = off + len - at - bytes;
+      used_[at] = bytes;
+      return base_ + at;
+    }
+    return nullptr;
+  }
+
+  std::byte* base_ = nullptr;
+  size_t size_ = 0;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<size_t, size_t> free_;            // offset -> length
+  std::unordered_map<size_t, size_t> used_;  // offset -> length
+};
+
+// Stages a synchronous call's buffer through shared memory (or uses it in place when it already
+// is shared memory).
+class ShmStager final : public BufferStager {
+ public:
+  explicit ShmStager(ShmAllocator& a) : a_(a) {}
+  uint64_t acquire(const void* p, size_t len, bool to_controller) override {
+    if (a_.contains(p, len)) return reinterpret_cast<uint64_t>(p);
+    void* s = a_.alloc_wait(len, 64, std::chrono::seconds(10));
+    if (s == nullptr) return 0;
+    if (to_controller) std::memcpy(s, p, len);
+    return reinterpret_cast<uint64_t>(s);
+  }
+  void release(uint64_t addr, void* p, size_t len, bool to_controller) override {
+    void* s = reinterpret_cast<void*>(addr);
+    if (s == p) return;
+    if (!to_controller) std::memcpy(p, s, len);
+    a_.free(s);
+  }
+
+ private:
+  ShmAllocator& a_;
+};
+
+class Driver;
+
+// An I/O queue pair; destroying it deletes the queues on the controller.
+struct IoQueue {
+  std::shared_ptr<Driver> driver;
+  uint16_t qid = 0;
+  void* sq = nullptr;
+  void* cq = nullptr;
+  void* block = nullptr;  // private requester bookkeeping
+  ~IoQueue();
+};
+
+class Driver final : public VfioUserDevice {
+ public:
+  Driver(const std::string& dir, const VfioUserClientOptions& o) : options_(o), stager_(alloc_) {
+    connect(dir);
+    negotiate();
+    map_doorbells();
+    check_config();
+    share_memory();
+    enable();
+    identify();
+  }
+
+  ~Driver() override {
+    // Disable the controller so its admin queue stops; the server tears the rest down when the
+    // socket closes.
+    try {
+      write_reg32(reg::kCc, 0);
+    } catch (const std::exception&) {
+    }
+  }
+
+  std::unique_ptr<Client> make_client(uint32_t depth) override;
+  void* alloc(size_t bytes, size_t align) override { return alloc_.alloc(bytes, align); }
+  void free(void* p) override { alloc_.free(p); }
+  std::vector<uint32_t> namespaces() override;
+  CmdResult admin(nvme::Sqe sqe, void* data, size_t len) override;
+  CmdResult register_device_memory(const void* handle, uint64_t iova, uint64_t size) override;
+  CmdResult unregister_device_memory(uint64_t iova, uint64_t size) override;
+  bool device_memory_supported() const override { return devmem_; }
+
+  void release_queue(uint16_t qid, void* sq, void* cq) {
+    nvme::Sqe s{};
+    s.opcode = static_cast<uint8_t>(AdminOp::kDeleteIoSq);
+    s.cdw10 = qid;
+    (void)admin(s, nullptr, 0);
+    s.opcode = static_cast<uint8_t>(AdminOp::kDeleteIoCq);
+    (void)admin(s, nullptr, 0);
+    alloc_.free(sq);
+    alloc_.free(cq);
+    std::lock_guard lk(qid_mu_);
+    qids_.reset(qid);
+  }
+
+ private:
+  // ---- messages ----
+  // Sends a request and waits for its reply. Returns the reply's errno (0 = success); throws if
+  // the connection fails.
+  int request(Cmd cmd, std::span<const std::byte> payload, std::vector<std::byte>* reply,
+              std::span<const int> fds = {}, std::vector<UniqueFd>* reply_fds = nullptr) {
+    std::lock_guard lk(sock_mu_);
+    Header h{};
+    h.id = next_id_++;
+    h.command = static_cast<uint16_t>(cmd);
+    h.size = static_cast<uint32_t>(sizeof(Header) + payload.size());
+    h.flags = kTypeCommand;
+    if (!write_message(sock_.get(), h, payload, fds)) fail(where_ + ": connection lost");
+    for (;;) {
+      Message m;
+      if (read_message(sock_.get(), m) != ReadStatus::kOk) fail(where_ + ": connection lost");
+      if ((m.hdr.flags & kTypeMask) == kTypeCommand) {
+        // gdkvd sends no requests; answer anything unexpected with an error.
+        if (!(m.hdr.flags & kNoReply)) {
+          write_message(sock_.get(), reply_header(m.hdr, 0, ENOTSUP), {});
+        }
+        continue;
+      }
+      if (m.hdr.id != h.id) continue;
+      if (m.hdr.flags & kErrorFlag) return m.hdr.error != 0 ? static_cast<int>(m.hdr.error) : EIO;
+      if (reply != nullptr) *reply = std::move(m.payload);
+      if (reply_fds != nullptr) *reply_fds = std::move(m.fds);
+      return 0;
+    }
+  }
+
+  template <class T>
+  static std::span<const std::byte> as_bytes_of(const T& v) {
+    return {reinterpret_cast<const std::byte*>(&v), sizeof(T)};
+  }
+
+  void region_rw(uint32_t region, uint64_t offset, void* data, uint32_t count, bool write) {
+    std::vector<std::byte> msg(sizeof(RegionAccessMsg) + (write ? count : 0));
+    const RegionAccessMsg a{offset, region, count};
+    std::memcpy(msg.data(), &a, sizeof(a));
+    if (write) std::memcpy(msg.data() + sizeof(a), data, count);
+    std::vector<std::byte> reply;
+    const int e = request(write ? Cmd::kRegionWrite : Cmd::kRegionRead, msg, &reply);
+    if (e != 0) fail(where_ + ": region access failed: " + std::strerror(e));
+    if (!write) {
+      if (reply.size() < sizeof(a) + count) fail(where_ + ": short region read");
+      std::memcpy(data, reply.data() + sizeof(a), count);
+    }
+  }
+  uint32_t read_reg32(uint32_t off) {
+    uint32_t v;
+    region_rw(kRegionBar0, off, &v, 4, false);
+    return v;
+  }
+  uint64_t read_reg64(uint32_t off) {
+    uint64_t v;
+    region_rw(kRegionBar0, off, &v, 8, false);
+    return v;
+  }
+  void write_reg32(uint32_t off, uint32_t v) { region_rw(kRegionBar0, off, &v, 4, true); }
+  void write_reg64(uint32_t off, uint64_t v) { region_rw(kRegionBar0, off, &v, 8, true); }
+
+  // True once gdkvd closed the connection (then no admin command will ever complete).
+  bool peer_gone() {
+    pollfd p{sock_.get(), POLLRDHUP, 0};
+    return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR));
+  }
+
+  // ---- bring-up ----
+  void connect(const std::string& dir) {
+    const std::string path = dir + "/cntrl";
+    where_ = "gdkvd at " + dir;
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    if (path.size() >= sizeof(addr.sun_path)) fail("socket path too long: " + path);
+    std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+    sock_.reset(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (!sock_.valid()) fail(std::string("socket: ") + std::strerror(errno));
+    if (::connect(sock_.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      const int e = errno;
+      fail("cannot connect to " + path + ": " + std::strerror(e) +
+           (e == ENOENT || e == ECONNREFUSED ? " (is gdkvd running?)" : ""));
+    }
+  }
+
+  void negotiate() {
+    const std::string caps = "{\"capabilities\":{\"max_msg_fds\":8,\"max_data_xfer_size\":" +
+                             std::to_string(kMaxDataXfer) + "}}";
+    std::vector<std::byte> msg(sizeof(VersionMsg) + caps.size() + 1);
+    const VersionMsg v{kMajor, kMaxMinor};
+    std::memcpy(msg.data(), &v, sizeof(v));
+    std::memcpy(msg.data() + sizeof(v), caps.c_str(), caps.size() + 1);
+    std::vector<std::byte> reply;
+    const int e = request(Cmd::kVersion, msg, &reply);
+    if (e != 0) fail(where_ + ": VERSION refused: " + std::strerror(e));
+    VersionRequest r;
+    if (decode_version(reply, &r) != 0 || r.major != kMajor || r.minor > kMaxMinor) {
+      fail(where_ + ": incompatible VERSION reply");
+    }
+    DeviceInfoMsg info{sizeof(DeviceInfoMsg), 0, 0, 0};
+    if (request(Cmd::kDeviceGetInfo, as_bytes_of(info), &reply) != 0 ||
+        reply.size() < sizeof(info)) {
+      fail(where_ + ": DEVICE_GET_INFO failed");
+    }
+    std::memcpy(&info, reply.data(), sizeof(info));
+    if (!(info.flags & kDeviceFlagPci) || info.num_regions < kNumPciRegions) {
+      fail(where_ + ": not a PCI device");
+    }
+  }
+
+  void map_doorbells() {
+    std::vector<std::byte> msg(256);
+    RegionInfoMsg req{static_cast<uint32_t>(msg.size()), 0, kRegionBar0, 0, 0, 0};
+    std::memcpy(msg.data(), &req, sizeof(req));
+    std::vector<std::byte> reply;
+    std::vector<UniqueFd> fds;
+    if (request(Cmd::kDeviceGetRegionInfo, msg, &reply, {}, &fds) != 0) {
+      fail(where_ + ": DEVICE_GET_REGION_INFO failed");
+    }
+    PayloadReader r(reply);
+    auto info = r.get<RegionInfoMsg>();
+    if (!info || !(info->flags & kRegionFlagMmap) || !(info->flags & kRegionFlagCaps) ||
+        fds.empty()) {
+      fail(where_ + ": BAR0 has no mappable doorbell page");
+    }
+    // Walk the capability chain for the sparse-mmap area that holds [0x1000, 0x2000).
+    uint32_t at = info->cap_offset;
+    for (int hops = 0; at != 0 && hops < 16; ++hops) {
+      auto cap = r.get<CapHeader>(at);
+      if (!cap) break;
+      if (cap->id == kCapSparseMmap) {
+        auto sm = r.get<SparseMmapCap>(at);
+        for (uint32_t i = 0; sm && i < sm->nr_areas && i < 64; ++i) {
+          auto area = r.get<SparseArea>(at + sizeof(SparseMmapCap) + i * sizeof(SparseArea));
+          if (!area || area->offset > kDoorbellPage ||
+              area->offset + area->size < kDoorbellPage * 2) {
+            continue;
+          }
+          const uint64_t file_off = info->offset + kDoorbellPage;
+          void* p = ::mmap(nullptr, kDoorbellPage, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0].get(),
+                           static_cast<off_t>(file_off));
+          if (p == MAP_FAILED) fail(where_ + ": cannot map the doorbell page");
+          db_map_.reset(p, kDoorbellPage);
+          db_ = static_cast<uint32_t*>(p);
+          return;
+        }
+      }
+      at = cap->next;
+    }
+    fail(where_ + ": BAR0 offers no sparse-mmap area over the doorbells");
+  }
+
+  void check_config() {
+    uint8_t cfg[64];
+    region_rw(kRegionConfig, 0, cfg, sizeof(cfg), false);
+    if (cfg[0x0B] != 0x01 || cfg[0x0A] != 0x08 || cfg[0x09] != 0x02) {
+      fail(where_ + ": the device is not an NVMe controller (class code)");
+    }
+    uint16_t cmd;
+    std::memcpy(&cmd, cfg + 4, 2);
+    cmd |= 0x0006;  // memory space, bus master
+    region_rw(kRegionConfig, 4, &cmd, 2, true);
+    cap_ = read_reg64(reg::kCap);
+    if (!(cap_ & kCapCssIoSets)) fail(where_ + ": the controller offers no I/O command sets");
+    if (((cap_ >> 32) & 0xF) != kDstrd) fail(where_ + ": unexpected doorbell stride");
+  }
+
+  void share_memory() {
+    shm_size_ = align_up(std::max<size_t>(options_.shared_memory_bytes, size_t{1} << 20), 4096);
+    UniqueFd fd(::memfd_create("gdkv-dma", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+    if (!fd.valid() || ::ftruncate(fd.get(), static_cast<off_t>(shm_size_)) != 0 ||
+        ::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+      fail(std::string("shared memory: ") + std::strerror(errno));
+    }
+    void* p = ::mmap(nullptr, shm_size_, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+    if (p == MAP_FAILED) fail(std::string("shared memory mmap: ") + std::strerror(errno));
+    shm_map_.reset(p, shm_size_);
+    shm_ = static_cast<std::byte*>(p);
+    alloc_.init(shm_, shm_size_);
+    const DmaMapMsg m{sizeof(DmaMapMsg), kDmaFlagRead | kDmaFlagWrite, 0,
+                      reinterpret_cast<uint64_t>(shm_), shm_size_};
+    const int fds[1] = {fd.get()};
+    const int e = request(Cmd::kDmaMap, as_bytes_of(m), nullptr, fds);
+    if (e != 0) fail(where_ + ": DMA_MAP refused: " + std::strerror(e));
+  }
+
+  void wait_csts(uint32_t mask, uint32_t want) {
+    const auto deadline = Clock::now() + std::chrono::milliseconds(options_.timeout_ms);
+    for (;;) {
+      const uint32_t csts = read_reg32(reg::kCsts);
+      if (csts & kCstsCfs) fail(where_ + ": controller fatal status (CSTS.CFS)");
+      if ((csts & mask) == want) return;
+      if (Clock::now() > deadline) fail(where_ + ": controller did not become ready");
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  }
+
+  void enable() {
+    if (read_reg32(reg::kCc) & kCcEn) {
+      write_reg32(reg::kCc, 0);
+      wait_csts(kCstsRdy, 0);
+    }
+    adepth_ = std::clamp<uint32_t>(options_.admin_queue_depth, 2, 4096);
+    asq_ = static_cast<nvme::Sqe*>(alloc_.alloc(adepth_ * sizeof(nvme::Sqe), 4096));
+    acq_ = static_cast<nvme::Cqe*>(alloc_.alloc(adepth_ * sizeof(nvme::Cqe), 4096));
+    if (asq_ == nullptr || acq_ == nullptr) fail("shared memory too small for the admin queue");
+    std::memset(asq_, 0, adepth_ * sizeof(nvme::Sqe));
+    std::memset(acq_, 0, adepth_ * sizeof(nvme::Cqe));
+    write_reg32(reg::kAqa, ((adepth_ - 1) << 16) | (adepth_ - 1));
+    write_reg64(reg::kAsq, reinterpret_cast<uint64_t>(asq_));
+    write_reg64(reg::kAcq, reinterpret_cast<uint64_t>(acq_));
+    write_reg32(reg::kCc, kCcEn | (kCcCssIoSets << 4) | (6u << 16) | (4u << 20));
+    wait_csts(kCstsRdy, kCstsRdy);
+  }
+
+  void identify() {
+    IdentifyController id;
+    nvme::Sqe s{};
+    s.opcode = static_cast<uint8_t>(AdminOp::kIdentify);
+    s.cdw10 = kCnsController;
+    CmdResult r = admin(s, &id, sizeof(id));
+    if (!r.ok()) fail(where_ + ": Identify Controller failed: " + describe(r));
+    GdkvVendorInfo vi;
+    std::memcpy(&vi, id.vs, sizeof(vi));
+    if (std::memcmp(vi.magic, "GDKV", 4) != 0 || !(vi.flags & kVendorCounterDoorbells)) {
+      fail(where_ + ": the controller is not a gdkvd (no counter doorbells)");
+    }
+    devmem_ = vi.flags & kVendorDeviceMemory;
+    max_entries_ = vi.max_queue_entries;
+    nvme::Sqe f{};
+    f.opcode = static_cast<uint8_t>(AdminOp::kSetFeatures);
+    f.cdw10 = kFeatNumberOfQueues;
+    const uint32_t want = kMaxIoQueues - 1;  // 0's based
+    f.key_length = static_cast<uint8_t>(want);
+    f.cdw11_reserved = static_cast<uint16_t>(want);
+    r = admin(f, nullptr, 0);
+    if (!r.ok()) fail(where_ + ": Set Features (number of queues) failed: " + describe(r));
+    max_qid_ = static_cast<uint16_t>(std::min(r.dw0 & 0xFFFF, r.dw0 >> 16) + 1);
+  }
+
+  // PRP1/PRP2 for a page-aligned buffer in shared memory (a PRP list when it spans > 2 pages).
+  bool build_prps(void* buf, size_t len, nvme::Sqe& s, void** list) {
+    const auto base = reinterpret_cast<uint64_t>(buf);
+    s.dptr.prp.prp1 = base;
+    const size_t pages = (len + kPageSize - 1) / kPageSize;
+    if (pages <= 1) return true;
+    if (pages == 2) {
+      s.dptr.prp.prp2 = base + kPageSize;
+      return true;
+    }
+    if (pages - 1 > kPageSize / 8) return false;  // one list page is all admin data needs
+    auto* l = static_cast<uint64_t*>(alloc_.alloc(kPageSize, kPageSize));
+    if (l == nullptr) return false;
+    for (size_t i = 1; i < pages; ++i) l[i - 1] = base + i * kPageSize;
+    s.dptr.prp.prp2 = reinterpret_cast<uint64_t>(l);
+    *list = l;
+    return true;
+  }
+
+  VfioUserClientOptions options_;
+  std::string where_;
+  // Declared before the socket: unmapped after it closes.
+  Mapping db_map_;
+  Mapping shm_map_;
+  std::mutex sock_mu_;
+  UniqueFd sock_;
+  uint16_t next_id_ = 1;
+  uint64_t cap_ = 0;
+  uint32_t* db_ = nullptr;
+  std::byte* shm_ = nullptr;
+  size_t shm_size_ = 0;
+  ShmAllocator alloc_;
+  ShmStager stager_;
+  // Admin queue.
+  std::mutex admin_mu_;
+  nvme::Sqe* asq_ = nullptr;
+  nvme::Cqe* acq_ = nullptr;
+  uint32_t adepth_ = 0, atail_ = 0, ahead_ = 0;
+  uint16_t aphase_ = 1, next_cid_ = 0;
+  // I/O queues.
+  std::mutex qid_mu_;
+  std::bitset<kMaxQueues> qids_;
+  uint16_t max_qid_ = 0;
+  uint32_t max_entries_ = 0;
+  bool devmem_ = false;
+};
+
+IoQueue::~IoQueue() {
+  if (driver) driver->release_queue(qid, sq, cq);
+  std::free(block);
+}
+
+CmdResult Driver::admin(nvme::Sqe sqe, void* data, size_t len) {
+  void* buf = nullptr;
+  void* list = nullptr;
+  if (len > 0) {
+    buf = alloc_.alloc_wait(len, kPageSize, std::chrono::milliseconds(options_.timeout_ms));
+    if (buf == nullptr || !build_prps(buf, len, sqe, &list)) {
+      alloc_.free(buf);
+      return CmdResult{nvme::Status::kDataTransferError, nvme::kSctGeneric, 0};
+    }
+    std::memcpy(buf, data, len);
+  }
+  CmdResult result{nvme::Status::kInternalError, nvme::kSctGeneric, 0};
+  {
+    std::lock_guard lk(admin_mu_);
+    sqe.cid = next_cid_++;
+    asq_[atail_] = sqe;
+    atail_ = (atail_ + 1) % adepth_;
+    atomic::fence();
+    __atomic_store_n(db_, atail_, __ATOMIC_RELEASE);  // SQ 0 tail
+    const auto deadline = Clock::now() + std::chrono::milliseconds(options_.timeout_ms);
+    uint32_t spins = 0;
+    for (;;) {
+      nvme::Cqe* e = &acq_[ahead_];
+      const uint16_t st = __atomic_load_n(&e->status, __ATOMIC_ACQUIRE);
+      if ((st & nvme::kCqePhase) == aphase_) {
+        const bool mine = e->cid == sqe.cid;
+        if (mine) {
+          result = CmdResult{nvme::status_code(st), nvme::status_type(st), e->dw0};
+        }
+        if (++ahead_ == adepth_) {
+          ahead_ = 0;
+          aphase_ ^= 1;
+        }
+        __atomic_store_n(db_ + kDoorbellStride / 4, ahead_, __ATOMIC_RELEASE);  // CQ 0 head
+        if (mine) break;
+        continue;
+      }
+      if (Clock::now() > deadline || ((++spins & 1023) == 0 && peer_gone())) {
+        result = CmdResult{nvme::Status::kAbortRequested, nvme::kSctGeneric, 0};
+        break;
+      }
+      if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+  if (buf != nullptr) {
+    std::memcpy(data, buf, len);
+    alloc_.free(buf);
+  }
+  alloc_.free(list);
+  return result;
+}
+
+std::vector<uint32_t> Driver::namespaces() {
+  std::vector<uint32_t> ids(1024);
+  nvme::Sqe s{};
+  s.opcode = static_cast<uint8_t>(AdminOp::kIdentify);
+  s.cdw10 = kCnsActiveNsList;
+  if (!admin(s, ids.data(), 4096).ok()) return {};
+  std::vector<uint32_t> out;
+  for (uint32_t id : ids) {
+    if (id == 0) break;
+    out.push_back(id);
+  }
+  return out;
+}
+
+std::unique_ptr<Client> Driver::make_client(uint32_t depth) {
+  if (depth == 0) depth = options_.queue_depth;
+  if (!valid_queue_depth(depth) || depth > max_entries_) {
+    throw std::invalid_argument("queue depth must be a power of two in [2, " +
+                                std::to_string(std::min<uint32_t>(max_entries_, 4096)) + "]");
+  }
+  uint16_t qid = 0;
+  {
+    std::lock_guard lk(qid_mu_);
+    for (uint16_t q = 1; q <= max_qid_ && q < kMaxQueues; ++q) {
+      if (!qids_.test(q)) {
+        qids_.set(q);
+        qid = q;
+        break;
+      }
+    }
+  }
+  if (qid == 0) throw std::runtime_error(where_ + ": no free I/O queue on this connection");
+  auto q = std::make_shared<IoQueue>();
+  q->qid = qid;
+  q->sq = alloc_.alloc(depth * sizeof(nvme::Sqe), kPageSize);
+  q->cq = alloc_.alloc(depth * sizeof(nvme::Cqe), kPageSize);
+  const QueueLayout layout = QueueLayout::for_depth(depth);
+  q->block = std::aligned_alloc(4096, align_up(layout.total, 4096));
+  if (q->sq == nullptr || q->cq == nullptr || q->block == nullptr) {
+    alloc_.free(q->sq);
+    alloc_.free(q->cq);
+    std::lock_guard lk(qid_mu_);
+    qids_.reset(qid);
+    throw std::runtime_error(where_ + ": shared memory exhausted creating a queue");
+  }
+  std::memset(q->sq, 0, depth * sizeof(nvme::Sqe));
+  std::memset(q->cq, 0, depth * sizeof(nvme::Cqe));
+  std::memset(q->block, 0, layout.total);
+
+  nvme::Sqe c{};
+  c.opcode = static_cast<uint8_t>(AdminOp::kCreateIoCq);
+  c.cdw10 = qid | ((depth - 1) << 16);
+  c.key_length = 1;  // CDW11: physically contiguous, no interrupts (the Client polls)
+  c.cdw12 = kCounterDoorbells;
+  c.dptr.prp.prp1 = reinterpret_cast<uint64_t>(q->cq);
+  CmdResult r = admin(c, nullptr, 0);
+  if (r.ok()) {
+    nvme::Sqe s{};
+    s.opcode = static_cast<uint8_t>(AdminOp::kCreateIoSq);
+    s.cdw10 = qid | ((depth - 1) << 16);
+    s.key_length = 1;        // CDW11 bit 0: physically contiguous
+    s.cdw11_reserved = qid;  // CDW11 31:16: the CQ
+    s.cdw12 = kCounterDoorbells;
+    s.dptr.prp.prp1 = reinterpret_cast<uint64_t>(q->sq);
+    r = admin(s, nullptr, 0);
+    if (!r.ok()) {
+      c.opcode = static_cast<uint8_t>(AdminOp::kDeleteIoCq);
+      c.cdw10 = qid;
+      (void)admin(c, nullptr, 0);
+    }
+  }
+  if (!r.ok()) {
+    alloc_.free(q->sq);
+    alloc_.free(q->cq);
+    {
+      std::lock_guard lk(qid_mu_);
+      qids_.reset(qid);
+    }
+    throw std::runtime_error(where_ + ": creating I/O queue " + std::to_string(qid) +
+                             " failed: " + describe(r));
+  }
+  q->driver = std::static_pointer_cast<Driver>(shared_from_this());
+  QueueRef ref = QueueRef::over(q->block, depth, qid);
+  ref.sq = static_cast<nvme::Sqe*>(q->sq);
+  ref.cq = static_cast<nvme::Cqe*>(q->cq);
+  ref.db =
+      reinterpret_cast<QueueDoorbells*>(reinterpret_cast<char*>(db_) + 2u * qid * kDoorbellStride);
+  ref.wake = nullptr;  // gdkvd's reactors poll; a remote process cannot wake them
+  return std::make_unique<Client>(ref, std::move(q), nullptr, &stager_);
+}
+
+CmdResult Driver::register_device_memory(const void* handle, uint64_t iova, uint64_t size) {
+  DeviceMemoryRequest req{};
+  std::memcpy(req.ipc_handle, handle, sizeof(req.ipc_handle));
+  req.iova = iova;
+  req.size = size;
+  nvme::Sqe s{};
+  s.opcode = static_cast<uint8_t>(AdminOp::kGdkvDeviceMemory);
+  s.cdw10 = sizeof(req);
+  s.key_length = static_cast<uint8_t>(kDevMemRegister);
+  return admin(s, &req, sizeof(req));
+}
+
+CmdResult Driver::unregister_device_memory(uint64_t iova, uint64_t size) {
+  DeviceMemoryRequest req{};
+  req.iova = iova;
+  req.size = size;
+  nvme::Sqe s{};
+  s.opcode = static_cast<uint8_t>(AdminOp::kGdkvDeviceMemory);
+  s.cdw10 = sizeof(req);
+  s.key_length = static_cast<uint8_t>(kDevMemUnregister);
+  return admin(s, &req, sizeof(req));
+}
+
+}  // namespace
+
+std::shared_ptr<VfioUserDevice> VfioUserDevice::open(const std::string& socket_dir,
+                                                     const VfioUserClientOptions& options) {
+  if (!valid_queue_depth(options.queue_depth)) {
+    throw std::invalid_argument("queue depth must be a power of two in [2, 4096]");
+  }
+  return std::make_shared<Driver>(socket_dir, options);
+}
+
+std::unique_ptr<Client> connect_vfio_user(const std::string& socket_dir,
+                                          const VfioUserClientOptions& options) {
+  return VfioUserDevice::open(socket_dir, options)->make_client();
+}
+
+}  // namespace gdkv

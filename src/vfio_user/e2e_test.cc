@@ -1,0 +1,501 @@
+// Client driver <-> vfio-user server in one process (the server on its own threads, the client on
+// the test thread): every KV opcode, admin commands, namespaces, queue lifecycle and teardown.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "gdkv/backend.h"
+#include "gdkv/client.h"
+#include "gdkv/commands.h"
+#include "gdkv/vfio_user.h"
+#include "vfio_user/nvme_defs.h"
+#include "vfio_user/protocol.h"
+#include "vfio_user/test_util.h"
+
+namespace gdkv {
+namespace {
+
+using nvme::Status;
+using vfio_user::test::TempDir;
+
+// "prefix" + n, built without operator+ on temporaries (GCC 12 warns falsely on those).
+Key key_of(const char* prefix, int n, int m = -1) {
+  std::string s(prefix);
+  s += std::to_string(n);
+  if (m >= 0) {
+    s += '-';
+    s += std::to_string(m);
+  }
+  return *Key::from_string(s);
+}
+
+std::vector<std::byte> pattern(size_t n, uint64_t seed) {
+  std::vector<std::byte> v(n);
+  std::mt19937_64 g(seed);
+  for (auto& b : v) b = static_cast<std::byte>(g());
+  return v;
+}
+
+class VfioUserE2E : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ControllerOptions co;
+    co.reactors = 2;
+    co.namespaces = 8;
+    co.idle_spin_us = 1000;
+    backend_ = make_memory_backend();
+    ctl_ = std::make_unique<Controller>(backend_, co);
+    VfioUserServerOptions so;
+    so.socket_dir = dir_.path();
+    so.log = [](const std::string&) {};
+    so.namespaces = {{1, 1, "one", {}, {}}, {2, 5, "two", {}, {}}};
+    server_ = std::make_unique<VfioUserServer>(*ctl_, so);
+    server_->start();
+  }
+  void TearDown() override {
+    server_->stop();
+    ctl_->stop();
+  }
+
+  TempDir dir_{"e2e"};
+  std::shared_ptr<Backend> backend_;
+  std::unique_ptr<Controller> ctl_;
+  std::unique_ptr<VfioUserServer> server_;
+};
+
+TEST_F(VfioUserE2E, EveryOpcode) {
+  auto dev = VfioUserDevice::open(dir_.path());
+  auto c = dev->make_client();
+  const Key k = *Key::from_string("hello");
+  const auto v = pattern(10000, 1);
+
+  // Store, Retrieve (whole, short buffer), Exist, Store options.
+  ASSERT_TRUE(c->put(k, v).ok());
+  std::vector<std::byte> out;
+  CmdResult r = c->get(k, out);
+  ASSERT_TRUE(r.ok()) << describe(r);
+  EXPECT_EQ(out, v);
+  std::vector<std::byte> small(100);
+  r = c->get(k, std::span(small));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r.dw0, v.size());
+  EXPECT_TRUE(std::equal(small.begin(), small.end(), v.begin()));
+  EXPECT_TRUE(c->exists(k).ok());
+  EXPECT_EQ(c->put(k, v, nvme::kStoreMustNotExist).status, Status::kKeyExists);
+  EXPECT_EQ(c->put(*Key::from_string("nope"), v, nvme::kStoreMustExist).status,
+            Status::kKeyNotExist);
+
+  // List and List continuation.
+  for (int i = 0; i < 50; ++i) {
+    ASSERT_TRUE(c->put(key_of("k", 100 + i), pattern(10, i)).ok());
+  }
+  std::vector<Key> keys;
+  ASSERT_TRUE(c->list_all(keys).ok());
+  EXPECT_EQ(keys.size(), 51u);
+
+  // Prefetch (a hint: success) and Scatter Retrieve into shared memory.
+  std::vector<Key> hint(keys.begin(), keys.begin() + 5);
+  EXPECT_TRUE(c->prefetch(hint).ok());
+  auto* dst = static_cast<std::byte*>(dev->alloc(3000));
+  ASSERT_NE(dst, nullptr);
+  const nvme::ScatterEntry pieces[2] = {{reinterpret_cast<uint64_t>(dst), 0, 1000},
+                                        {reinterpret_cast<uint64_t>(dst + 1000), 5000, 2000}};
+  r = c->scatter_get(k, pieces);
+  ASSERT_TRUE(r.ok()) << describe(r);
+  EXPECT_EQ(std::memcmp(dst, v.data(), 1000), 0);
+  EXPECT_EQ(std::memcmp(dst + 1000, v.data() + 5000, 2000), 0);
+  // A scatter destination outside the shared memory is refused.
+  std::vector<std::byte> heap(100);
+  const nvme::ScatterEntry bad[1] = {{reinterpret_cast<uint64_t>(heap.data()), 0, 100}};
+  EXPECT_EQ(c->scatter_get(k, bad).status, Status::kDataTransferError);
+  dev->free(dst);
+
+  // Delete, then everything reports 87h.
+  ASSERT_TRUE(c->del(k).ok());
+  EXPECT_EQ(c->del(k).status, Status::kKeyNotExist);
+  EXPECT_EQ(c->exists(k).status, Status::kKeyNotExist);
+  EXPECT_EQ(c->get(k, out).status, Status::kKeyNotExist);
+
+  // Bad input from a well-behaved driver: key sizes, unknown opcodes, namespaces.
+  nvme::Sqe s = cmd::exist(k.bytes, 0);
+  EXPECT_EQ(c->execute(s).status, Status::kInvalidKeySize);
+  s = cmd::exist(k.bytes, 17);
+  s.key_length = 17;
+  EXPECT_EQ(c->execute(s).status, Status::kInvalidKeySize);
+  s = cmd::exist(k.bytes, k.len);
+  s.opcode = 0x7F;
+  EXPECT_EQ(c->execute(s).status, Status::kInvalidOpcode);
+  EXPECT_EQ(c->exists(k, 3).status, Status::kInvalidNamespace);
+  EXPECT_EQ(c->exists(k, 0).status, Status::kInvalidNamespace);
+}
+
+TEST_F(VfioUserE2E, NamespacesMapToBackendNamespaces) {
+  auto dev = VfioUserDevice::open(dir_.path());
+  EXPECT_EQ(dev->namespaces(), (std::vector<uint32_t>{1, 2}));
+  auto c = dev->make_client();
+  const Key k = *Key::from_string("shared-name");
+  ASSERT_TRUE(c->put(k, pattern(64, 1), 0, 1).ok());
+  ASSERT_TRUE(c->put(k, pattern(64, 2), 0, 2).ok());
+  std::vector<std::byte> a, b;
+  ASSERT_TRUE(c->get(k, a, 1).ok());
+  ASSERT_TRUE(c->get(k, b, 2).ok());
+  EXPECT_EQ(a, pattern(64, 1));
+  EXPECT_EQ(b, pattern(64, 2));
+  // nsid 2 is backend namespace 5: an in-process client on the controller finds it there.
+  auto local = Client(ctl_->create_queue(), nullptr, ctl_.get());
+  std::vector<std::byte> via5;
+  ASSERT_TRUE(local.get(k, via5, 5).ok());
+  EXPECT_EQ(via5, pattern(64, 2));
+  EXPECT_EQ(local.get(k, via5, 2).status, Status::kKeyNotExist);
+}
+
+TEST_F(VfioUserE2E, IdentifyAndAdmin) {
+  auto dev = VfioUserDevice::open(dir_.path());
+  using namespace vfio_user;  // NOLINT
+  IdentifyController id;
+  nvme::Sqe s{};
+  s.opcode = static_cast<uint8_t>(AdminOp::kIdentify);
+  s.cdw10 = kCnsController;
+  ASSERT_TRUE(dev->admin(s, &id, sizeof(id)).ok());
+  EXPECT_EQ(id.ver, 0x00020000u);
+  EXPECT_EQ(id.nn, 2u);
+  EXPECT_EQ(id.sqes, 0x66);
+  EXPECT_EQ(std::string(id.subnqn).rfind("nqn.", 0), 0u);
+  EXPECT_FALSE(dev->device_memory_supported());
+
+  // KV Identify Namespace, descriptors with CSI 01h, I/O-command-set-independent namespace.
+  KvIdentifyNamespace kv;
+  s.cdw10 = kCnsCsiNamespace;
+  s.cdw11_reserved = uint16_t{kCsiKv} << 8;
+  s.nsid = 1;
+  ASSERT_TRUE(dev->admin(s, &kv, sizeof(kv)).ok());
+  EXPECT_EQ(kv.kvf[0].kml, 16);
+  EXPECT_EQ(kv.kvf[0].vml, ctl_->options().max_value_bytes);
+  uint8_t desc[4096];
+  s.cdw10 = kCnsNsDescriptors;
+  s.cdw11_reserved = 0;
+  ASSERT_TRUE(dev->admin(s, desc, sizeof(desc)).ok());
+  EXPECT_EQ(desc[0], kNidtNguid);
+  EXPECT_EQ(desc[20], kNidtCsi);
+  EXPECT_EQ(desc[24], kCsiKv);
+  CsIndepIdentifyNamespace ind;
+  s.cdw10 = kCnsCsIndepNamespace;
+  ASSERT_TRUE(dev->admin(s, &ind, sizeof(ind)).ok());
+  EXPECT_EQ(ind.nstat & 1, 1);
+  uint64_t sets[512];
+  s.cdw10 = kCnsIoCommandSets;
+  ASSERT_TRUE(dev->admin(s, sets, sizeof(sets)).ok());
+  EXPECT_EQ(sets[0], 2u);
+  // Out-of-range namespace, unknown CNS, unknown admin opcode.
+  s.cdw10 = kCnsCsIndepNamespace;
+  s.nsid = 9;
+  EXPECT_EQ(dev->admin(s, &ind, sizeof(ind)).status, Status::kInvalidNamespace);
+  s.cdw10 = 0x55;
+  EXPECT_EQ(dev->admin(s, &ind, sizeof(ind)).status, Status::kInvalidField);
+  s.opcode = 0x7E;
+  EXPECT_EQ(dev->admin(s).status, Status::kInvalidOpcode);
+
+  // Log pages: SMART, error, firmware slot; an unknown one.
+  SmartLog smart;
+  nvme::Sqe g{};
+  g.opcode = static_cast<uint8_t>(AdminOp::kGetLogPage);
+  g.nsid = 0xFFFFFFFF;
+  g.cdw10 = kLogSmart | ((sizeof(smart) / 4 - 1) << 16);
+  ASSERT_TRUE(dev->admin(g, &smart, sizeof(smart)).ok());
+  EXPECT_EQ(smart.avail_spare, 100);
+  g.cdw10 = 0x42 | (127u << 16);
+  const CmdResult r = dev->admin(g, &smart, sizeof(smart));
+  EXPECT_EQ(r.status_type, nvme::kSctCommandSpecific);
+  // Features: I/O command set profile, keep alive, an unknown one.
+  nvme::Sqe f{};
+  f.opcode = static_cast<uint8_t>(AdminOp::kSetFeatures);
+  f.cdw10 = kFeatIoCommandSetProfile;
+  EXPECT_TRUE(dev->admin(f).ok());
+  f.key_length = 1;  // vector 1: not offered
+  EXPECT_EQ(dev->admin(f).status, Status::kInvalidField);
+  f.cdw10 = 0x77;
+  EXPECT_EQ(dev->admin(f).status, Status::kInvalidField);
+  // Device memory without an importer: invalid field, DW0 names why.
+  const uint8_t handle[64] = {};
+  const CmdResult dm = dev->register_device_memory(handle, 0x7f0000000000, 1 << 20);
+  EXPECT_EQ(dm.status, Status::kInvalidField);
+  EXPECT_EQ(dm.dw0, kDevMemErrNotSupported);
+}
+
+TEST_F(VfioUserE2E, ManyQueuesAndThreads) {
+  auto dev = VfioUserDevice::open(dir_.path());
+  std::vector<std::unique_ptr<Client>> clients;
+  for (int i = 0; i < 4; ++i) clients.push_back(dev->make_client(64));
+  std::vector<std::thread> ts;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < 4; ++t) {
+    ts.emplace_back([&, t] {
+      Client& c = *clients[t % clients.size()];
+      for (int i = 0; i < 100; ++i) {
+        const Key k = key_of("t", t, i);
+        const auto v = pattern(100 + i, t * 1000 + i);
+        if (!c.put(k, v).ok()) ++failures;
+        std::vector<std::byte> out;
+        if (!c.get(k, out).ok() || out != v) ++failures;
+      }
+    });
+  }
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  clients.clear();  // deletes the queues
+  // All 31 I/O queues can be had, and no more.
+  std::vector<std::unique_ptr<Client>> all;
+  for (int i = 0; i < 31; ++i) all.push_back(dev->make_client(4));
+  EXPECT_THROW(dev->make_client(4), std::runtime_error);
+}
+
+TEST_F(VfioUserE2E, AsyncBatchInSharedMemory) {
+  auto dev = VfioUserDevice::open(dir_.path());
+  auto c = dev->make_client(128);
+  constexpr int kN = 500;
+  constexpr uint32_t kSize = 4096;
+  auto* buf = static_cast<std::byte*>(dev->alloc(size_t{kN} * kSize, 4096));
+  ASSERT_NE(buf, nullptr);
+  std::vector<nvme::Sqe> sqes;
+  std::vector<Key> keys;
+  for (int i = 0; i < kN; ++i) {
+    keys.push_back(key_of("b", i));
+    auto v = pattern(kSize, i);
+    std::memcpy(buf + static_cast<size_t>(i) * kSize, v.data(), kSize);
+  }
+  for (int i = 0; i < kN; ++i) {
+    sqes.push_back(
+        cmd::store(keys[i].bytes, keys[i].len, buf + static_cast<size_t>(i) * kSize, kSize));
+  }
+  std::vector<CmdResult> rs(kN);
+  c->run_batch(sqes, rs);
+  for (auto& r : rs) ASSERT_TRUE(r.ok()) << describe(r);
+  std::memset(buf, 0, size_t{kN} * kSize);
+  sqes.clear();
+  for (int i = 0; i < kN; ++i) {
+    sqes.push_back(
+        cmd::retrieve(keys[i].bytes, keys[i].len, buf + static_cast<size_t>(i) * kSize, kSize));
+  }
+  c->run_batch(sqes, rs);
+  for (int i = 0; i < kN; ++i) {
+    ASSERT_TRUE(rs[i].ok());
+    ASSERT_EQ(std::memcmp(buf + static_cast<size_t>(i) * kSize, pattern(kSize, i).data(), kSize), 0)
+        << i;
+  }
+  // Pointers outside the shared memory: 04h, not a crash.
+  std::vector<std::byte> heap(kSize);
+  EXPECT_EQ(c->execute(cmd::retrieve(keys[0].bytes, keys[0].len, heap.data(), kSize)).status,
+            Status::kDataTransferError);
+  dev->free(buf);
+}
+
+TEST_F(VfioUserE2E, DisconnectTearsDown) {
+  {
+    auto dev = VfioUserDevice::open(dir_.path());
+    auto c = dev->make_client();
+    ASSERT_TRUE(c->put(*Key::from_string("x"), pattern(10, 1)).ok());
+    EXPECT_EQ(server_->clients(), 1u);
+  }
+  for (int i = 0; i < 200 && server_->clients() != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(server_->clients(), 0u);
+  MetricList m;
+  server_->collect(m);
+  bool found = false;
+  for (const auto& x : m) {
+    if (x.name == "vfio_user_dma_maps") {
+      EXPECT_EQ(x.value, 0);
+      found = true;
+    }
+  }
+  EXPECT_TRUE(found);
+  // A new client gets a fresh controller.
+  auto c2 = connect_vfio_user(dir_.path());
+  std::vector<std::byte> out;
+  EXPECT_TRUE(c2->get(*Key::from_string("x"), out).ok());
+}
+
+// A standard host, as SPDK or a guest driver would act: raw messages, ring-index doorbells written
+// by REGION_WRITE and through the mmapped doorbell page, an MSI-X eventfd for the admin CQ and for
+// an I/O CQ, KV commands built by hand, and completions with phase tags.
+TEST_F(VfioUserE2E, StandardHostWithInterrupts) {
+  using namespace vfio_user;  // NOLINT
+  vfio_user::test::RawClient r(dir_.path());
+  ASSERT_EQ(r.version(), 0);
+  // Memory: a sealed memfd mapped here and shared by DMA_MAP at IOVA 0x80000000.
+  constexpr uint64_t kIova = 0x80000000, kSize = 0x20000;
+  UniqueFd mfd(::memfd_create("host", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  ASSERT_EQ(::ftruncate(mfd.get(), kSize), 0);
+  ASSERT_EQ(::fcntl(mfd.get(), F_ADD_SEALS, F_SEAL_SHRINK), 0);
+  auto* mem = static_cast<std::byte*>(
+      ::mmap(nullptr, kSize, PROT_READ | PROT_WRITE, MAP_SHARED, mfd.get(), 0));
+  ASSERT_NE(mem, MAP_FAILED);
+  const DmaMapMsg dm{32, kDmaFlagRead | kDmaFlagWrite, 0, kIova, kSize};
+  ASSERT_EQ(r.call(static_cast<uint16_t>(Cmd::kDmaMap), vfio_user::test::RawClient::bytes_of(dm),
+                   nullptr, std::vector<int>{mfd.get()}),
+            0);
+  // The doorbell page through the sparse-mmap area.
+  Message info;
+  const RegionInfoMsg ri{256, 0, kRegionBar0, 0, 0, 0};
+  ASSERT_EQ(r.call(static_cast<uint16_t>(Cmd::kDeviceGetRegionInfo),
+                   vfio_user::test::RawClient::bytes_of(ri), &info),
+            0);
+  ASSERT_EQ(info.fds.size(), 1u);
+  auto* db = static_cast<uint32_t*>(
+      ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, info.fds[0].get(), kDoorbellPage));
+  ASSERT_NE(db, MAP_FAILED);
+  // MSI-X vectors 0 (admin) and 3 (I/O).
+  UniqueFd ev0(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)),
+      ev3(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  IrqSetMsg is{20, kIrqSetDataEventfd | kIrqSetActionTrigger, kIrqMsix, 0, 1};
+  ASSERT_EQ(r.call(static_cast<uint16_t>(Cmd::kDeviceSetIrqs),
+                   vfio_user::test::RawClient::bytes_of(is), nullptr, std::vector<int>{ev0.get()}),
+            0);
+  is.start = 3;
+  ASSERT_EQ(r.call(static_cast<uint16_t>(Cmd::kDeviceSetIrqs),
+                   vfio_user::test::RawClient::bytes_of(is), nullptr, std::vector<int>{ev3.get()}),
+            0);
+  auto reg_write = [&](uint32_t off, uint64_t v, uint32_t n) {
+    std::vector<std::byte> p(16 + n);
+    const RegionAccessMsg a{off, kRegionBar0, n};
+    std::memcpy(p.data(), &a, 16);
+    std::memcpy(p.data() + 16, &v, n);
+    return r.call(static_cast<uint16_t>(Cmd::kRegionWrite), p);
+  };
+  auto reg_read = [&](uint32_t off) {
+    Message rep;
+    const RegionAccessMsg a{off, kRegionBar0, 4};
+    r.call(static_cast<uint16_t>(Cmd::kRegionRead), vfio_user::test::RawClient::bytes_of(a), &rep);
+    uint32_t v = 0;
+    std::memcpy(&v, rep.payload.data() + 16, 4);
+    return v;
+  };
+  // Layout: admin SQ (8 entries) at +0, admin CQ at +0x1000, I/O SQ (16) at +0x2000, I/O CQ at
+  // +0x3000, data at +0x4000.
+  auto* asq = reinterpret_cast<nvme::Sqe*>(mem);
+  auto* acq = reinterpret_cast<nvme::Cqe*>(mem + 0x1000);
+  auto* isq = reinterpret_cast<nvme::Sqe*>(mem + 0x2000);
+  auto* icq = reinterpret_cast<nvme::Cqe*>(mem + 0x3000);
+  ASSERT_EQ(reg_write(reg::kAqa, (7u << 16) | 7u, 4), 0);
+  ASSERT_EQ(reg_write(reg::kAsq, kIova, 8), 0);
+  ASSERT_EQ(reg_write(reg::kAcq, kIova + 0x1000, 8), 0);
+  ASSERT_EQ(reg_write(reg::kCc, kCcEn | (6u << 4) | (6u << 16) | (4u << 20), 4), 0);
+  for (int i = 0; i < 2000 && !(reg_read(reg::kCsts) & kCstsRdy); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_TRUE(reg_read(reg::kCsts) & kCstsRdy);
+
+  auto wait_event = [](int fd) {
+    for (int i = 0; i < 2000; ++i) {
+      uint64_t n;
+      if (::read(fd, &n, 8) == 8) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return false;
+  };
+  uint32_t atail = 0, ahead = 0;
+  auto admin = [&](nvme::Sqe s, bool ring_by_message) {
+    s.cid = static_cast<uint16_t>(100 + atail);
+    asq[atail] = s;
+    atail = (atail + 1) % 8;
+    if (ring_by_message) {
+      EXPECT_EQ(reg_write(reg::kDoorbells, atail, 4), 0);  // SQ 0 tail by REGION_WRITE
+    } else {
+      __atomic_store_n(&db[0], atail, __ATOMIC_RELEASE);  // through the mapping
+    }
+    EXPECT_TRUE(wait_event(ev0.get()));
+    nvme::Cqe e;
+    std::memcpy(&e, &acq[ahead], sizeof(e));
+    EXPECT_EQ(e.status & 1, 1);  // phase 1 on the first pass
+    EXPECT_EQ(e.cid, s.cid);
+    ahead = (ahead + 1) % 8;
+    __atomic_store_n(&db[16], ahead, __ATOMIC_RELEASE);  // CQ 0 head
+    return e;
+  };
+  nvme::Sqe id{};
+  id.opcode = static_cast<uint8_t>(AdminOp::kIdentify);
+  id.cdw10 = kCnsController;
+  id.dptr.prp.prp1 = kIova + 0x4000;
+  nvme::Cqe e = admin(id, true);
+  EXPECT_EQ(nvme::status_code(e.status), Status::kSuccess);
+  EXPECT_EQ(reinterpret_cast<IdentifyController*>(mem + 0x4000)->ver, 0x00020000u);
+  // An I/O queue pair with ring-index doorbells and interrupts on vector 3.
+  nvme::Sqe cq{};
+  cq.opcode = static_cast<uint8_t>(AdminOp::kCreateIoCq);
+  cq.cdw10 = 1 | (15u << 16);
+  cq.key_length = 1 | 2;  // PC, IEN
+  cq.cdw11_reserved = 3;  // IV
+  cq.dptr.prp.prp1 = kIova + 0x3000;
+  EXPECT_EQ(nvme::status_code(admin(cq, false).status), Status::kSuccess);
+  nvme::Sqe sq{};
+  sq.opcode = static_cast<uint8_t>(AdminOp::kCreateIoSq);
+  sq.cdw10 = 1 | (15u << 16);
+  sq.key_length = 1;
+  sq.cdw11_reserved = 1;  // CQ 1
+  sq.dptr.prp.prp1 = kIova + 0x2000;
+  EXPECT_EQ(nvme::status_code(admin(sq, false).status), Status::kSuccess);
+  // Store 6000 bytes through PRP1 + PRP2 (two pages), then Retrieve them into other pages.
+  for (int i = 0; i < 6000; ++i) mem[0x6000 + i] = static_cast<std::byte>(i * 13);
+  const Key k = *Key::from_string("raw-host");
+  uint32_t itail = 0, ihead = 0;
+  auto io = [&](nvme::Sqe s) {
+    s.cid = static_cast<uint16_t>(itail);
+    isq[itail] = s;
+    itail = (itail + 1) % 16;
+    __atomic_store_n(&db[2 * 16], itail, __ATOMIC_RELEASE);  // SQ 1 tail
+    EXPECT_TRUE(wait_event(ev3.get()));
+    nvme::Cqe c;
+    std::memcpy(&c, &icq[ihead], sizeof(c));
+    EXPECT_EQ(c.sq_id, 1);
+    ihead = (ihead + 1) % 16;
+    __atomic_store_n(&db[3 * 16], ihead, __ATOMIC_RELEASE);  // CQ 1 head
+    return c;
+  };
+  nvme::Sqe st = cmd::store(k.bytes, k.len, nullptr, 6000);
+  st.dptr.prp.prp1 = kIova + 0x6000;
+  st.dptr.prp.prp2 = kIova + 0x7000;
+  EXPECT_EQ(nvme::status_code(io(st).status), Status::kSuccess);
+  nvme::Sqe rt = cmd::retrieve(k.bytes, k.len, nullptr, 6000);
+  rt.dptr.prp.prp1 = kIova + 0x9000;
+  rt.dptr.prp.prp2 = kIova + 0xA000;
+  nvme::Cqe c = io(rt);
+  EXPECT_EQ(nvme::status_code(c.status), Status::kSuccess);
+  EXPECT_EQ(c.dw0, 6000u);
+  EXPECT_EQ(std::memcmp(mem + 0x9000, mem + 0x6000, 6000), 0);
+  // A Retrieve whose single PRP crosses a page without PRP2 on a standard queue: not flat here.
+  rt.dptr.prp.prp2 = 0;
+  EXPECT_EQ(nvme::status_code(io(rt).status), Status::kDataTransferError);
+  ::munmap(db, 4096);
+  ::munmap(mem, kSize);
+}
+
+TEST(VfioUserServerSetup, Errors) {
+  TempDir dir("setup");
+  auto backend = make_memory_backend();
+  Controller ctl(backend);
+  EXPECT_THROW(connect_vfio_user(dir.path()), std::runtime_error);  // nobody listening
+  VfioUserServerOptions so;
+  so.socket_dir = dir.path();
+  so.log = [](const std::string&) {};
+  VfioUserServer a(ctl, so);
+  a.start();
+  VfioUserServer b(ctl, so);
+  EXPECT_THROW(b.start(), std::runtime_error);  // a live server owns the socket
+  a.stop();
+  EXPECT_FALSE(std::filesystem::exists(a.socket_path()));
+  so.namespaces = {{1, 9, "beyond", {}, {}}};  // controller has 1 namespace
+  EXPECT_THROW(VfioUserServer(ctl, so), std::invalid_argument);
+  ctl.stop();
+}
+
+}  // namespace
+}  // namespace gdkv

@@ -1,0 +1,475 @@
+// Hostile input: malformed vfio-user messages, bad descriptors, overlapping and in-use maps,
+// queue commands and SQEs that point outside the client's memory, garbage doorbells. Every case
+// gets an error reply or an NVMe status; the server keeps serving a well-behaved client throughout
+// and leaks no descriptors.
+#include <dirent.h>
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "gdkv/backend.h"
+#include "gdkv/client.h"
+#include "gdkv/commands.h"
+#include "gdkv/vfio_user.h"
+#include "vfio_user/nvme_defs.h"
+#include "vfio_user/pci_config.h"
+#include "vfio_user/protocol.h"
+#include "vfio_user/test_util.h"
+
+namespace gdkv {
+namespace {
+
+using nvme::Status;
+using namespace vfio_user;  // NOLINT
+using vfio_user::test::RawClient;
+using vfio_user::test::TempDir;
+
+size_t open_fds() {
+  size_t n = 0;
+  DIR* d = ::opendir("/proc/self/fd");
+  while (dirent* e = ::readdir(d)) n += e->d_name[0] != '.';
+  ::closedir(d);
+  return n;
+}
+
+UniqueFd memfd(size_t size, bool seal = true) {
+  UniqueFd fd(::memfd_create("hostile", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (::ftruncate(fd.get(), static_cast<off_t>(size)) != 0) std::abort();
+  if (seal) ::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW);
+  return fd;
+}
+
+class Hostile : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ControllerOptions co;
+    co.reactors = 1;
+    co.idle_spin_us = 1000;
+    ctl_ = std::make_unique<Controller>(make_memory_backend(), co);
+    VfioUserServerOptions so;
+    so.socket_dir = dir_.path();
+    so.log = [](const std::string&) {};
+    so.max_dma_maps = 8;
+    server_ = std::make_unique<VfioUserServer>(*ctl_, so);
+    server_->start();
+    // A well-behaved client that must keep working whatever the others do.
+    good_ = connect_vfio_user(dir_.path());
+    ASSERT_TRUE(good_->put(*Key::from_string("good"), std::vector<std::byte>(100)).ok());
+  }
+  void TearDown() override {
+    good_.reset();
+    server_->stop();
+    ctl_->stop();
+  }
+  void expect_good_client_works() {
+    std::vector<std::byte> out;
+    EXPECT_TRUE(good_->get(*Key::from_string("good"), out).ok());
+    EXPECT_EQ(out.size(), 100u);
+  }
+  void wait_clients(size_t n) {
+    for (int i = 0; i < 500 && server_->clients() != n; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    EXPECT_EQ(server_->clients(), n);
+  }
+
+  TempDir dir_{"hostile"};
+  std::unique_ptr<Controller> ctl_;
+  std::unique_ptr<VfioUserServer> server_;
+  std::unique_ptr<Client> good_;
+};
+
+constexpr uint16_t c(Cmd x) { return static_cast<uint16_t>(x); }
+
+TEST_F(Hostile, FramingErrorsCloseTheConnection) {
+  {
+    RawClient r(dir_.path());
+    ASSERT_TRUE(r.ok());
+    // A size smaller than the header: an error reply, then the connection closes.
+    ASSERT_TRUE(r.send(c(Cmd::kVersion), {}, {}, kTypeCommand, 8));
+    Message m;
+    ASSERT_TRUE(r.recv(m));
+    EXPECT_TRUE(m.hdr.flags & kErrorFlag);
+    EXPECT_EQ(m.hdr.error, static_cast<uint32_t>(EINVAL));
+    EXPECT_FALSE(r.recv(m));
+  }
+  {
+    RawClient r(dir_.path());
+    ASSERT_TRUE(r.send(c(Cmd::kRegionWrite), {}, {}, kTypeCommand, 64 << 20));
+    Message m;
+    ASSERT_TRUE(r.recv(m));
+    EXPECT_EQ(m.hdr.error, static_cast<uint32_t>(E2BIG));
+    EXPECT_FALSE(r.recv(m));
+  }
+  {
+    RawClient r(dir_.path());
+    ASSERT_TRUE(r.send(c(Cmd::kVersion), {}, {}, 0x7));  // neither command nor reply
+    Message m;
+    ASSERT_TRUE(r.recv(m));
+    EXPECT_TRUE(m.hdr.flags & kErrorFlag);
+    EXPECT_FALSE(r.recv(m));
+  }
+  {
+    // A message cut short by the peer closing: nothing to answer, nothing leaked.
+    RawClient r(dir_.path());
+    Header h{1, c(Cmd::kVersion), 1000, kTypeCommand, 0};
+    ASSERT_EQ(::write(r.fd(), &h, sizeof(h)), static_cast<ssize_t>(sizeof(h)));
+  }
+  expect_good_client_works();
+}
+
+TEST_F(Hostile, VersionRules) {
+  RawClient r(dir_.path());
+  // Anything before VERSION is refused; the connection stays usable.
+  EXPECT_EQ(r.call(c(Cmd::kDeviceGetInfo), RawClient::bytes_of(DeviceInfoMsg{16, 0, 0, 0})),
+            EINVAL);
+  std::vector<std::byte> p(4 + 3);
+  VersionMsg v{0, 0};
+  std::memcpy(p.data(), &v, 4);
+  std::memcpy(p.data() + 4, "{\"a", 3);  // no NUL, not JSON
+  EXPECT_EQ(r.call(c(Cmd::kVersion), p), EINVAL);
+  EXPECT_EQ(r.call(c(Cmd::kVersion), std::vector<std::byte>(2)), EINVAL);  // short
+  Message m;
+  ASSERT_EQ(r.version(), 0);
+  EXPECT_EQ(r.call(c(Cmd::kVersion), RawClient::bytes_of(v)), EINVAL);  // only once
+  // Major version 1: refused, then closed.
+  RawClient r2(dir_.path());
+  v.major = 1;
+  EXPECT_EQ(r2.call(c(Cmd::kVersion), RawClient::bytes_of(v)), ENOTSUP);
+  EXPECT_FALSE(r2.recv(m));
+  expect_good_client_works();
+}
+
+TEST_F(Hostile, VersionReplyIsNulTerminatedJson) {
+  RawClient r(dir_.path());
+  VersionMsg v{0, 1};  // SPDK: no JSON at all
+  Message m;
+  ASSERT_EQ(r.call(c(Cmd::kVersion), RawClient::bytes_of(v), &m), 0);
+  ASSERT_GT(m.payload.size(), 5u);
+  EXPECT_EQ(m.payload.back(), std::byte{0});
+  VersionRequest back;
+  ASSERT_EQ(decode_version(m.payload, &back), 0);
+  EXPECT_EQ(back.minor, 1);
+  EXPECT_TRUE(back.caps.has_json);
+}
+
+TEST_F(Hostile, WrongSizesAndUnknownCommands) {
+  const size_t fds_before = open_fds();
+  {
+    RawClient r(dir_.path());
+    ASSERT_EQ(r.version(), 0);
+    const std::vector<std::byte> tiny(3);
+    for (Cmd x : {Cmd::kDmaMap, Cmd::kDmaUnmap, Cmd::kDeviceGetInfo, Cmd::kDeviceGetRegionInfo,
+                  Cmd::kDeviceGetIrqInfo, Cmd::kDeviceSetIrqs, Cmd::kRegionRead, Cmd::kRegionWrite,
+                  Cmd::kRegionWriteMulti}) {
+      EXPECT_EQ(r.call(c(x), tiny), EINVAL) << cmd_name(c(x));
+    }
+    EXPECT_EQ(r.call(999, tiny), ENOSYS);
+    EXPECT_EQ(r.call(c(Cmd::kDmaRead), tiny), EINVAL);
+    EXPECT_EQ(r.call(c(Cmd::kDeviceFeature), tiny), ENOTTY);
+    // argsz smaller than the structure.
+    EXPECT_EQ(r.call(c(Cmd::kDeviceGetInfo), RawClient::bytes_of(DeviceInfoMsg{4, 0, 0, 0})),
+              EINVAL);
+    // Region accesses out of range, to a missing region, claiming more data than sent.
+    RegionAccessMsg a{0, kRegionConfig, 8};
+    a.offset = kConfigSize - 4;
+    EXPECT_EQ(r.call(c(Cmd::kRegionRead), RawClient::bytes_of(a)), EINVAL);
+    a = {0, 99, 4};
+    EXPECT_EQ(r.call(c(Cmd::kRegionRead), RawClient::bytes_of(a)), EINVAL);
+    a = {0, kRegionBar0, kMaxDataXfer + 1};
+    EXPECT_EQ(r.call(c(Cmd::kRegionRead), RawClient::bytes_of(a)), EINVAL);
+    a = {UINT64_MAX - 2, kRegionBar0, 4};
+    EXPECT_EQ(r.call(c(Cmd::kRegionRead), RawClient::bytes_of(a)), EINVAL);
+    a = {0x14, kRegionBar0, 100};  // write claiming 100 bytes, carrying none
+    EXPECT_EQ(r.call(c(Cmd::kRegionWrite), RawClient::bytes_of(a)), EINVAL);
+    RegionInfoMsg ri{32, 0, 42, 0, 0, 0};
+    EXPECT_EQ(r.call(c(Cmd::kDeviceGetRegionInfo), RawClient::bytes_of(ri)), EINVAL);
+    IrqSetMsg s{20, kIrqSetDataEventfd | kIrqSetActionTrigger, kIrqMsix, 30, 10};
+    EXPECT_EQ(r.call(c(Cmd::kDeviceSetIrqs), RawClient::bytes_of(s)), EINVAL);  // past the end
+    s = {20, kIrqSetDataBool | kIrqSetDataNone | kIrqSetActionTrigger, kIrqMsix, 0, 1};
+    EXPECT_EQ(r.call(c(Cmd::kDeviceSetIrqs), RawClient::bytes_of(s)), EINVAL);  // two data kinds
+    s = {20, kIrqSetDataBool | kIrqSetActionTrigger, kIrqMsix, 0, 8};
+    EXPECT_EQ(r.call(c(Cmd::kDeviceSetIrqs), RawClient::bytes_of(s)), EINVAL);  // bools missing
+    uint64_t multi[1] = {1000};
+    EXPECT_EQ(r.call(c(Cmd::kRegionWriteMulti), RawClient::bytes_of(multi)), EINVAL);
+    // NO_REPLY: an erroneous request gets no reply; the next one is answered normally.
+    ASSERT_TRUE(r.send(999, tiny, {}, kTypeCommand | kNoReply));
+    Message m;
+    ASSERT_EQ(r.call(c(Cmd::kDeviceGetInfo), RawClient::bytes_of(DeviceInfoMsg{16, 0, 0, 0}), &m),
+              0);
+    EXPECT_EQ(m.hdr.command, c(Cmd::kDeviceGetInfo));
+    // A region info buffer too small for the capability: the needed size comes back, no fd.
+    RegionInfoMsg small{32, 0, kRegionBar0, 0, 0, 0};
+    ASSERT_EQ(r.call(c(Cmd::kDeviceGetRegionInfo), RawClient::bytes_of(small), &m), 0);
+    EXPECT_TRUE(m.fds.empty());
+    RegionInfoMsg got;
+    std::memcpy(&got, m.payload.data(), sizeof(got));
+    EXPECT_GT(got.argsz, 32u);
+    EXPECT_FALSE(got.flags & kRegionFlagCaps);  // QEMU rejects CAPS with cap_offset 0
+  }
+  wait_clients(1);
+  EXPECT_EQ(open_fds(), fds_before);
+  expect_good_client_works();
+}
+
+TEST_F(Hostile, BadDescriptorsAndMaps) {
+  const size_t fds_before = open_fds();
+  {
+    RawClient r(dir_.path());
+    ASSERT_EQ(r.version(), 0);
+    auto map = [&](uint64_t addr, uint64_t size, std::vector<int> fds, uint64_t offset = 0) {
+      const DmaMapMsg m{32, kDmaFlagRead | kDmaFlagWrite, offset, addr, size};
+      return r.call(c(Cmd::kDmaMap), RawClient::bytes_of(m), nullptr, fds);
+    };
+    UniqueFd a = memfd(0x10000), b = memfd(0x10000), unsealed = memfd(0x10000, false);
+    int p[2];
+    ASSERT_EQ(::pipe(p), 0);
+    UniqueFd pr(p[0]), pw(p[1]);
+    EXPECT_EQ(map(0x100000, 0x10000, {a.get(), b.get()}), EINVAL);  // two fds
+    EXPECT_EQ(map(0x100000, 0x10000, {pr.get()}), EINVAL);          // not a file
+    EXPECT_EQ(map(0x100000, 0x10000, {unsealed.get()}), EPERM);     // could shrink under us
+    EXPECT_EQ(map(0x100000, 0x20000, {a.get()}), EINVAL);           // longer than the file
+    EXPECT_EQ(map(0x100000, 0x10000, {}, 0x1000), EINVAL);          // offset without an fd
+    EXPECT_EQ(map(0x100000, 0x10000, {a.get()}), 0);
+    EXPECT_EQ(map(0x108000, 0x10000, {b.get()}), EEXIST);  // overlapping
+    EXPECT_EQ(map(0x0F8000, 0x10000, {b.get()}), EEXIST);
+    EXPECT_EQ(map(0x200000, 0x1000, {}), 0);  // message-only (no fd)
+    // The map limit (8).
+    int placed = 0;
+    for (int i = 0; i < 10; ++i) placed += map(0x1000000 + i * 0x10000, 0x1000, {}) == 0;
+    EXPECT_EQ(placed, 6);
+    // Unmap must match a map exactly; flags it does not know are refused.
+    DmaUnmapMsg u{24, 0, 0x100000, 0x1000};
+    EXPECT_EQ(r.call(c(Cmd::kDmaUnmap), RawClient::bytes_of(u)), ENOENT);
+    u = {24, 0x8, 0x100000, 0x10000};
+    EXPECT_EQ(r.call(c(Cmd::kDmaUnmap), RawClient::bytes_of(u)), EINVAL);
+    u = {24, kDmaUnmapFlagGetDirtyBitmap, 0x100000, 0x10000};
+    EXPECT_EQ(r.call(c(Cmd::kDmaUnmap), RawClient::bytes_of(u)), ENOTSUP);
+    // Descriptors on a message that takes none are closed (SPDK sends one with DMA_UNMAP).
+    u = {24, 0, 0x100000, 0x10000};
+    Message m;
+    EXPECT_EQ(r.call(c(Cmd::kDmaUnmap), RawClient::bytes_of(u), &m, std::vector<int>{b.get()}), 0);
+    EXPECT_EQ(m.payload.size(), sizeof(u));  // echoes the entry
+    EXPECT_EQ(r.call(c(Cmd::kDeviceGetInfo), RawClient::bytes_of(DeviceInfoMsg{16, 0, 0, 0}),
+                     nullptr, std::vector<int>{a.get(), b.get()}),
+              0);
+    // MSI-X eventfds: assign, replace, de-assign; a count/fd mismatch is refused.
+    IrqSetMsg s{20, kIrqSetDataEventfd | kIrqSetActionTrigger, kIrqMsix, 0, 2};
+    UniqueFd e1(::eventfd(0, EFD_CLOEXEC)), e2(::eventfd(0, EFD_CLOEXEC));
+    EXPECT_EQ(
+        r.call(c(Cmd::kDeviceSetIrqs), RawClient::bytes_of(s), nullptr, std::vector<int>{e1.get()}),
+        EINVAL);
+    EXPECT_EQ(r.call(c(Cmd::kDeviceSetIrqs), RawClient::bytes_of(s), nullptr,
+                     std::vector<int>{e1.get(), e2.get()}),
+              0);
+    // The client triggers vector 1 itself: its eventfd fires.
+    IrqSetMsg t{20, kIrqSetDataNone | kIrqSetActionTrigger, kIrqMsix, 1, 1};
+    EXPECT_EQ(r.call(c(Cmd::kDeviceSetIrqs), RawClient::bytes_of(t)), 0);
+    uint64_t n = 0;
+    EXPECT_EQ(::read(e2.get(), &n, 8), 8);
+    EXPECT_EQ(n, 1u);
+    s = {20, kIrqSetDataNone | kIrqSetActionTrigger, kIrqMsix, 0, 0};  // disable all
+    EXPECT_EQ(r.call(c(Cmd::kDeviceSetIrqs), RawClient::bytes_of(s)), 0);
+  }
+  wait_clients(1);
+  EXPECT_EQ(open_fds(), fds_before);  // every descriptor the server got was closed
+  expect_good_client_works();
+}
+
+TEST_F(Hostile, QueuesAndSqesOutsideTheMaps) {
+  auto dev = VfioUserDevice::open(dir_.path());
+  // Create I/O CQ/SQ with hostile parameters.
+  nvme::Sqe q{};
+  q.opcode = static_cast<uint8_t>(AdminOp::kCreateIoCq);
+  q.key_length = 1;  // PC
+  q.cdw10 = 5 | (63u << 16);
+  q.dptr.prp.prp1 = 0x10000;  // not mapped
+  EXPECT_EQ(dev->admin(q).status, Status::kDataTransferError);
+  q.cdw10 = 40 | (63u << 16);  // qid beyond the doorbell page
+  EXPECT_EQ(dev->admin(q).status_type, nvme::kSctCommandSpecific);
+  void* ring = dev->alloc(64 * 64, 4096);
+  q.dptr.prp.prp1 = reinterpret_cast<uint64_t>(ring);
+  q.cdw10 = 5 | (0u << 16);  // one entry
+  EXPECT_EQ(dev->admin(q).status_type, nvme::kSctCommandSpecific);
+  q.cdw10 = 5 | (62u << 16);  // 63 entries with counter doorbells: not a power of two
+  q.cdw12 = kCounterDoorbells;
+  EXPECT_EQ(dev->admin(q).status_type, nvme::kSctCommandSpecific);
+  q.cdw12 = 0;
+  q.key_length = 0;  // not physically contiguous
+  EXPECT_EQ(dev->admin(q).status, Status::kInvalidField);
+  q.key_length = 1 | 2;  // interrupts on vector 900
+  q.cdw11_reserved = 900;
+  EXPECT_EQ(dev->admin(q).status_type, nvme::kSctCommandSpecific);
+  nvme::Sqe sq{};
+  sq.opcode = static_cast<uint8_t>(AdminOp::kCreateIoSq);
+  sq.key_length = 1;
+  sq.cdw10 = 5 | (63u << 16);
+  sq.cdw11_reserved = 7;  // no such CQ
+  sq.dptr.prp.prp1 = reinterpret_cast<uint64_t>(ring);
+  EXPECT_EQ(dev->admin(sq).status_type, nvme::kSctCommandSpecific);
+  nvme::Sqe del{};
+  del.opcode = static_cast<uint8_t>(AdminOp::kDeleteIoCq);
+  del.cdw10 = 9;
+  EXPECT_EQ(dev->admin(del).status_type, nvme::kSctCommandSpecific);
+  dev->free(ring);
+
+  // I/O: data pointers outside the maps, PRP lists outside, malformed PRPs, SGL oddities.
+  auto cl = dev->make_client(16);
+  const Key k = *Key::from_string("victim");
+  ASSERT_TRUE(cl->put(k, std::vector<std::byte>(20000, std::byte{7})).ok());
+  auto* buf = static_cast<std::byte*>(dev->alloc(5 * 4096, 4096));
+  nvme::Sqe s = cmd::retrieve(k.bytes, k.len, reinterpret_cast<void*>(0x1000), 4096);
+  EXPECT_EQ(cl->execute(s).status, Status::kDataTransferError);
+  s = cmd::retrieve(k.bytes, k.len, buf, 20000);
+  s.dptr.prp.prp2 = 0x5000;  // a PRP list pointer outside the maps
+  EXPECT_EQ(cl->execute(s).status, Status::kDataTransferError);
+  s.dptr.prp.prp2 = reinterpret_cast<uint64_t>(buf) + 3;  // misaligned list pointer
+  EXPECT_EQ(cl->execute(s).status, Status::kInvalidField);
+  auto* list = reinterpret_cast<uint64_t*>(buf + 4 * 4096);
+  list[0] = reinterpret_cast<uint64_t>(buf) + 4096;
+  list[1] = 0xdeadbeef000;  // an entry outside the maps
+  list[2] = reinterpret_cast<uint64_t>(buf) + 3 * 4096;
+  list[3] = reinterpret_cast<uint64_t>(buf) + 3 * 4096;
+  s.dptr.prp.prp2 = reinterpret_cast<uint64_t>(list);
+  EXPECT_EQ(cl->execute(s).status, Status::kDataTransferError);
+  list[1] = reinterpret_cast<uint64_t>(buf) + 2 * 4096;
+  EXPECT_TRUE(cl->execute(s).ok());
+  s.set_psdt(nvme::kPsdtSglContiguous);
+  s.dptr.sgl = {0x4000, 20000, {}, 0x00};
+  EXPECT_EQ(cl->execute(s).status, Status::kDataTransferError);
+  s.dptr.sgl = {reinterpret_cast<uint64_t>(buf), 20000, {}, 0x50};  // transport data block
+  EXPECT_EQ(cl->execute(s).status, Status::kInvalidField);
+  // Store reading from outside, bad key sizes, unknown opcodes, fused commands.
+  s = cmd::store(k.bytes, k.len, reinterpret_cast<void*>(0x7000), 100);
+  EXPECT_EQ(cl->execute(s).status, Status::kDataTransferError);
+  s = cmd::exist(k.bytes, k.len);
+  s.key_length = 200;
+  EXPECT_EQ(cl->execute(s).status, Status::kInvalidKeySize);
+  s.key_length = k.len;
+  s.opcode = 0xEE;
+  EXPECT_EQ(cl->execute(s).status, Status::kInvalidOpcode);
+  s.opcode = static_cast<uint8_t>(nvme::Opcode::kExist);
+  s.flags = 1;
+  EXPECT_EQ(cl->execute(s).status, Status::kInvalidField);
+  s.flags = 0;
+  s.nsid = 77;
+  EXPECT_EQ(cl->execute(s).status, Status::kInvalidNamespace);
+  dev->free(buf);
+  expect_good_client_works();
+}
+
+TEST_F(Hostile, GarbageDoorbells) {
+  auto dev = VfioUserDevice::open(dir_.path());
+  auto cl = dev->make_client(16);
+  const Key k = *Key::from_string("db");
+  ASSERT_TRUE(cl->put(k, std::vector<std::byte>(10)).ok());
+  // Far ahead and behind: both ignored (counter doorbells compare by signed difference).
+  const uint32_t sane = __atomic_load_n(&cl->queue().db->sq_tail, __ATOMIC_ACQUIRE);
+  __atomic_store_n(&cl->queue().db->sq_tail, sane + 0x80000000u, __ATOMIC_RELEASE);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  __atomic_store_n(&cl->queue().db->sq_tail, sane - 5, __ATOMIC_RELEASE);
+  __atomic_store_n(&cl->queue().db->cq_head, 0xFFFF0000u, __ATOMIC_RELEASE);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  for (int i = 0; i < 50; ++i) ASSERT_TRUE(cl->exists(k).ok());
+  expect_good_client_works();
+}
+
+TEST_F(Hostile, UnmapInUseAndReset) {
+  RawClient r(dir_.path());
+  ASSERT_EQ(r.version(), 0);
+  // Map memory, put an admin queue in it, enable the controller through registers.
+  UniqueFd m = memfd(0x10000);
+  const uint64_t iova = 0x40000000;
+  const DmaMapMsg dm{32, kDmaFlagRead | kDmaFlagWrite, 0, iova, 0x10000};
+  ASSERT_EQ(r.call(c(Cmd::kDmaMap), RawClient::bytes_of(dm), nullptr, std::vector<int>{m.get()}),
+            0);
+  auto wr = [&](uint32_t off, uint64_t v, uint32_t n) {
+    std::vector<std::byte> p(16 + n);
+    const RegionAccessMsg a{off, kRegionBar0, n};
+    std::memcpy(p.data(), &a, 16);
+    std::memcpy(p.data() + 16, &v, n);
+    return r.call(c(Cmd::kRegionWrite), p);
+  };
+  auto rd = [&](uint32_t off) {
+    Message rep;
+    const RegionAccessMsg a{off, kRegionBar0, 4};
+    EXPECT_EQ(r.call(c(Cmd::kRegionRead), RawClient::bytes_of(a), &rep), 0);
+    uint32_t v = 0;
+    if (rep.payload.size() >= 20) std::memcpy(&v, rep.payload.data() + 16, 4);
+    return v;
+  };
+  ASSERT_EQ(wr(reg::kAqa, (3u << 16) | 3u, 4), 0);
+  ASSERT_EQ(wr(reg::kAsq, iova, 8), 0);
+  ASSERT_EQ(wr(reg::kAcq, iova + 0x1000, 8), 0);
+  ASSERT_EQ(wr(reg::kCc, kCcEn | (6u << 4) | (6u << 16) | (4u << 20), 4), 0);
+  for (int i = 0; i < 1000 && !(rd(reg::kCsts) & kCstsRdy); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_TRUE(rd(reg::kCsts) & kCstsRdy);
+  // The admin queue lives in the map: unmapping it is refused, resetting frees it.
+  const DmaUnmapMsg u{24, 0, iova, 0x10000};
+  EXPECT_EQ(r.call(c(Cmd::kDmaUnmap), RawClient::bytes_of(u)), EBUSY);
+  EXPECT_EQ(r.call(c(Cmd::kDeviceReset), {}), 0);
+  EXPECT_FALSE(rd(reg::kCsts) & kCstsRdy);
+  EXPECT_EQ(r.call(c(Cmd::kDmaUnmap), RawClient::bytes_of(u)), 0);
+  // Enabling with the admin queue outside any map: controller fatal status, not a crash.
+  ASSERT_EQ(wr(reg::kCc, kCcEn | (6u << 4), 4), 0);
+  uint32_t csts = 0;
+  for (int i = 0; i < 1000 && !(csts & kCstsCfs); ++i) {
+    csts = rd(reg::kCsts);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_TRUE(csts & kCstsCfs);
+  ASSERT_EQ(wr(reg::kCc, 0, 4), 0);
+  for (int i = 0; i < 1000 && rd(reg::kCsts) != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_EQ(rd(reg::kCsts), 0u);
+  // Registers: CAP has the I/O command set bit and DSTRD 4; writes to read-only ones are ignored.
+  const uint32_t cap_hi = rd(reg::kCap + 4);
+  EXPECT_TRUE(cap_hi & (1u << (43 - 32)));
+  EXPECT_EQ(cap_hi & 0xF, 4u);
+  ASSERT_EQ(wr(reg::kVs, 0x12345678, 4), 0);
+  EXPECT_EQ(rd(reg::kVs), 0x00020000u);
+  expect_good_client_works();
+}
+
+TEST_F(Hostile, ConfigSpace) {
+  RawClient r(dir_.path());
+  ASSERT_EQ(r.version(), 0);
+  auto cfg = [&](uint32_t off, uint32_t n) {
+    Message rep;
+    const RegionAccessMsg a{off, kRegionConfig, n};
+    EXPECT_EQ(r.call(c(Cmd::kRegionRead), RawClient::bytes_of(a), &rep), 0);
+    uint32_t v = 0;
+    std::memcpy(&v, rep.payload.data() + 16, std::min<uint32_t>(n, 4));
+    return v;
+  };
+  auto wcfg = [&](uint32_t off, uint32_t v) {
+    std::vector<std::byte> p(20);
+    const RegionAccessMsg a{off, kRegionConfig, 4};
+    std::memcpy(p.data(), &a, 16);
+    std::memcpy(p.data() + 16, &v, 4);
+    return r.call(c(Cmd::kRegionWrite), p);
+  };
+  EXPECT_EQ(cfg(0x08, 4) >> 8, 0x010802u);  // class code
+  // BAR sizing: write all ones, read back the size mask.
+  ASSERT_EQ(wcfg(0x10, 0xFFFFFFFF), 0);
+  EXPECT_EQ(cfg(0x10, 4), static_cast<uint32_t>(~(kBar0Size - 1)) | 0x4);
+  ASSERT_EQ(wcfg(0x00, 0xFFFFFFFF), 0);  // IDs are read-only
+  EXPECT_EQ(cfg(0x00, 2), 0x4e58u);
+  // The capability list: PM -> MSI-X -> PCIe.
+  EXPECT_EQ(cfg(0x34, 1), 0x40u);
+  EXPECT_EQ(cfg(0x40, 2), 0x5001u);
+  EXPECT_EQ(cfg(0x50, 2), 0x6011u);
+  EXPECT_EQ(cfg(0x60, 2), 0x0010u);
+}
+
+}  // namespace
+}  // namespace gdkv

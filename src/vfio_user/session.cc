@@ -1,0 +1,392 @@
+// One client's device: vfio-user request handling (see session.h).
+#include "vfio_user/session.h"
+
+#include <unistd.h>
+
+#include <bit>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+namespace gdkv::vfio_user {
+
+namespace {
+
+template <class T>
+void append(std::vector<std::byte>& out, const T& v) {
+  const size_t at = out.size();
+  out.resize(at + sizeof(T));
+  std::memcpy(out.data() + at, &v, sizeof(T));
+}
+
+}  // namespace
+
+DeviceSession::DeviceSession(Controller& ctl, SessionConfig config)
+    : ctl_(ctl),
+      config_(std::move(config)),
+      dma_(config_.dma),
+      pci_(config_.nvme.ids, config_.nvme.msix_vectors),
+      msix_table_(kMsixPbaOffset, 0) {
+  msix_.resize(config_.nvme.msix_vectors);
+  // Vectors start masked (vector control bit 0), as after a PCI reset.
+  for (uint32_t v = 0; v < config_.nvme.msix_vectors && (v + 1) * 16 <= msix_table_.size(); ++v) {
+    msix_table_[v * 16 + 12] = 1;
+  }
+  nvme_ = std::make_unique<NvmeController>(ctl_, dma_, *this, config_.nvme);
+  ctl_.add_poller(config_.nvme.reactor, nvme_.get());
+  registered_ = true;
+}
+
+DeviceSession::~DeviceSession() {
+  quiesce();
+  nvme_.reset();  // releases the queues' maps
+  (void)dma_.unmap_all();
+}
+
+void DeviceSession::quiesce() {
+  if (!nvme_) return;
+  nvme_->stop();
+  if (registered_) {
+    ctl_.remove_poller(nvme_.get());
+    registered_ = false;
+  }
+  // Commands in flight still write into this client's memory and post completions: wait for
+  // them before anything is unmapped.
+  while (nvme_->inflight() != 0) std::this_thread::sleep_for(std::chrono::microseconds(100));
+}
+
+void DeviceSession::signal(uint16_t vector) {
+  std::lock_guard lk(irq_mu_);
+  if (vector >= msix_.size() || !msix_[vector].valid()) return;
+  const uint64_t one = 1;
+  // A full eventfd counter (EAGAIN) still means "pending": nothing is lost.
+  (void)!::write(msix_[vector].get(), &one, sizeof(one));
+}
+
+Reply DeviceSession::handle(Message& m) {
+  stats_.messages.fetch_add(1, std::memory_order_relaxed);
+  Reply r;
+  r.send = !(m.hdr.flags & kNoReply);
+  int err = 0;
+  if ((m.hdr.flags & kTypeMask) != kTypeCommand) {
+    // We send no requests, so no reply is expected: drop it (its fds close with the message).
+    r.send = false;
+    return r;
+  }
+  if (m.fds_truncated) {
+    err = EINVAL;
+  } else if (!negotiated_ && m.hdr.command != static_cast<uint16_t>(Cmd::kVersion)) {
+    err = EINVAL;  // VERSION comes first
+  } else {
+    switch (static_cast<Cmd>(m.hdr.command)) {
+      case Cmd::kVersion:
+        err = on_version(m, r);
+        break;
+      case Cmd::kDmaMap:
+        err = on_dma_map(m);
+        break;
+      case Cmd::kDmaUnmap:
+        err = on_dma_unmap(m, r);
+        break;
+      case Cmd::kDeviceGetInfo:
+        err = on_device_info(m, r);
+        break;
+      case Cmd::kDeviceGetRegionInfo:
+        err = on_region_info(m, r);
+        break;
+      case Cmd::kDeviceGetIrqInfo:
+        err = on_irq_info(m, r);
+        break;
+      case Cmd::kDeviceSetIrqs:
+        err = on_set_irqs(m);
+        break;
+      case Cmd::kRegionRead:
+        err = on_region_read(m, r);
+        break;
+      case Cmd::kRegionWrite:
+        err = on_region_write(m, r);
+        break;
+      case Cmd::kRegionWriteMulti:
+        err = on_write_multi(m, r);
+        break;
+      case Cmd::kDeviceReset:
+        err = on_reset();
+        break;
+      case Cmd::kDeviceFeature:
+        err = ENOTTY;
+        break;  // no migration or dirty tracking
+      case Cmd::kDeviceGetRegionIoFds:
+      case Cmd::kMigDataRead:
+      case Cmd::kMigDataWrite:
+        err = ENOTSUP;
+        break;
+      case Cmd::kDmaRead:
+      case Cmd::kDmaWrite:
+        err = EINVAL;
+        break;  // server-to-client only
+      default:
+        err = ENOSYS;
+        break;
+    }
+  }
+  if (err != 0) {
+    stats_.errors.fetch_add(1, std::memory_order_relaxed);
+    r.payload.clear();
+    r.fds.clear();
+  }
+  r.hdr = reply_header(m.hdr, static_cast<uint32_t>(r.payload.size()), err);
+  return r;
+}
+
+int DeviceSession::on_version(const Message& m, Reply& r) {
+  if (negotiated_) return EINVAL;
+  VersionRequest v;
+  if (int e = decode_version(m.payload, &v); e != 0) return e;
+  if (v.major != kMajor) {
+    r.close_after = true;
+    return ENOTSUP;
+  }
+  VersionMsg out{kMajor, std::min(v.minor, kMaxMinor)};
+  append(r.payload, out);
+  const std::string json = version_reply_json(v.caps, config_.dma.max_maps);
+  for (char c : json) r.payload.push_back(static_cast<std::byte>(c));
+  r.payload.push_back(std::byte{0});  // QEMU refuses a reply whose JSON is not NUL-terminated
+  negotiated_ = true;
+  return 0;
+}
+
+int DeviceSession::on_dma_map(Message& m) {
+  PayloadReader p(m.payload);
+  auto req = p.get<DmaMapMsg>();
+  if (!req || req->argsz < sizeof(DmaMapMsg) || m.fds.size() > 1) return EINVAL;
+  UniqueFd fd = m.fds.empty() ? UniqueFd() : std::move(m.fds[0]);
+  if (!fd.valid() && req->offset != 0) return EINVAL;
+  return dma_.map(req->addr, req->size, req->offset, req->flags, std::move(fd));
+}
+
+int DeviceSession::on_dma_unmap(Message& m, Reply& r) {
+  // SPDK sends the region's fd along with DMA_UNMAP; it is closed with the message.
+  PayloadReader p(m.payload);
+  auto req = p.get<DmaUnmapMsg>();
+  if (!req || req->argsz < sizeof(DmaUnmapMsg)) return EINVAL;
+  if (req->flags & kDmaUnmapFlagGetDirtyBitmap) return ENOTSUP;
+  if (req->flags & ~(kDmaUnmapFlagAll)) return EINVAL;
+  int err;
+  if (req->flags & kDmaUnmapFlagAll) {
+    if (req->addr != 0 || req->size != 0) return EINVAL;
+    err = dma_.unmap_all();
+  } else {
+    err = dma_.unmap(req->addr, req->size);
+  }
+  if (err == 0) append(r.payload, *req);  // the reply echoes the unmapped entry
+  return err;
+}
+
+int DeviceSession::on_device_info(const Message& m, Reply& r) {
+  PayloadReader p(m.payload);
+  auto req = p.get<DeviceInfoMsg>();
+  if (!req || req->argsz < sizeof(DeviceInfoMsg)) return EINVAL;
+  DeviceInfoMsg out{sizeof(DeviceInfoMsg), kDeviceFlagReset | kDeviceFlagPci, kNumPciRegions,
+                    kNumIrqTypes};
+  append(r.payload, out);
+  return 0;
+}
+
+int DeviceSession::on_region_info(const Message& m, Reply& r) {
+  PayloadReader p(m.payload);
+  auto req = p.get<RegionInfoMsg>();
+  if (!req || req->argsz < sizeof(RegionInfoMsg) || req->index >= kNumPciRegions) return EINVAL;
+  RegionInfoMsg out{};
+  out.argsz = sizeof(RegionInfoMsg);
+  out.index = req->index;
+  switch (req->index) {
+    case kRegionBar0: {
+      // Registers [0, 0x1000) are trapped; the doorbell page is mappable from our memfd.
+      SparseMmapCap cap{};
+      cap.header = {kCapSparseMmap, 1, 0};
+      cap.nr_areas = 1;
+      const SparseArea area{kDoorbellPage, kDoorbellPage};
+      const uint32_t full = sizeof(RegionInfoMsg) + sizeof(cap) + sizeof(area);
+      out.flags = kRegionFlagRead | kRegionFlagWrite | kRegionFlagMmap | kRegionFlagCaps;
+      out.size = kBar0Size;
+      out.offset = 0;
+      out.argsz = full;
+      if (req->argsz < full) {
+        // Too small for the capability: say how much is needed and leave the capability (and its
+        // CAPS flag, which QEMU checks against cap_offset) out; the client asks again.
+        out.flags &= ~kRegionFlagCaps;
+        out.cap_offset = 0;
+        append(r.payload, out);
+        return 0;
+      }
+      out.cap_offset = sizeof(RegionInfoMsg);
+      append(r.payload, out);
+      append(r.payload, cap);
+      append(r.payload, area);
+      r.fds.push_back(nvme_->doorbell_fd());
+      return 0;
+    }
+    case kRegionBar4:
+      out.flags = kRegionFlagRead | kRegionFlagWrite;
+      out.size = kBar4Size;
+      break;
+    case kRegionConfig:
+      out.flags = kRegionFlagRead | kRegionFlagWrite;
+      out.size = kConfigSize;
+      break;
+    default:
+      break;  // BAR1 (upper half of BAR0), BAR2/3/5, ROM, VGA: not present
+  }
+  append(r.payload, out);
+  return 0;
+}
+
+int DeviceSession::on_irq_info(const Message& m, Reply& r) {
+  PayloadReader p(m.payload);
+  auto req = p.get<IrqInfoMsg>();
+  if (!req || req->argsz < sizeof(IrqInfoMsg) || req->index >= kNumIrqTypes) return EINVAL;
+  IrqInfoMsg out{sizeof(IrqInfoMsg), kIrqInfoEventfd, req->index, 0};
+  if (req->index == kIrqMsix) {
+    out.flags |= kIrqInfoNoresize;
+    out.count = config_.nvme.msix_vectors;
+  }
+  append(r.payload, out);
+  return 0;
+}
+
+int DeviceSession::on_set_irqs(Message& m) {
+  PayloadReader p(m.payload);
+  auto req = p.get<IrqSetMsg>();
+  if (!req || req->argsz < sizeof(IrqSetMsg) || req->index >= kNumIrqTypes) return EINVAL;
+  const uint32_t data = req->flags & kIrqSetDataMask;
+  const uint32_t action = req->flags & kIrqSetActionMaskAll;
+  if ((req->flags & ~(kIrqSetDataMask | kIrqSetActionMaskAll)) != 0) return EINVAL;
+  if (std::popcount(data) != 1 || std::popcount(action) != 1) return EINVAL;
+  const uint32_t count = req->index == kIrqMsix ? config_.nvme.msix_vectors : 0;
+  // DATA_NONE with start = count = 0 disables every interrupt of the index.
+  if (data == kIrqSetDataNone && req->start == 0 && req->count == 0) {
+    if (!m.fds.empty()) return EINVAL;
+    if (action == kIrqSetActionTrigger) {
+      std::lock_guard lk(irq_mu_);
+      for (uint32_t v = 0; v < count; ++v) msix_[v].reset();
+    }
+    return 0;
+  }
+  if (req->start > count || req->count > count - req->start) return EINVAL;
+  if (data == kIrqSetDataEventfd) {
+    if (!m.fds.empty() && m.fds.size() != req->count) return EINVAL;
+    if (action != kIrqSetActionTrigger) return 0;  // mask/unmask notifications: not generated
+    std::lock_guard lk(irq_mu_);
+    for (uint32_t i = 0; i < req->count; ++i) {
+      // No descriptors: de-assign these vectors.
+      msix_[req->start + i] = m.fds.empty() ? UniqueFd() : std::move(m.fds[i]);
+    }
+    return 0;
+  }
+  if (!m.fds.empty()) return EINVAL;
+  if (data == kIrqSetDataBool && p.size() < sizeof(IrqSetMsg) + req->count) return EINVAL;
+  // The client triggers vectors itself (DATA_NONE / DATA_BOOL with TRIGGER); masking is the
+  // client's business (QEMU emulates the MSI-X table), so MASK/UNMASK are accepted as no-ops.
+  if (action == kIrqSetActionTrigger) {
+    const std::span<const std::byte> bools = p.tail(sizeof(IrqSetMsg));
+    for (uint32_t i = 0; i < req->count; ++i) {
+      if (data == kIrqSetDataBool && bools[i] == std::byte{0}) continue;
+      signal(static_cast<uint16_t>(req->start + i));
+    }
+  }
+  return 0;
+}
+
+int DeviceSession::region_access(uint32_t region, uint64_t offset, std::span<std::byte> read,
+                                 std::span<const std::byte> write) {
+  const size_t n = read.empty() ? write.size() : read.size();
+  switch (region) {
+    case kRegionConfig:
+      if (offset > kConfigSize) return EINVAL;
+      return (read.empty() ? pci_.write(static_cast<uint32_t>(offset), write)
+                           : pci_.read(static_cast<uint32_t>(offset), read))
+                 ? 0
+                 : EINVAL;
+    case kRegionBar0:
+      return (read.empty() ? nvme_->bar0_write(offset, write) : nvme_->bar0_read(offset, read))
+                 ? 0
+                 : EINVAL;
+    case kRegionBar4: {
+      if (offset > kBar4Size || n > kBar4Size - offset) return EINVAL;
+      // [0, 0x1000): the MSI-X table as the host wrote it; [0x1000, 0x2000): the PBA, nothing
+      // pending (gdkvd signals eventfds, it never holds an interrupt back).
+      for (size_t i = 0; i < n; ++i) {
+        const uint64_t at = offset + i;
+        if (read.empty()) {
+          if (at < msix_table_.size()) msix_table_[at] = static_cast<uint8_t>(write[i]);
+        } else {
+          read[i] =
+              at < msix_table_.size() ? static_cast<std::byte>(msix_table_[at]) : std::byte{0};
+        }
+      }
+      return 0;
+    }
+    default:
+      return EINVAL;
+  }
+}
+
+int DeviceSession::on_region_read(const Message& m, Reply& r) {
+  PayloadReader p(m.payload);
+  auto req = p.get<RegionAccessMsg>();
+  if (!req || req->count > kMaxDataXfer) return EINVAL;
+  append(r.payload, *req);
+  r.payload.resize(sizeof(RegionAccessMsg) + req->count);
+  std::span<std::byte> data(r.payload.data() + sizeof(RegionAccessMsg), req->count);
+  if (req->count == 0) return 0;
+  return region_access(req->region, req->offset, data, {});
+}
+
+int DeviceSession::on_region_write(const Message& m, Reply& r) {
+  PayloadReader p(m.payload);
+  auto req = p.get<RegionAccessMsg>();
+  if (!req || req->count > kMaxDataXfer) return EINVAL;
+  const std::span<const std::byte> data = p.tail(sizeof(RegionAccessMsg));
+  if (data.size() < req->count) return EINVAL;
+  if (int e = region_access(req->region, req->offset, {}, data.first(req->count)); e != 0) {
+    return e;
+  }
+  append(r.payload, *req);
+  return 0;
+}
+
+int DeviceSession::on_write_multi(const Message& m, Reply& r) {
+  PayloadReader p(m.payload);
+  auto count = p.get<uint64_t>();
+  if (!count || *count > kMaxWriteMulti ||
+      p.size() < sizeof(uint64_t) + *count * sizeof(WriteMultiEntry)) {
+    return EINVAL;
+  }
+  for (uint64_t i = 0; i < *count; ++i) {
+    const auto e = *p.get<WriteMultiEntry>(sizeof(uint64_t) + i * sizeof(WriteMultiEntry));
+    if (e.count == 0 || e.count > sizeof(e.data)) return EINVAL;
+    const auto* d = reinterpret_cast<const std::byte*>(e.data);
+    if (int err = region_access(e.region, e.offset, {}, std::span(d, e.count)); err != 0) {
+      return err;
+    }
+  }
+  append(r.payload, *count);
+  return 0;
+}
+
+int DeviceSession::on_reset() {
+  // As the host would: clear CC.EN and wait for the controller to finish its commands and drop
+  // RDY. Interrupt and DMA setup stay, as the spec keeps device state across resets.
+  const std::byte zero[4] = {};
+  nvme_->bar0_write(reg::kCc, zero);
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(config_.reset_timeout_ms);
+  while (nvme_->csts() & (kCstsRdy | kCstsShstMask)) {
+    if (std::chrono::steady_clock::now() > deadline) return ETIMEDOUT;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  return 0;
+}
+
+}  // namespace gdkv::vfio_user

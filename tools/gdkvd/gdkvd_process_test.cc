@@ -1,0 +1,444 @@
+// gdkvd as a real child process with real client processes: every opcode over the socket, four
+// clients at once, a client killed mid-I/O (the daemon keeps serving and frees its maps), tenants
+// confined to their namespaces (children run as other uids), and SIGTERM (clean exit, the socket
+// removed, acknowledged writes durable across a restart).
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gdkv/client.h"
+#include "gdkv/commands.h"
+#include "gdkv/vfio_user.h"
+#include "vfio_user/test_util.h"
+
+#ifndef GDKVD_PATH
+#error "GDKVD_PATH must name the gdkvd binary"
+#endif
+
+namespace {
+
+using gdkv::CmdResult;
+using gdkv::Key;
+using gdkv::nvme::Status;
+using gdkv::vfio_user::test::TempDir;
+using Clock = std::chrono::steady_clock;
+
+std::vector<std::byte> pattern(size_t n, uint64_t seed) {
+  std::vector<std::byte> v(n);
+  std::mt19937_64 g(seed);
+  for (auto& b : v) b = static_cast<std::byte>(g());
+  return v;
+}
+
+// prefix + i, appended (GCC 12 warns falsely on operator+ with temporaries).
+Key key_of(const std::string& prefix, int i) {
+  std::string s = prefix;
+  s += std::to_string(i);
+  return *Key::from_string(s);
+}
+
+// A gdkvd child process; its stderr goes to <dir>/gdkvd-<n>.log.
+class Daemon {
+ public:
+  Daemon(const std::string& dir, std::vector<std::string> extra) : dir_(dir) {
+    static int instance = 0;
+    log_ = dir + "/gdkvd-" + std::to_string(instance++) + ".log";
+    std::vector<std::string> args = {GDKVD_PATH, "--socket-dir",   dir + "/sock", "--metrics-port",
+                                     "0",        "--metrics-bind", "127.0.0.1",   "--reactors",
+                                     "2",        "--idle-spin-us", "1000",        "--socket-mode",
+                                     "0666"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      const int fd = ::open(log_.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+      ::dup2(fd, 2);
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      ::execv(argv[0], argv.data());
+      ::_exit(127);
+    }
+  }
+  ~Daemon() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+  }
+  std::string socket_dir() const { return dir_ + "/sock"; }
+  pid_t pid() const { return pid_; }
+
+  // Waits until the daemon logged "ready".
+  bool wait_ready(int timeout_ms = 20000) {
+    const auto end = Clock::now() + std::chrono::milliseconds(timeout_ms);
+    while (Clock::now() < end) {
+      if (log().find("ready:") != std::string::npos) return true;
+      int st;
+      if (::waitpid(pid_, &st, WNOHANG) == pid_) {
+        pid_ = -1;
+        return false;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return false;
+  }
+  std::string log() const {
+    std::ifstream in(log_);
+    std::stringstream s;
+    s << in.rdbuf();
+    return s.str();
+  }
+  int metrics_port() const {
+    const std::string l = log();
+    const auto at = l.find("127.0.0.1:");
+    return at == std::string::npos ? -1 : std::atoi(l.c_str() + at + 10);
+  }
+  // A gauge or counter from /metrics (-1 if absent).
+  double metric(const std::string& name) const {
+    const int port = metrics_port();
+    const int s = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    std::string body;
+    if (::connect(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) {
+      const char req[] = "GET /metrics HTTP/1.0\r\n\r\n";
+      (void)!::write(s, req, sizeof(req) - 1);
+      char buf[4096];
+      ssize_t n;
+      while ((n = ::read(s, buf, sizeof(buf))) > 0) body.append(buf, static_cast<size_t>(n));
+    }
+    ::close(s);
+    std::istringstream in(body);
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.rfind(name + " ", 0) == 0) return std::atof(line.c_str() + name.size() + 1);
+    }
+    return -1;
+  }
+  // Sends `sig` and returns the exit status (-1 if it did not exit in time).
+  int stop(int sig = SIGTERM, int timeout_ms = 20000) {
+    ::kill(pid_, sig);
+    const auto end = Clock::now() + std::chrono::milliseconds(timeout_ms);
+    while (Clock::now() < end) {
+      int st;
+      if (::waitpid(pid_, &st, WNOHANG) == pid_) {
+        pid_ = -1;
+        return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return -1;
+  }
+  size_t open_fds() const {
+    size_t n = 0;
+    for (auto& e : std::filesystem::directory_iterator("/proc/" + std::to_string(pid_) + "/fd")) {
+      (void)e;
+      ++n;
+    }
+    return n;
+  }
+
+ private:
+  std::string dir_, log_;
+  pid_t pid_ = -1;
+};
+
+// Runs `body` in a child process; returns a pid to wait on. The child exits with body()'s value
+// (any exception is exit code 99).
+template <class F>
+pid_t spawn(F body) {
+  const pid_t p = ::fork();
+  if (p == 0) {
+    int rc = 99;
+    try {
+      rc = body();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "child %d: %s\n", ::getpid(), e.what());
+    }
+    ::_exit(rc);
+  }
+  return p;
+}
+
+int wait_child(pid_t p) {
+  int st = 0;
+  ::waitpid(p, &st, 0);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+TEST(GdkvdProcess, EveryOpcodeThroughTheDaemon) {
+  TempDir dir("proc");
+  Daemon d(dir.path(), {"--backend", "memory", "--cache-bytes", "16777216"});
+  ASSERT_TRUE(d.wait_ready()) << d.log();
+  auto dev = gdkv::VfioUserDevice::open(d.socket_dir());
+  auto c = dev->make_client();
+  const Key k = *Key::from_string("alpha");
+  const auto v = pattern(300000, 3);  // spans many pages
+  ASSERT_TRUE(c->put(k, v).ok());
+  std::vector<std::byte> out;
+  ASSERT_TRUE(c->get(k, out).ok());
+  EXPECT_EQ(out, v);
+  EXPECT_TRUE(c->exists(k).ok());
+  EXPECT_EQ(c->put(k, v, gdkv::nvme::kStoreMustNotExist).status, Status::kKeyExists);
+  for (int i = 0; i < 20; ++i) ASSERT_TRUE(c->put(key_of("l", i), pattern(8, i)).ok());
+  std::vector<Key> keys;
+  ASSERT_TRUE(c->list_all(keys).ok());
+  EXPECT_EQ(keys.size(), 21u);
+  EXPECT_TRUE(c->prefetch(std::span(keys).first(3)).ok());
+  auto* dst = static_cast<std::byte*>(dev->alloc(4096));
+  const gdkv::nvme::ScatterEntry pieces[2] = {{reinterpret_cast<uint64_t>(dst), 10, 100},
+                                              {reinterpret_cast<uint64_t>(dst + 100), 200000, 50}};
+  ASSERT_TRUE(c->scatter_get(k, pieces).ok());
+  EXPECT_EQ(std::memcmp(dst, v.data() + 10, 100), 0);
+  EXPECT_EQ(std::memcmp(dst + 100, v.data() + 200000, 50), 0);
+  dev->free(dst);
+  ASSERT_TRUE(c->del(k).ok());
+  EXPECT_EQ(c->get(k, out).status, Status::kKeyNotExist);
+  gdkv::nvme::Sqe s = gdkv::cmd::exist(k.bytes, k.len);
+  s.opcode = 0x99;
+  EXPECT_EQ(c->execute(s).status, Status::kInvalidOpcode);
+  EXPECT_GT(d.metric("gdkv_vfio_user_io_commands_total"), 20);
+  EXPECT_EQ(d.metric("gdkv_vfio_user_clients"), 1);
+  c.reset();
+  dev.reset();
+  EXPECT_EQ(d.stop(), 0) << d.log();
+}
+
+TEST(GdkvdProcess, FourClientProcessesAtOnce) {
+  TempDir dir("proc4");
+  Daemon d(dir.path(), {"--backend", "memory", "--reactors", "1"});
+  ASSERT_TRUE(d.wait_ready()) << d.log();
+  std::vector<pid_t> kids;
+  for (int p = 0; p < 4; ++p) {
+    kids.push_back(spawn([&, p] {
+      auto c = gdkv::connect_vfio_user(d.socket_dir());
+      for (int i = 0; i < 40; ++i) {
+        std::string prefix = "p";
+        prefix += std::to_string(p);
+        prefix += '-';
+        const Key k = key_of(prefix, i);
+        const auto v = pattern(1000 + 37 * i, p * 10000 + i);
+        if (!c->put(k, v).ok()) return 1;
+        std::vector<std::byte> out;
+        if (!c->get(k, out).ok() || out != v) return 2;
+      }
+      // Everyone's keys are visible to everyone (one namespace, one backend).
+      std::vector<Key> all;
+      return c->list_all(all).ok() ? 0 : 3;
+    }));
+  }
+  for (pid_t k : kids) EXPECT_EQ(wait_child(k), 0);
+  auto c = gdkv::connect_vfio_user(d.socket_dir());
+  std::vector<Key> all;
+  ASSERT_TRUE(c->list_all(all).ok());
+  EXPECT_EQ(all.size(), 160u);
+  c.reset();
+  EXPECT_EQ(d.stop(), 0);
+}
+
+TEST(GdkvdProcess, ClientKilledMidIo) {
+  TempDir dir("prockill");
+  Daemon d(dir.path(), {"--backend", "memory"});
+  ASSERT_TRUE(d.wait_ready()) << d.log();
+  // A bystander that must keep working.
+  auto dev = gdkv::VfioUserDevice::open(d.socket_dir());
+  auto bystander = dev->make_client();
+  ASSERT_TRUE(bystander->put(*Key::from_string("safe"), pattern(100, 1)).ok());
+  for (int i = 0; i < 30 && d.metric("gdkv_vfio_user_dma_maps") != 1; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  // A /metrics connection may still be closing: take the count once it is steady.
+  size_t fds_before = d.open_fds();
+  for (int i = 0; i < 50; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    const size_t now = d.open_fds();
+    if (now == fds_before) break;
+    fds_before = now;
+  }
+  int ready[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  const pid_t victim = spawn([&] {
+    auto vdev = gdkv::VfioUserDevice::open(d.socket_dir());
+    auto c = vdev->make_client(64);
+    constexpr uint32_t kSize = 256 * 1024;
+    auto* buf = static_cast<std::byte*>(vdev->alloc(size_t{32} * kSize, 4096));
+    const Key k = *Key::from_string("big");
+    std::vector<std::byte> v(kSize, std::byte{5});
+    if (!c->put(k, v).ok()) return 1;
+    bool told = false;
+    for (;;) {  // keep 32 large Retrieves in flight until killed
+      std::vector<uint16_t> cids;
+      for (int i = 0; i < 32; ++i) {
+        cids.push_back(
+            c->start(gdkv::cmd::retrieve(k.bytes, k.len, buf + size_t{kSize} * i, kSize)));
+      }
+      if (!told) {
+        (void)!::write(ready[1], "x", 1);
+        told = true;
+      }
+      for (uint16_t id : cids) (void)c->wait(id);
+    }
+  });
+  char x;
+  ASSERT_EQ(::read(ready[0], &x, 1), 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  ::kill(victim, SIGKILL);
+  EXPECT_EQ(wait_child(victim), 128 + SIGKILL);
+  // The daemon notices, drains the victim's commands, and unmaps its memory.
+  for (int i = 0; i < 200 && d.metric("gdkv_vfio_user_clients") != 1; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(d.metric("gdkv_vfio_user_clients"), 1);
+  EXPECT_EQ(d.metric("gdkv_vfio_user_dma_maps"), 1);  // only the bystander's
+  // The victim's descriptors (socket, memory fd, doorbell fd) are closed; /metrics connections
+  // close asynchronously, so allow a moment.
+  for (int i = 0; i < 100 && d.open_fds() > fds_before; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_LE(d.open_fds(), fds_before);
+  std::vector<std::byte> out;
+  EXPECT_TRUE(bystander->get(*Key::from_string("safe"), out).ok());
+  auto fresh = gdkv::connect_vfio_user(d.socket_dir());
+  EXPECT_TRUE(fresh->get(*Key::from_string("big"), out).ok());
+  EXPECT_EQ(out.size(), 256u * 1024);
+  ::close(ready[0]);
+  ::close(ready[1]);
+  fresh.reset();
+  bystander.reset();
+  dev.reset();
+  EXPECT_EQ(d.stop(), 0);
+}
+
+// Runs body as uid/gid `id` in a child.
+template <class F>
+int as_user(uint32_t id, F body) {
+  return wait_child(spawn([&] {
+    if (::setgroups(0, nullptr) != 0 || ::setgid(id) != 0 || ::setuid(id) != 0) return 98;
+    return body();
+  }));
+}
+
+TEST(GdkvdProcess, TenantsSeeOnlyTheirNamespaces) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to run clients as other users";
+  TempDir dir("proctenant");
+  const std::string conf = dir.path() + "/gdkvd.toml";
+  {
+    std::ofstream f(conf);
+    f << "[backend]\nkind = \"memory\"\n"
+         "[[namespace]]\nnsid = 1\nbackend_namespace = 1\nname = \"tenant-a\"\nuids = [4101]\n"
+         "[[namespace]]\nnsid = 2\nbackend_namespace = 2\nname = \"tenant-b\"\nuids = [4102]\n"
+         "[[namespace]]\nnsid = 1\nbackend_namespace = 3\nname = \"tenant-b-default\"\n"
+         "uids = [4102]\n";
+  }
+  Daemon d(dir.path(), {"--config", conf});
+  ASSERT_TRUE(d.wait_ready()) << d.log();
+  const std::string sock = d.socket_dir();
+  // Tenant A: namespace 1 only; B's namespace 2 does not exist for it.
+  EXPECT_EQ(as_user(4101,
+                    [&] {
+                      auto dev = gdkv::VfioUserDevice::open(sock);
+                      if (dev->namespaces() != std::vector<uint32_t>{1}) return 1;
+                      auto c = dev->make_client();
+                      const Key k = *Key::from_string("secret");
+                      if (!c->put(k, pattern(50, 1), 0, 1).ok()) return 2;
+                      if (c->exists(k, 2).status != Status::kInvalidNamespace) return 3;
+                      if (c->put(k, pattern(50, 1), 0, 2).status != Status::kInvalidNamespace) {
+                        return 4;
+                      }
+                      return 0;
+                    }),
+            0);
+  // Tenant B: nsid 1 is its own namespace (backend 3): A's key is not there; nsid 2 is B's.
+  EXPECT_EQ(as_user(4102,
+                    [&] {
+                      auto dev = gdkv::VfioUserDevice::open(sock);
+                      if (dev->namespaces() != std::vector<uint32_t>{1, 2}) return 1;
+                      auto c = dev->make_client();
+                      const Key k = *Key::from_string("secret");
+                      std::vector<std::byte> out;
+                      if (c->get(k, out, 1).status != Status::kKeyNotExist) return 2;
+                      if (!c->put(k, pattern(50, 2), 0, 2).ok()) return 3;
+                      std::vector<Key> keys;
+                      if (!c->list_all(keys, 1).ok() || !keys.empty()) return 4;
+                      return 0;
+                    }),
+            0);
+  // A stranger (another uid) sees no namespace at all.
+  EXPECT_EQ(as_user(4103,
+                    [&] {
+                      auto dev = gdkv::VfioUserDevice::open(sock);
+                      if (!dev->namespaces().empty()) return 1;
+                      auto c = dev->make_client();
+                      return c->exists(*Key::from_string("secret"), 1).status ==
+                                     Status::kInvalidNamespace
+                                 ? 0
+                                 : 2;
+                    }),
+            0);
+  // A's value is still A's.
+  EXPECT_EQ(as_user(4101,
+                    [&] {
+                      auto c = gdkv::connect_vfio_user(sock);
+                      std::vector<std::byte> out;
+                      return c->get(*Key::from_string("secret"), out, 1).ok() &&
+                                     out == pattern(50, 1)
+                                 ? 0
+                                 : 1;
+                    }),
+            0);
+  EXPECT_EQ(d.stop(), 0);
+}
+
+TEST(GdkvdProcess, SigtermIsCleanAndDurable) {
+  TempDir dir("procterm");
+  const std::string store = dir.path() + "/store";
+  std::vector<std::string> args = {"--backend",  "local",     "--store",       store,
+                                   "--capacity", "268435456", "--cache-bytes", "0"};
+  {
+    Daemon d(dir.path(), args);
+    ASSERT_TRUE(d.wait_ready()) << d.log();
+    auto c = gdkv::connect_vfio_user(d.socket_dir());
+    for (int i = 0; i < 50; ++i) ASSERT_TRUE(c->put(key_of("durable", i), pattern(5000, i)).ok());
+    // SIGTERM with the client still connected: the daemon closes it and exits 0.
+    EXPECT_EQ(d.stop(SIGTERM), 0) << d.log();
+    EXPECT_FALSE(std::filesystem::exists(d.socket_dir() + "/cntrl"));
+    EXPECT_NE(d.log().find("stopped cleanly"), std::string::npos);
+  }
+  Daemon d2(dir.path(), args);
+  ASSERT_TRUE(d2.wait_ready()) << d2.log();
+  auto c = gdkv::connect_vfio_user(d2.socket_dir());
+  for (int i = 0; i < 50; ++i) {
+    std::vector<std::byte> out;
+    ASSERT_TRUE(c->get(key_of("durable", i), out).ok()) << i;
+    EXPECT_EQ(out, pattern(5000, i));
+  }
+  c.reset();
+  EXPECT_EQ(d2.stop(SIGINT), 0);
+}
+
+TEST(GdkvdProcess, ConfigErrorsExitTwo) {
+  TempDir dir("procconf");
+  Daemon d(dir.path(), {"--backend", "tape"});
+  EXPECT_FALSE(d.wait_ready(5000));
+  EXPECT_NE(d.log().find("tape"), std::string::npos);
+}
+
+}  // namespace

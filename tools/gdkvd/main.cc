@@ -1,0 +1,134 @@
+// gdkvd: the gdkv controller as a vfio-user NVMe-KV device, one per node.
+//
+// Opens the backend (memory, the local store, or RADOS shared by every node), puts the host cache
+// in front of it, runs the controller's reactors, serves vfio-user on <socket_dir>/cntrl and
+// Prometheus text on /metrics. SIGTERM or SIGINT: stop accepting clients, finish every command in
+// flight (completions are posted), flush the backend, remove the socket, exit 0.
+//
+// Exit codes: 0 clean shutdown, 2 configuration error, 3 startup failure (message on stderr).
+#include <pthread.h>
+#include <signal.h>
+#include <sys/resource.h>
+
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "config.h"
+#include "gdkv/backend_factory.h"
+#include "gdkv/cache.h"
+#include "gdkv/controller.h"
+#include "gdkv/metrics_server.h"
+#include "gdkv/vfio_user.h"
+
+#ifdef GDKVD_WITH_CUDA
+#include "cuda_importer.h"
+#include "gpu/runtime.h"
+#endif
+
+namespace {
+
+void log(const std::string& line) { std::fprintf(stderr, "gdkvd: %s\n", line.c_str()); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  gdkvd::Config cfg;
+  std::string error;
+  const int rc = gdkvd::load(argc, argv, cfg, &error);
+  if (rc == 1) return 0;
+  if (rc == 2) {
+    std::fprintf(stderr, "gdkvd: %s\n", error.c_str());
+    return 2;
+  }
+  if (cfg.check_only) {
+    std::fputs(gdkvd::to_toml(cfg).c_str(), stdout);
+    return 0;
+  }
+
+  // Termination signals are taken by the main thread only (sigwait below): block them before
+  // any thread starts, so every thread inherits the mask.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);  // a client that vanishes mid-reply is handled by the send's error
+  // Each client holds descriptors (socket, memory fds, eventfds): take the hard limit.
+  rlimit nofile{};
+  if (getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {
+    nofile.rlim_cur = nofile.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &nofile);
+  }
+
+  try {
+    std::shared_ptr<gdkv::Backend> backend = gdkv::open_backend(cfg.backend);
+    if (cfg.cache_bytes > 0) {
+      gdkv::CacheOptions co;
+      co.capacity_bytes = cfg.cache_bytes;
+      co.policy = cfg.cache_policy;
+      backend = gdkv::make_cached_backend(backend, co);
+    }
+    gdkv::ControllerOptions co;
+    co.reactors = cfg.reactors;
+    co.max_value_bytes = cfg.max_value_bytes;
+    co.idle_spin_us = cfg.idle_spin_us;
+    co.never_sleep = cfg.never_sleep;
+    co.namespaces = 1;
+    for (const auto& ns : cfg.namespaces)
+      co.namespaces = std::max(co.namespaces, ns.backend_namespace);
+
+    gdkv::VfioUserServerOptions so;
+    so.socket_dir = cfg.socket_dir;
+    so.socket_mode = cfg.socket_mode;
+    so.namespaces = cfg.namespaces;
+    so.max_clients = cfg.max_clients;
+    so.max_dma_maps = cfg.max_dma_maps;
+    so.allow_unsealed_memory = cfg.allow_unsealed_memory;
+    so.msix_vectors = cfg.msix_vectors;
+    so.log = log;
+#ifdef GDKVD_WITH_CUDA
+    std::unique_ptr<gdkv::DeviceMemoryImporter> importer;
+    if (cfg.gpu && gdkv::gpu::device_count() > 0) {
+      co = gdkv::gpu::controller_options(co);
+      importer = gdkvd::make_cuda_importer();
+      so.device_memory = importer.get();
+      log("GPU: " + gdkv::gpu::device_description(0) + " (CUDA copy engines, device memory)");
+    }
+#endif
+
+    gdkv::Controller ctl(backend, co);
+    gdkv::VfioUserServer server(ctl, so);
+    server.start();
+    std::unique_ptr<gdkv::MetricsServer> metrics;
+    if (cfg.metrics_port >= 0) {
+      metrics = std::make_unique<gdkv::MetricsServer>(
+          static_cast<uint16_t>(cfg.metrics_port),
+          [&ctl, &server] {
+            gdkv::MetricList m;
+            ctl.collect(m);
+            server.collect(m);
+            return m;
+          },
+          cfg.metrics_bind);
+      log("metrics on http://" + cfg.metrics_bind + ":" + std::to_string(metrics->port()) +
+          "/metrics");
+    }
+    log("ready: backend " + cfg.backend.kind + ", " + std::to_string(co.reactors) +
+        " reactors, cache " + std::to_string(cfg.cache_bytes) + " bytes, socket " +
+        server.socket_path());
+
+    int sig = 0;
+    sigwait(&stop_signals, &sig);
+    log(std::string("received ") + (sig == SIGINT ? "SIGINT" : "SIGTERM") +
+        ": finishing in-flight commands");
+    metrics.reset();
+    server.stop();  // every client's commands complete; sockets close; the socket file goes
+    ctl.stop();     // reactors stop; the backend drains (acknowledged writes are durable)
+    log("stopped cleanly");
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "gdkvd: %s\n", e.what());
+    return 3;
+  }
+}
