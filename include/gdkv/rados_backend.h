@@ -19,9 +19,9 @@ namespace gdkv {
 struct RadosBackendOptions {
   std::string ceph_conf;  // path to ceph.conf; empty: $CEPH_CONF, then /etc/ceph/ceph.conf
   std::string client_name = "client.admin";  // cephx identity
-  std::string keyring;                        // empty: what ceph.conf says
-  std::string pool = "gdkv-rep3";             // replicated or erasure-coded: both work
-  std::string namespace_prefix = "ns";  // RADOS namespace of NVMe namespace N is prefix + N
+  std::string keyring;                       // empty: what ceph.conf says
+  std::string pool = "gdkv-rep3";            // replicated or erasure-coded: both work
+  std::string namespace_prefix = "ns";       // RADOS namespace of NVMe namespace N is prefix + N
   // Milliseconds, default 5000: every op completes by then, a dead or unreachable cluster with
   // kNamespaceNotReady (82h). Must be > 0. Also bounds librados' own OSD and monitor op timeouts
   // (rounded up to seconds) and, when the configuration is slower, makes librados notice a laggy

@@ -1,0 +1,698 @@
+// The rados backend: one RADOS object per key, through librados' asynchronous C++ API.
+//
+// Every op is a `Pending` with two owners: librados (its completion callback, or the list worker
+// for List) and the in-flight list a watchdog thread scans in deadline order. Whichever first
+// claims the op completes it: librados with the op's result, the watchdog with 82h once
+// op_timeout_ms has passed. So a caller always hears back in time, even when the cluster is
+// frozen and librados would wait, and a late librados answer is dropped. Outputs librados writes
+// (read data, xattr, stat) live in the Pending, never in the caller's buffers, so a timed-out op
+// that librados finishes later touches nothing the caller owns.
+#include "gdkv/rados_backend.h"
+
+#include <unistd.h>
+#include <xxhash.h>
+#include <rados/librados.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "backend/rados/rados_record.h"
+
+namespace gdkv {
+
+nvme::Status rados_status(int rc) noexcept {
+  using nvme::Status;
+  if (rc >= 0) return Status::kSuccess;
+  switch (-rc) {
+    case ENOENT:
+      return Status::kKeyNotExist;
+    case EEXIST:
+      return Status::kKeyExists;
+    case ENOSPC:
+    case EDQUOT:
+      return Status::kCapacityExceeded;
+    case ETIMEDOUT:
+    case ECANCELED:
+    case ENOTCONN:
+    case ECONNREFUSED:
+    case ESHUTDOWN:  // also EBLOCKLISTED
+    case EAGAIN:
+      return Status::kNamespaceNotReady;
+    case EFBIG:
+    case E2BIG:
+    case EMSGSIZE:
+      return Status::kInvalidValueSize;
+    case EIO:
+    case EBADMSG:
+    case ENODATA:
+      return Status::kUnrecoveredError;
+    default:
+      return Status::kInternalError;
+  }
+}
+
+namespace {
+
+using nvme::Status;
+using Clock = std::chrono::steady_clock;
+
+class RadosBackend;
+
+struct Pending {
+  RadosBackend* backend = nullptr;
+  BackendOp* op = nullptr;  // only touched by whoever claimed the op, until it completes it
+  BackendOpKind kind = BackendOpKind::kGet;
+  Key key;                // copies: the list worker reads them after a timeout may have
+  uint32_t list_max = 0;  // completed (and released) the op
+  Clock::time_point deadline;
+  std::atomic<int> refs{2};  // librados (or the list worker) + the in-flight list
+  std::atomic<bool> claimed{false};
+  Pending* prev = nullptr;  // in-flight list, guarded by RadosBackend::flight_mu_
+  Pending* next = nullptr;
+  bool linked = false;
+  librados::IoCtx* ioctx = nullptr;
+  librados::AioCompletion* completion = nullptr;
+  // librados' outputs.
+  librados::bufferlist data;
+  librados::bufferlist xattr;
+  int read_rc = 0;
+  int xattr_rc = 0;
+  uint64_t size = 0;
+  time_t mtime = 0;
+  uint64_t bytes = 0;  // Store: value bytes (metrics)
+
+  bool claim() noexcept { return !claimed.exchange(true, std::memory_order_acq_rel); }
+  ~Pending() {
+    if (completion != nullptr) completion->release();
+  }
+};
+
+// Seconds for librados' integer-second timeouts, rounded up so they never fire before ours.
+std::string ceil_seconds(uint32_t ms) { return std::to_string((ms + 999) / 1000); }
+
+class RadosBackend final : public Backend {
+ public:
+  explicit RadosBackend(const RadosBackendOptions& o) : options_(o) {
+    if (options_.op_timeout_ms == 0) throw std::runtime_error("rados: op_timeout_ms must be > 0");
+    std::string conf = options_.ceph_conf;
+    if (conf.empty()) {
+      const char* env = std::getenv("CEPH_CONF");
+      conf = (env != nullptr && *env != '\0') ? env : "/etc/ceph/ceph.conf";
+    }
+    if (::access(conf.c_str(), R_OK) != 0) {
+      throw std::runtime_error("rados: cannot read Ceph config '" + conf +
+                               "': " + std::strerror(errno));
+    }
+    const std::string where = " (config " + conf + ", " + options_.client_name + ")";
+    check(rados_.init2(options_.client_name.c_str(), "ceph", 0),
+          "cannot create the client" + where);
+    check(rados_.conf_read_file(conf.c_str()), "cannot parse " + conf);
+    if (!options_.keyring.empty()) {
+      check(rados_.conf_set("keyring", options_.keyring.c_str()), "bad keyring option");
+    }
+    configure_timeouts();
+    if (int r = rados_.connect(); r < 0) {
+      std::string why = std::strerror(-r);
+      if (r == -ETIMEDOUT) {
+        why += ": no monitor answered within " + std::to_string(options_.connect_timeout_ms) +
+               " ms; is the cluster up?";
+      }
+      throw std::runtime_error("rados: cannot connect to the Ceph cluster" + where + ": " + why);
+    }
+    if (int r = rados_.ioctx_create(options_.pool.c_str(), base_); r < 0) {
+      throw std::runtime_error(
+          "rados: cannot open pool '" + options_.pool + "'" + where + ": " + std::strerror(-r) +
+          (r == -ENOENT ? " (scripts/ceph-cluster up creates gdkv-rep3 and gdkv-ec21)" : ""));
+    }
+    // Once here, where blocking is allowed (bounded by rados_mon_op_timeout): a one-shot caller
+    // such as `gdkv stat` sees real numbers. Later refreshes run on the worker.
+    refresh_stats();
+    watchdog_ = std::thread([this] { run_watchdog(); });
+    worker_ = std::thread([this] { run_worker(); });
+  }
+
+  ~RadosBackend() override {
+    drain();
+    {
+      std::lock_guard lk(worker_mu_);
+      stop_worker_ = true;
+    }
+    worker_cv_.notify_all();
+    worker_.join();
+    {
+      std::lock_guard lk(flight_mu_);
+      stop_watchdog_ = true;
+    }
+    flight_cv_.notify_all();
+    watchdog_.join();
+    // Ops the watchdog completed may still wait for librados' callback (it was cancelled, so it
+    // comes soon); the callbacks use this object, so it must outlive them.
+    // Polled: a destructor may sleep, and a plain atomic keeps locks off the op path.
+    for (int i = 1; live_.load(std::memory_order_acquire) != 0; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      if (i % 10000 == 0) {
+        std::fprintf(stderr, "gdkv rados: waiting for %llu librados callbacks\n",
+                     static_cast<unsigned long long>(live_.load()));
+      }
+    }
+  }
+
+  void submit(BackendOp* op) override {
+    ops_.fetch_add(1, std::memory_order_relaxed);
+    const auto kind_index = static_cast<size_t>(op->kind);
+    if (kind_index < kKinds) kind_ops_[kind_index].fetch_add(1, std::memory_order_relaxed);
+    if (Status s = validate(*op); s != Status::kSuccess) {
+      count_status(s);
+      op->complete(s, 0);
+      return;
+    }
+    if (op->kind == BackendOpKind::kPrefetch) {  // no cache here: nothing to warm
+      op->complete(Status::kSuccess, 0);
+      return;
+    }
+
+    auto* p = new Pending;
+    p->backend = this;
+    p->op = op;
+    p->kind = op->kind;
+    p->key = op->key;
+    p->list_max = op->list_max;
+    p->ioctx = ioctx_for(op->nsid);
+    live_.fetch_add(1, std::memory_order_relaxed);
+    inflight_.fetch_add(1, std::memory_order_relaxed);
+
+    if (p->kind == BackendOpKind::kList) {
+      link(p);  // the watchdog covers the op from here on
+      std::lock_guard lk(worker_mu_);
+      jobs_.emplace_back([this, p] { run_list(p); });
+      worker_cv_.notify_one();
+      return;
+    }
+    // Everything that reads the caller's op happens before link(): from then on the watchdog
+    // may complete it, and the caller may free it.
+    p->completion = librados::Rados::aio_create_completion(p, &RadosBackend::on_complete);
+    const std::string oid = op->key.hex();
+    librados::ObjectWriteOperation write;
+    librados::ObjectReadOperation read;
+    if (p->kind == BackendOpKind::kPut) {
+      prepare_put(*op, write);
+      p->bytes = op->value.size();
+    } else if (p->kind == BackendOpKind::kGet) {
+      read.read(0, 0, &p->data, &p->read_rc);  // length 0: the whole object, one round trip
+      read.getxattr(rados::kHeaderXattr, &p->xattr, &p->xattr_rc);
+      read.set_op_flags2(librados::OP_FAILOK);  // a value without header still reads
+    }
+    link(p);
+
+    int r = 0;
+    // FULL_TRY on writes and deletes: a full pool (capacity or quota) answers ENOSPC/EDQUOT (81h)
+    // at once, and deletes still go through, instead of librados parking the op until space
+    // returns.
+    switch (p->kind) {
+      case BackendOpKind::kPut:
+        r = p->ioctx->aio_operate(oid, p->completion, &write, librados::OPERATION_FULL_TRY);
+        break;
+      case BackendOpKind::kGet:
+        r = p->ioctx->aio_operate(oid, p->completion, &read, nullptr);
+        break;
+      case BackendOpKind::kExists:
+        r = p->ioctx->aio_stat(oid, p->completion, &p->size, &p->mtime);
+        break;
+      case BackendOpKind::kDelete:
+        r = p->ioctx->aio_remove(oid, p->completion, librados::OPERATION_FULL_TRY);
+        break;
+      default:
+        r = -EINVAL;
+        break;
+    }
+    // From here on `p` may be gone (librados can call back before aio_* returns), unless librados
+    // refused the op: then no callback comes.
+    if (r < 0) finish_librados(p, r);
+  }
+
+  BackendInfo info() const override {
+    std::lock_guard lk(info_mu_);
+    if (!stats_queued_ && Clock::now() - stats_at_ > std::chrono::seconds(2)) {
+      // Pool statistics are a synchronous monitor round trip: refresh them on the worker so
+      // info() never blocks; callers see the previous values until the refresh lands.
+      stats_queued_ = true;
+      std::lock_guard wl(worker_mu_);
+      jobs_.emplace_back([this] { refresh_stats(); });
+      worker_cv_.notify_one();
+    }
+    return info_;
+  }
+
+  void collect(MetricList& out) const override {
+    const auto counter = [&](const char* name, const char* help, uint64_t v,
+                             std::vector<std::pair<std::string, std::string>> extra = {}) {
+      Metric m{name, help, MetricType::kCounter, {{"backend", "rados"}}, static_cast<double>(v)};
+      for (auto& l : extra) m.labels.push_back(std::move(l));
+      out.push_back(std::move(m));
+    };
+    const auto load = [](const std::atomic<uint64_t>& a) {
+      return a.load(std::memory_order_relaxed);
+    };
+    counter("backend_ops_total", "ops submitted to the backend", load(ops_));
+    static constexpr const char* kKindNames[kKinds] = {"put",    "get",  "delete",
+                                                       "exists", "list", "prefetch"};
+    for (size_t i = 0; i < kKinds; ++i) {
+      counter("rados_ops_total", "rados backend ops by kind", load(kind_ops_[i]),
+              {{"op", kKindNames[i]}});
+    }
+    counter("backend_errors_total",
+            "ops that failed (statuses other than success, key not found, key exists)",
+            load(errors_));
+    counter("backend_timeouts_total", "ops that hit the op timeout (82h)", load(timeouts_));
+    counter("backend_checksum_failures_total",
+            "values whose record header or checksum did not match (88h)", load(checksum_failures_));
+    counter("rados_raw_reads_total", "values read without a gdkv record header (unverified)",
+            load(raw_reads_));
+    counter("backend_read_bytes_total", "value bytes read", load(read_bytes_));
+    counter("backend_written_bytes_total", "value bytes stored", load(written_bytes_));
+    out.push_back(Metric{"backend_inflight",
+                         "ops submitted and not yet completed",
+                         MetricType::kGauge,
+                         {{"backend", "rados"}},
+                         static_cast<double>(inflight_.load(std::memory_order_relaxed))});
+  }
+
+  void drain() override {
+    // RADOS acknowledges a write once every replica (or shard) has it: durable when completed.
+    draining_.fetch_add(1);  // seq_cst, paired with complete(): see there
+    {
+      std::unique_lock lk(drain_mu_);
+      drain_cv_.wait(lk, [this] { return inflight_.load() == 0; });
+    }
+    draining_.fetch_sub(1);
+  }
+
+ private:
+  static constexpr size_t kKinds = 6;
+
+  static void check(int r, const std::string& what) {
+    if (r < 0) throw std::runtime_error("rados: " + what + ": " + std::strerror(-r));
+  }
+
+  void configure_timeouts() {
+    const std::string op_s = ceil_seconds(options_.op_timeout_ms);
+    check(rados_.conf_set("rados_osd_op_timeout", op_s.c_str()), "rados_osd_op_timeout");
+    check(rados_.conf_set("rados_mon_op_timeout", op_s.c_str()), "rados_mon_op_timeout");
+    const std::string mount_s = ceil_seconds(std::max<uint32_t>(options_.connect_timeout_ms, 1));
+    check(rados_.conf_set("client_mount_timeout", mount_s.c_str()), "client_mount_timeout");
+    // librados only asks the monitors for a new OSD map when an op has been "laggy" for
+    // objecter_timeout (default 10 s, checked every objecter_tick_interval, default 5 s): with
+    // the defaults an op routed to a dead OSD outlives any sensible op timeout. Only ever lower
+    // them.
+    const double laggy = std::max(1.0, options_.op_timeout_ms / 3000.0);
+    lower_float_option("objecter_timeout", laggy);
+    lower_float_option("objecter_tick_interval", std::max(0.5, laggy / 2));
+  }
+
+  void lower_float_option(const char* name, double value) {
+    std::string cur;
+    if (rados_.conf_get(name, cur) == 0 && !cur.empty() &&
+        std::strtod(cur.c_str(), nullptr) <= value) {
+      return;
+    }
+    check(rados_.conf_set(name, std::to_string(value).c_str()), name);
+  }
+
+  static Status validate(const BackendOp& op) noexcept {
+    switch (op.kind) {
+      case BackendOpKind::kPrefetch:
+        return Status::kSuccess;
+      case BackendOpKind::kList:
+        return op.key.len <= nvme::kMaxKeyLength ? Status::kSuccess : Status::kInvalidKeySize;
+      case BackendOpKind::kPut:
+        if (!op.key.valid()) return Status::kInvalidKeySize;
+        if ((op.store_options & nvme::kStoreMustExist) &&
+            (op.store_options & nvme::kStoreMustNotExist)) {
+          return Status::kInvalidField;
+        }
+        // bufferlist lengths are 32-bit; the OSD's own limit (osd_max_object_size) is lower
+        // still and comes back as EFBIG (85h).
+        if (op.value.size() > UINT32_MAX / 2) return Status::kInvalidValueSize;
+        return Status::kSuccess;
+      case BackendOpKind::kGet:
+      case BackendOpKind::kDelete:
+      case BackendOpKind::kExists:
+        return op.key.valid() ? Status::kSuccess : Status::kInvalidKeySize;
+    }
+    return Status::kInvalidField;
+  }
+
+  static void prepare_put(const BackendOp& op, librados::ObjectWriteOperation& w) {
+    if (op.store_options & nvme::kStoreMustNotExist) {
+      w.create(true);  // exclusive: EEXIST (89h) if the object is there
+    } else if (op.store_options & nvme::kStoreMustExist) {
+      w.assert_exists();  // ENOENT (87h) if it is not
+    }
+    // A copy, not a static buffer over the caller's value: after a timeout the caller reuses its
+    // buffer while librados may still hold the message in a connection's queue.
+    librados::bufferlist data;
+    data.append(reinterpret_cast<const char*>(op.value.data()),
+                static_cast<unsigned>(op.value.size()));
+    w.write_full(data);  // whole objects: erasure-coded pools take no partial overwrites
+    std::byte hdr[rados::kRecordHeaderSize];
+    rados::encode_record_header(rados::make_record_header(op.key, op.value), hdr);
+    librados::bufferlist hbl;
+    hbl.append(reinterpret_cast<const char*>(hdr), sizeof(hdr));
+    w.setxattr(rados::kHeaderXattr, hbl);  // same op: data and header land together
+  }
+
+  static void on_complete(librados::completion_t, void* arg) {
+    auto* p = static_cast<Pending*>(arg);
+    p->backend->finish_librados(p, p->completion->get_return_value());
+  }
+
+  // librados' answer for `p` (or its refusal to take the op).
+  void finish_librados(Pending* p, int r) {
+    if (p->claim()) {
+      if (r == -ETIMEDOUT) timeouts_.fetch_add(1, std::memory_order_relaxed);
+      uint64_t len = 0;
+      Status s = rados_status(r);
+      if (s == Status::kSuccess) {
+        switch (p->kind) {
+          case BackendOpKind::kGet:
+            s = deliver(p, &len);
+            break;
+          case BackendOpKind::kPut:
+            written_bytes_.fetch_add(p->bytes, std::memory_order_relaxed);
+            break;
+          default:
+            break;
+        }
+      }
+      release(p, s, len);
+    } else {
+      if (unlink(p)) unref(p);
+      unref(p);
+    }
+  }
+
+  // A successful read: checks the record header, then hands the value to the op (sink or view).
+  Status deliver(Pending* p, uint64_t* len_out) {
+    BackendOp* op = p->op;
+    if (p->read_rc < 0) return rados_status(p->read_rc);
+    const uint64_t len = p->data.length();
+    if (p->xattr_rc == -ENODATA || (p->xattr_rc == 0 && p->xattr.length() == 0)) {
+      if (!options_.allow_raw_objects) {
+        checksum_failures_.fetch_add(1, std::memory_order_relaxed);
+        return Status::kUnrecoveredError;
+      }
+      raw_reads_.fetch_add(1, std::memory_order_relaxed);
+    } else if (p->xattr_rc < 0) {
+      return rados_status(p->xattr_rc);
+    } else {
+      const auto* hb = reinterpret_cast<const std::byte*>(p->xattr.c_str());
+      const auto h = rados::decode_record_header({hb, p->xattr.length()});
+      // Checked before the value goes anywhere: a corrupt value is never handed out.
+      if (!h || !(h->key == p->key) || h->value_len != len || h->checksum != checksum(p->data)) {
+        checksum_failures_.fetch_add(1, std::memory_order_relaxed);
+        return Status::kUnrecoveredError;
+      }
+    }
+    read_bytes_.fetch_add(len, std::memory_order_relaxed);
+    *len_out = len;
+    if (op->sink != nullptr) {
+      // One copy, from the messenger's receive buffer: msgr2 reads into buffers of its own, so a
+      // bufferlist pre-filled over the caller's memory (create_static) would be replaced, not
+      // filled, and the length is only known once the reply is here.
+      const std::span<std::byte> dst = op->sink(op, len);
+      const uint64_t n = std::min<uint64_t>(len, dst.size());
+      if (n > 0)
+        p->data.begin().copy(static_cast<unsigned>(n), reinterpret_cast<char*>(dst.data()));
+    } else {
+      // No copy: the op borrows the receive buffer, kept alive by the view.
+      auto keep = std::make_shared<librados::bufferlist>(std::move(p->data));
+      const char* bytes = keep->c_str();  // contiguous (rebuilds only if the reply was split)
+      op->view = ValueView{{reinterpret_cast<const std::byte*>(bytes), len}, std::move(keep)};
+    }
+    return Status::kSuccess;
+  }
+
+  static uint64_t checksum(librados::bufferlist& bl) {
+    if (bl.get_num_buffers() <= 1)
+      return XXH3_64bits(bl.length() ? bl.c_str() : nullptr, bl.length());
+    XXH3_state_t* st = XXH3_createState();
+    XXH3_64bits_reset(st);
+    for (const auto& b : bl.buffers()) XXH3_64bits_update(st, b.c_str(), b.length());
+    const uint64_t h = XXH3_64bits_digest(st);
+    XXH3_freeState(st);
+    return h;
+  }
+
+  // Lists the op's namespace on the worker thread (librados has no asynchronous listing). Object
+  // names that are not lower-case hex keys (foreign objects) are skipped.
+  void run_list(Pending* p) {
+    std::vector<Key> keys;
+    int r = 0;
+    librados::IoCtx& io = *p->ioctx;
+    // Cursors move by pointer: librados' ObjectCursor::operator= leaks the cursor it replaces.
+    auto cursor = std::make_unique<librados::ObjectCursor>(io.object_list_begin());
+    const librados::ObjectCursor end = io.object_list_end();
+    while (!io.object_list_is_end(*cursor)) {
+      if (p->claimed.load(std::memory_order_acquire)) break;  // timed out: stop early
+      std::vector<librados::ObjectItem> items;
+      auto next = std::make_unique<librados::ObjectCursor>();
+      r = io.object_list(*cursor, end, 1024, {}, &items, next.get());
+      if (r < 0) break;
+      for (const auto& item : items) {
+        const auto k = Key::from_hex(item.oid);
+        if (!k || k->hex() != item.oid) continue;
+        if (p->key.len != 0 && compare(*k, p->key) < 0) continue;
+        keys.push_back(*k);
+      }
+      cursor = std::move(next);
+    }
+    if (p->claim()) {
+      Status s = rados_status(r);
+      if (s == Status::kSuccess) {
+        std::sort(keys.begin(), keys.end());
+        if (keys.size() > p->list_max) keys.resize(p->list_max);
+        p->op->keys = std::move(keys);
+      }
+      if (r == -ETIMEDOUT) timeouts_.fetch_add(1, std::memory_order_relaxed);
+      release(p, s, 0);
+    } else {
+      if (unlink(p)) unref(p);
+      unref(p);
+    }
+  }
+
+  void refresh_stats() const {
+    std::list<std::string> pools{options_.pool};
+    librados::stats_map stats;
+    BackendInfo i;
+    i.name = "rados";
+    if (rados_.get_pool_stats(pools, stats) == 0) {
+      if (auto it = stats.find(options_.pool); it != stats.end()) {
+        i.keys = it->second.num_objects;  // the whole pool, every namespace
+        i.bytes_used = it->second.num_bytes;
+      }
+    }
+    librados::cluster_stat_t cs{};
+    if (rados_.cluster_stat(cs) == 0) i.capacity_bytes = cs.kb * 1024;  // raw, before replication
+    std::lock_guard lk(info_mu_);
+    info_ = i;
+    stats_at_ = Clock::now();
+    stats_queued_ = false;
+  }
+
+  // The claimer of `p` from librados' side (callback or list worker) is done with it: the op is
+  // taken off the in-flight list *before* the caller hears back, so the caller's next submit()
+  // finds the list lock free instead of racing this thread for it.
+  void release(Pending* p, Status s, uint64_t len) {
+    const bool was_linked = unlink(p);
+    complete(p, s, len);
+    if (was_linked) unref(p);
+    unref(p);
+  }
+
+  // Completes the op the caller claimed. Nothing may touch p->op afterwards.
+  void complete(Pending* p, Status s, uint64_t len) {
+    count_status(s);
+    p->op->complete(s, len);
+    // Dekker-style with drain(): both sides seq_cst, so either drain() sees inflight_ == 0 or
+    // this sees draining_ > 0 and wakes it. No lock per op when nobody drains.
+    if (inflight_.fetch_sub(1) == 1 && draining_.load() > 0) {
+      std::lock_guard lk(drain_mu_);
+      drain_cv_.notify_all();
+    }
+  }
+
+  void count_status(Status s) noexcept {
+    if (s != Status::kSuccess && s != Status::kKeyNotExist && s != Status::kKeyExists) {
+      errors_.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+
+  void unref(Pending* p) {
+    if (p->refs.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    delete p;
+    // The last touch of this object on the op path: the destructor waits for live_ == 0.
+    live_.fetch_sub(1, std::memory_order_release);
+  }
+
+  // ---- in-flight list, ordered by deadline (all ops share one timeout) ----
+  // The watchdog wakes at least every tick and fires ops a tick early at most, so an op ends
+  // between op_timeout - tick and op_timeout. Ticking instead of waking it for each op that
+  // arrives at an empty list saves a thread wake-up per op at low concurrency.
+  std::chrono::milliseconds tick() const {
+    return std::chrono::milliseconds(std::clamp<uint32_t>(options_.op_timeout_ms / 20, 1, 100));
+  }
+
+  void link(Pending* p) {
+    const auto deadline = Clock::now() + std::chrono::milliseconds(options_.op_timeout_ms);
+    std::lock_guard lk(flight_mu_);
+    // Deadlines only grow along the list: an op linked after another never expires before it.
+    p->deadline = tail_ != nullptr ? std::max(deadline, tail_->deadline) : deadline;
+    p->prev = tail_;
+    p->next = nullptr;
+    p->linked = true;
+    (tail_ != nullptr ? tail_->next : head_) = p;
+    tail_ = p;
+  }
+
+  // True if this call removed `p` (and so now holds the list's reference).
+  bool unlink(Pending* p) {
+    std::lock_guard lk(flight_mu_);
+    return unlink_locked(p);
+  }
+  bool unlink_locked(Pending* p) {
+    if (!p->linked) return false;
+    (p->prev ? p->prev->next : head_) = p->next;
+    (p->next ? p->next->prev : tail_) = p->prev;
+    p->linked = false;
+    return true;
+  }
+
+  void run_watchdog() {
+    std::unique_lock lk(flight_mu_);
+    std::vector<Pending*> expired;
+    while (!stop_watchdog_) {
+      const auto now = Clock::now();
+      const auto early = now + tick();  // what expires within a tick fires now
+      if (head_ == nullptr || head_->deadline > early) {
+        // A copy: wait_until reads its argument after unlocking, when the op may be gone.
+        const Clock::time_point wake =
+            head_ == nullptr ? early : std::min(early, head_->deadline - tick());
+        flight_cv_.wait_until(lk, wake);  // later than now: the head is not due within a tick
+        continue;
+      }
+      while (head_ != nullptr && head_->deadline <= early) {
+        expired.push_back(head_);
+        unlink_locked(head_);
+      }
+      lk.unlock();
+      for (Pending* p : expired) {
+        if (p->claim()) {
+          timeouts_.fetch_add(1, std::memory_order_relaxed);
+          complete(p, Status::kNamespaceNotReady, 0);
+        }
+        // Frees librados' side of it; its callback then comes with ECANCELED and is dropped.
+        if (p->completion != nullptr) p->ioctx->aio_cancel(p->completion);
+        unref(p);
+      }
+      expired.clear();
+      lk.lock();
+    }
+  }
+
+  void run_worker() {
+    std::unique_lock lk(worker_mu_);
+    while (true) {
+      worker_cv_.wait(lk, [this] { return stop_worker_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;  // stopping, and nothing left to run
+      auto job = std::move(jobs_.front());
+      jobs_.pop_front();
+      lk.unlock();
+      job();
+      lk.lock();
+    }
+  }
+
+  librados::IoCtx* ioctx_for(uint32_t nsid) {
+    {
+      std::shared_lock lk(ns_mu_);
+      if (auto it = ns_.find(nsid); it != ns_.end()) return it->second.get();
+    }
+    // One IoCtx per namespace: set_namespace changes shared state, so no per-op switching.
+    std::unique_lock lk(ns_mu_);
+    auto& slot = ns_[nsid];
+    if (!slot) {
+      slot = std::make_unique<librados::IoCtx>();
+      slot->dup(base_);
+      slot->set_namespace(options_.namespace_prefix + std::to_string(nsid));
+    }
+    return slot.get();
+  }
+
+  const RadosBackendOptions options_;
+  // Declared before every IoCtx and thread: shut down last. Mutable: info() refreshes pool
+  // statistics through it, and librados' stat calls are not const.
+  mutable librados::Rados rados_;
+  librados::IoCtx base_;
+  std::shared_mutex ns_mu_;
+  std::unordered_map<uint32_t, std::unique_ptr<librados::IoCtx>> ns_;
+
+  std::mutex flight_mu_;
+  std::condition_variable flight_cv_;
+  Pending* head_ = nullptr;
+  Pending* tail_ = nullptr;
+  bool stop_watchdog_ = false;
+  std::thread watchdog_;
+
+  mutable std::mutex worker_mu_;
+  mutable std::condition_variable worker_cv_;
+  mutable std::deque<std::function<void()>> jobs_;
+  bool stop_worker_ = false;
+  std::thread worker_;
+
+  std::mutex drain_mu_;
+  std::condition_variable drain_cv_;
+  std::atomic<uint64_t> inflight_{0};  // ops not yet completed to their caller
+  std::atomic<uint64_t> draining_{0};  // drain() calls waiting
+  std::atomic<uint64_t> live_{0};      // Pendings not yet freed (librados may still call back)
+
+  mutable std::mutex info_mu_;
+  mutable BackendInfo info_{.name = "rados"};
+  mutable Clock::time_point stats_at_{};
+  mutable bool stats_queued_ = false;
+
+  std::atomic<uint64_t> ops_{0};
+  std::atomic<uint64_t> kind_ops_[kKinds] = {};
+  std::atomic<uint64_t> errors_{0};
+  std::atomic<uint64_t> timeouts_{0};
+  std::atomic<uint64_t> checksum_failures_{0};
+  std::atomic<uint64_t> raw_reads_{0};
+  std::atomic<uint64_t> read_bytes_{0};
+  std::atomic<uint64_t> written_bytes_{0};
+};
+
+}  // namespace
+
+std::shared_ptr<Backend> make_rados_backend(const RadosBackendOptions& options) {
+  return std::make_shared<RadosBackend>(options);
+}
+
+}  // namespace gdkv
