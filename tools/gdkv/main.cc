@@ -400,6 +400,8 @@ int main(int argc, char** argv) {
   app.add_option("--ceph-client", o.backend.rados.client_name, "Ceph client name (client.admin)");
   app.add_option("--ceph-keyring", o.backend.rados.keyring,
                  "Ceph keyring (default: from ceph.conf)");
+  app.add_option("--ceph-timeout-ms", o.backend.rados.op_timeout_ms,
+                 "a RADOS op not done by then fails with 82h (default 5000)");
   app.add_option("--nsid", o.nsid, "NVMe namespace (default 1)")->check(CLI::Range(1u, 1024u));
   app.add_flag("--hex", o.hex, "KEY arguments are hex (1-16 bytes as 2-32 hex digits)");
   app.add_option("--connect", o.connect,
