@@ -19,9 +19,11 @@
 #include <thread>
 
 #include "gdkv/backend_factory.h"
+#include "gdkv/cache.h"
 #include "gdkv/client.h"
 #include "gdkv/commands.h"
 #include "gdkv/histogram.h"
+#include "gdkv/metrics_server.h"
 #include "gdkv/vfio_user.h"
 
 namespace {
@@ -42,6 +44,12 @@ struct Options {
   uint32_t reactors = 1;
   uint64_t max_value = uint64_t{64} << 20;
   std::string connect;  // a running gdkvd's socket directory
+  gdkv::CacheOptions cache = [] {
+    gdkv::CacheOptions c;
+    c.capacity_bytes = 0;  // one CLI command rarely rereads a block: off unless asked
+    return c;
+  }();
+  int metrics_port = -1;  // serve /metrics while the command runs (0: any free port)
 };
 
 // With --connect: the gdkvd connection. Asynchronous commands (bench) name their buffers
@@ -104,7 +112,9 @@ std::unique_ptr<gdkv::Client> open_client(const Options& o) {
   co.controller.max_value_bytes = o.max_value;
   co.controller.namespaces = std::max<uint32_t>(o.nsid, 1);
   co.queue.depth = 1024;
-  return gdkv::Client::open(gdkv::open_backend(o.backend), co);
+  std::shared_ptr<gdkv::Backend> backend = gdkv::open_backend(o.backend);
+  if (o.cache.capacity_bytes > 0) backend = gdkv::make_cached_backend(backend, o.cache);
+  return gdkv::Client::open(backend, co);
 }
 
 // ---- bench --------------------------------------------------------------------------------------
@@ -374,12 +384,7 @@ int run_stat(gdkv::Client& client) {
   std::printf("segments  %llu\n", static_cast<unsigned long long>(info.segments));
   gdkv::MetricList metrics;
   ctl->collect(metrics);
-  std::printf("\n%-40s %-36s %s\n", "metric", "labels", "value");
-  for (const auto& m : metrics) {
-    std::string labels;
-    for (const auto& [k, v] : m.labels) labels += (labels.empty() ? "" : ",") + k + "=" + v;
-    std::printf("gdkv_%-35s %-36s %.6g\n", m.name.c_str(), labels.c_str(), m.value);
-  }
+  std::printf("\n%s", gdkv::metrics_table(metrics).c_str());
   return kExitOk;
 }
 
@@ -402,6 +407,14 @@ int main(int argc, char** argv) {
                  "Ceph keyring (default: from ceph.conf)");
   app.add_option("--ceph-timeout-ms", o.backend.rados.op_timeout_ms,
                  "a RADOS op not done by then fails with 82h (default 5000)");
+  app.add_option("--cache-bytes", o.cache.capacity_bytes,
+                 "host cache in front of the backend, bytes (default 0: off)");
+  app.add_option("--cache-policy", o.cache.policy, "adaptive (default), lru-k or lru")
+      ->check(CLI::IsMember({"adaptive", "lru-k", "lru"}));
+  app.add_option("--prefetch-depth", o.cache.prefetch_depth,
+                 "blocks the cache fetches ahead along a learned chain (default 8, 0: off)");
+  app.add_option("--metrics-port", o.metrics_port,
+                 "serve Prometheus text on /metrics while the command runs (0: any free port)");
   app.add_option("--nsid", o.nsid, "NVMe namespace (default 1)")->check(CLI::Range(1u, 1024u));
   app.add_flag("--hex", o.hex, "KEY arguments are hex (1-16 bytes as 2-32 hex digits)");
   app.add_option("--connect", o.connect,
@@ -482,6 +495,16 @@ int main(int argc, char** argv) {
     }
 
     auto client = open_client(o);
+    std::unique_ptr<gdkv::MetricsServer> metrics;
+    if (o.metrics_port >= 0 && client->controller() != nullptr) {
+      gdkv::Controller* ctl = client->controller();
+      metrics = std::make_unique<gdkv::MetricsServer>(static_cast<uint16_t>(o.metrics_port), [ctl] {
+        gdkv::MetricList m;
+        ctl->collect(m);
+        return m;
+      });
+      std::fprintf(stderr, "gdkv: metrics on http://127.0.0.1:%u/metrics\n", metrics->port());
+    }
     if (put->parsed()) {
       uint8_t opts = must_exist ? gdkv::nvme::kStoreMustExist
                                 : (must_not_exist ? gdkv::nvme::kStoreMustNotExist : 0);
