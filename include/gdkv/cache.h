@@ -1,0 +1,64 @@
+// The host cache: a Backend decorator that keeps values in slab memory in front of any backend
+// (memory, the local NVMe store, RADOS), so hot KV-cache blocks are served from host DRAM.
+//
+// - Hits complete at once with a view of the cached bytes (BackendOp::view); the controller's copy
+//   engine moves them. The view keeps its bytes alive, so an eviction never frees a value a copy is
+//   still reading.
+// - Concurrent misses on one key share one backend read (single flight).
+// - Stores are written through: the Store completes once the backend has the value, and from then
+//   on this cache serves the new value or nothing, never an older one. Deletes likewise.
+// - Prefetch: kPrefetch ops (the vendor opcode's key list) and chain prediction (per stream, the
+//   key that followed each key last time) warm the cache ahead of demand reads. At most
+//   max_prefetch_inflight prefetch reads are outstanding, so they never queue ahead of demand
+//   reads in any number; the rest wait in a bounded queue.
+// - Eviction: a policy chosen by name ("adaptive", "lru-k", "lru"); docs/cache.md compares them.
+//
+// Coherence covers the writes that pass through this cache. Writes by another node to a shared
+// backend (RADOS) are seen once the cached copy is evicted; run one cache per backend view.
+//
+// Thread safety: as every Backend (see backend.h): submit() and collect() from any thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gdkv/backend.h"
+
+namespace gdkv {
+
+struct CacheOptions {
+  uint64_t capacity_bytes = uint64_t{1} << 30;  // value bytes held, default 1 GiB (0: no caching)
+  // "adaptive" (default: balances recency and frequency from the history of evicted keys, as
+  // ARC does), "lru-k" (evicts the entry whose K-th most recent reference is oldest) or "lru".
+  std::string policy = "adaptive";
+  uint32_t k = 2;  // LRU-K's K, 1..8 (lru-k only)
+  // Evicted keys whose reference times LRU-K keeps, so a returning key keeps its count. Default 0:
+  // as many as there are cached entries.
+  uint64_t history_entries = 0;
+  // Microseconds, default 0 (off): a reference to a key within this time of its previous reference
+  // belongs to the same burst and counts once (lru-k and adaptive).
+  uint64_t correlated_window_us = 0;
+  uint32_t prefetch_depth = 8;          // chain prediction: keys fetched ahead, default 8 (0: off)
+  uint32_t max_prefetch_inflight = 16;  // prefetch reads outstanding at once, default 16 (0: none)
+  uint32_t prefetch_queue = 4096;       // prefetch keys waiting for a slot; more are dropped
+  uint64_t chain_entries = 1u << 20;    // learned key → next-key transitions kept, default 1 Mi
+  // Slab pages: allocate `bytes` (aligned to 4096) and free them. The GPU runtime passes pinned
+  // memory here so cached values can be DMA'd directly. Default: the host heap.
+  std::function<void*(size_t bytes)> alloc;
+  std::function<void(void* p, size_t bytes)> free;
+  size_t slab_page_bytes = size_t{1} << 20;  // bytes per slab page, default 1 MiB
+};
+
+// The policies make_cached_backend accepts.
+std::vector<std::string> cache_policies();
+
+// Wraps `inner` in a cache. Throws std::invalid_argument on bad options (unknown policy, k out of
+// range, no inner backend).
+std::shared_ptr<Backend> make_cached_backend(std::shared_ptr<Backend> inner,
+                                             const CacheOptions& options = {});
+
+}  // namespace gdkv

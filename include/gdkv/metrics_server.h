@@ -1,0 +1,67 @@
+// Metrics out of the process: Prometheus text exposition (format 0.0.4) of a MetricList, the
+// table `gdkv stat` prints, an HTTP server answering GET /metrics, and the copy-engine peak that
+// DMA utilisation is measured against.
+//
+// Exposition: every name gets the `gdkv_` prefix (unless it has it already) and characters
+// Prometheus does not allow become '_'; samples of one name are grouped under one HELP and one
+// TYPE line (the first sample's help and type), in order of first appearance; label values are
+// escaped (\\, \", \n).
+//
+// MetricsServer: one thread with a poll() loop. Each connection gets one response and is closed;
+// requests over 8 KiB of headers get 431, malformed ones 400, other methods 405, other paths 404;
+// a connection idle or unfinished after 5 s is dropped and at most 64 are served at once, so slow
+// or hostile clients cannot stall it or make it grow. The source callback runs on the server
+// thread (collect() functions are thread-safe).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "gdkv/copy_engine.h"
+#include "gdkv/metrics.h"
+
+namespace gdkv {
+
+// Prometheus text exposition format 0.0.4.
+std::string prometheus_text(const MetricList& metrics);
+
+// A fixed-width table (metric, labels, value), one sample per line, grouped as above.
+std::string metrics_table(const MetricList& metrics);
+
+class MetricsServer {
+ public:
+  // Listens on bind_address:port (port 0: the kernel picks a free one, see port()) and serves
+  // `source()` at /metrics. Throws std::runtime_error with a clear message when it cannot listen.
+  MetricsServer(uint16_t port, std::function<MetricList()> source,
+                const std::string& bind_address = "0.0.0.0");
+  ~MetricsServer();  // stops the thread and closes every connection
+  MetricsServer(const MetricsServer&) = delete;
+  MetricsServer& operator=(const MetricsServer&) = delete;
+
+  uint16_t port() const;  // the port it listens on
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+struct CopyPeakOptions {
+  size_t bytes = size_t{32} << 20;  // bytes per timed copy, default 32 MiB
+  uint32_t rounds = 4;              // timed copies; the fastest counts (one untimed before)
+  // Where to copy from and to; null: host buffers allocated here. The GPU runtime passes pinned
+  // host memory and device memory so the link itself is measured. Each needs `bytes` bytes.
+  const void* src = nullptr;
+  MemKind src_kind = MemKind::kHost;
+  void* dst = nullptr;
+  MemKind dst_kind = MemKind::kHost;
+};
+
+// The engine's peak copy bandwidth in bytes per second (0 if a copy failed), for the
+// dma_link_peak_bytes_per_second gauge. Takes tens of milliseconds.
+// REQUIRES: called on the thread that owns `engine` (or before its reactor starts).
+double measure_copy_peak_bps(CopyEngine& engine, const CopyPeakOptions& options = {});
+
+}  // namespace gdkv

@@ -1,0 +1,635 @@
+// The cache decorator (see gdkv/cache.h).
+//
+// One mutex guards the entries, the policy, the in-flight reads ("flights"), the in-flight writes
+// and the prefetch queue. Critical sections are hash and tree operations only: no I/O, no value
+// copies, and never a call into the inner backend or an op's completion, because the inner backend
+// may complete inline inside submit() (the memory backend does) and a completion may submit again.
+//
+// Consistency rules (why an older value is never served after a newer Store was acknowledged):
+//   1. A write (Store or Delete) detaches the key's flight when it starts and when it completes:
+//      later misses start a new backend read instead of joining one that may return the old value.
+//      Requests that joined before the write started may return the old value; they overlapped it.
+//   2. A flight inserts its value only if it is still attached when it completes and no write to
+//      the key was in flight when it started: a read racing a write may return either value.
+//   3. A completed Store caches its value only if no other write to the key overlapped it (the
+//      backend's order of overlapping writes is not known here); otherwise the key is dropped and
+//      the next read asks the backend. A failed write drops the key too, unless the status says the
+//      backend rejected it unchanged (e.g. 89h key exists). A Delete always drops it.
+// A Store's completion is passed on only after rule 3 has updated the cache.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "cache/chain.h"
+#include "cache/policy.h"
+#include "cache/slab.h"
+#include "gdkv/cache.h"
+
+namespace gdkv {
+namespace {
+
+using cache::AddKind;
+using cache::Buffer;
+using cache::CacheKey;
+using cache::CacheKeyHash;
+using cache::SlabAllocator;
+using nvme::Status;
+
+uint64_t steady_ns() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+}
+
+// A Store that failed with one of these left the backend's value as it was.
+bool rejected_unchanged(Status s) {
+  switch (s) {
+    case Status::kKeyExists:
+    case Status::kKeyNotExist:
+    case Status::kCapacityExceeded:
+    case Status::kInvalidValueSize:
+    case Status::kInvalidKeySize:
+    case Status::kInvalidField:
+    case Status::kInvalidNamespace:
+    case Status::kInvalidOpcode:
+      return true;
+    default:
+      return false;
+  }
+}
+
+enum PrefetchSource : uint8_t { kChain, kHint };
+
+class CachedBackend final : public Backend {
+ public:
+  CachedBackend(std::shared_ptr<Backend> inner, const CacheOptions& o,
+                std::unique_ptr<cache::EvictionPolicy> policy)
+      : inner_(std::move(inner)),
+        capacity_(o.capacity_bytes),
+        depth_(o.prefetch_depth),
+        max_inflight_(o.capacity_bytes == 0 ? 0 : o.max_prefetch_inflight),
+        queue_cap_(o.prefetch_queue),
+        policy_name_(o.policy),
+        slab_(SlabAllocator::create(o.alloc, o.free, o.slab_page_bytes)),
+        policy_(std::move(policy)),
+        chain_(o.chain_entries) {}
+
+  ~CachedBackend() override {
+    {
+      std::lock_guard lk(mu_);
+      pending_.clear();
+      queued_.clear();
+    }
+    drain();
+  }
+
+  void submit(BackendOp* op) override {
+    if (!op->key.valid() && op->kind != BackendOpKind::kPrefetch) return inner_->submit(op);
+    switch (op->kind) {
+      case BackendOpKind::kGet:
+        return get(op);
+      case BackendOpKind::kPut:
+      case BackendOpKind::kDelete:
+        return write(op);
+      case BackendOpKind::kExists:
+        return exists(op);
+      case BackendOpKind::kPrefetch:
+        return prefetch(op);
+      case BackendOpKind::kList:
+        break;
+    }
+    inner_->submit(op);
+  }
+
+  BackendInfo info() const override { return inner_->info(); }
+
+  void collect(MetricList& out) const override {
+    auto add = [&](const char* name, const char* help, MetricType type, double v,
+                   std::vector<std::pair<std::string, std::string>> labels = {}) {
+      out.push_back(Metric{name, help, type, std::move(labels), v});
+    };
+    constexpr auto kC = MetricType::kCounter;
+    constexpr auto kG = MetricType::kGauge;
+    {
+      std::lock_guard lk(mu_);
+      const Counters& c = n_;
+      auto d = [](uint64_t v) { return static_cast<double>(v); };
+      add("cache_info", "host cache configuration", kG, 1, {{"policy", policy_name_}});
+      add("cache_hits_total", "reads served from the host cache", kC, d(c.hits));
+      add("cache_misses_total", "reads that needed the backend (joined reads included)", kC,
+          d(c.misses));
+      add("cache_hit_ratio", "hits / (hits + misses) since start", kG,
+          c.hits + c.misses ? d(c.hits) / d(c.hits + c.misses) : 0.0);
+      add("cache_single_flight_merges_total", "misses that joined a backend read already running",
+          kC, d(c.merges));
+      add("cache_fills_total", "values read from the backend and cached", kC, d(c.fills));
+      add("cache_write_fills_total", "stored values cached on their way to the backend", kC,
+          d(c.write_fills));
+      add("cache_evictions_total", "entries evicted to make room", kC, d(c.evictions));
+      add("cache_invalidations_total", "entries dropped by a write or delete", kC,
+          d(c.invalidations));
+      add("cache_exists_hits_total", "Exist commands answered from the cache", kC,
+          d(c.exists_hits));
+      add("cache_bytes", "value bytes cached", kG, d(bytes_));
+      add("cache_capacity_bytes", "value bytes the cache may hold", kG, d(capacity_));
+      add("cache_entries", "values cached", kG, d(entries_.size()));
+      add("cache_slab_reserved_bytes", "slab memory held (pages)", kG, d(slab_->reserved_bytes()));
+      add("cache_slab_chunk_bytes", "slab memory in chunks handed out", kG,
+          d(slab_->chunk_bytes()));
+      add("cache_prefetch_issued_total", "prefetch reads sent to the backend", kC,
+          d(c.issued[kChain]), {{"source", "chain"}});
+      add("cache_prefetch_issued_total", "prefetch reads sent to the backend", kC,
+          d(c.issued[kHint]), {{"source", "hint"}});
+      add("cache_prefetch_used_total", "prefetched values a read used (or joined in flight)", kC,
+          d(c.used));
+      add("cache_prefetch_wasted_total", "prefetched values evicted or dropped unused", kC,
+          d(c.wasted));
+      add("cache_prefetch_failed_total", "prefetch reads that found no value or failed", kC,
+          d(c.failed));
+      add("cache_prefetch_dropped_total", "prefetch keys dropped because the queue was full", kC,
+          d(c.dropped));
+      const uint64_t issued = c.issued[kChain] + c.issued[kHint];
+      add("cache_prefetch_accuracy", "prefetch used / issued since start", kG,
+          issued ? d(c.used) / d(issued) : 0.0);
+      add("cache_prefetch_inflight", "prefetch reads outstanding", kG, d(prefetch_inflight_));
+      add("cache_prefetch_queued", "prefetch keys waiting for a slot", kG, d(pending_.size()));
+      add("cache_chain_entries", "learned key-to-next-key transitions", kG, d(chain_.size()));
+      policy_->collect(out);
+    }
+    inner_->collect(out);
+  }
+
+  void drain() override {
+    for (;;) {
+      inner_->drain();
+      if (outstanding_.load(std::memory_order_acquire) == 0) break;
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+ private:
+  struct Entry {
+    std::shared_ptr<Buffer> buf;
+    bool prefetched = false;  // added by a prefetch and not read yet
+  };
+  struct Flight {
+    CachedBackend* self = nullptr;
+    CacheKey key;
+    BackendOp op;
+    std::vector<BackendOp*> waiters;
+    std::shared_ptr<Buffer> buf;  // filled through the sink
+    bool attached = true;         // flights_ points here: misses on the key join it
+    bool insertable = true;       // no write was in flight when it started
+    bool prefetch = false;
+    bool used = false;  // a demand read joined this prefetch
+  };
+  struct WriteState {
+    uint32_t count = 0;       // writes in flight
+    bool overlapped = false;  // two were in flight at once since count was last 0
+  };
+  struct WriteCtx {
+    CachedBackend* self;
+    CacheKey key;
+    void (*done)(BackendOp*, Status, uint64_t);
+    void* user;
+  };
+  struct Pending {
+    CacheKey key;
+    PrefetchSource source;
+  };
+  struct Counters {
+    uint64_t hits = 0, misses = 0, merges = 0, fills = 0, write_fills = 0, evictions = 0,
+             invalidations = 0, exists_hits = 0;
+    uint64_t issued[2] = {}, used = 0, wasted = 0, failed = 0, dropped = 0;
+  };
+  // Per stream: the chain learning and readahead state.
+  struct Readahead {
+    CacheKey last;  // the key the stream read or stored last
+    bool has_last = false;
+    CacheKey frontier;    // the furthest key predicted for it
+    uint32_t ahead = 0;   // chain steps from last to frontier
+    uint32_t window = 0;  // how far ahead to keep the frontier
+  };
+  using Launch = std::vector<Flight*>;
+
+  static uint64_t stream_id(const BackendOp* op) { return uint64_t{op->nsid} << 32 | op->stream; }
+
+  // ---- reads ----
+
+  void get(BackendOp* op) {
+    const CacheKey key{op->nsid, op->key};
+    std::shared_ptr<Buffer> hit;
+    Flight* miss = nullptr;
+    Launch launch;
+    {
+      std::lock_guard lk(mu_);
+      if (auto it = entries_.find(key); it != entries_.end()) {
+        hit = it->second.buf;
+        if (it->second.prefetched) {
+          it->second.prefetched = false;
+          ++n_.used;
+        }
+        policy_->record_access(key, hit->len, tick());
+        ++n_.hits;
+      } else if (auto f = flights_.find(key); f != flights_.end()) {
+        Flight* fl = f->second;
+        fl->waiters.push_back(op);
+        ++n_.misses;
+        ++n_.merges;
+        if (fl->prefetch && !fl->used) {
+          fl->used = true;
+          ++n_.used;
+        }
+      } else {
+        ++n_.misses;
+        miss = start_flight(key, false, op->stream);
+        miss->waiters.push_back(op);
+      }
+      predict(stream_id(op), key, !hit, launch);
+    }
+    if (hit) {
+      op->view = ValueView{{hit->data, hit->len}, hit};
+      op->complete(Status::kSuccess, hit->len);
+    } else if (miss != nullptr) {
+      inner_->submit(&miss->op);  // demand first, then prefetches
+    }
+    start(launch);
+  }
+
+  static std::span<std::byte> fill_sink(BackendOp* op, uint64_t len) {
+    auto* f = static_cast<Flight*>(op->user);
+    f->buf = f->self->alloc_value(len);
+    return {f->buf->data, static_cast<size_t>(len)};
+  }
+
+  static void fill_done(BackendOp* op, Status s, uint64_t len) {
+    auto* f = static_cast<Flight*>(op->user);
+    f->self->finish_fill(f, s, len);
+  }
+
+  void finish_fill(Flight* f, Status s, uint64_t len) {
+    std::shared_ptr<Buffer> buf;
+    if (s == Status::kSuccess) {
+      const ValueView& v = f->op.view;
+      if (f->buf && f->buf->len == len) {
+        buf = std::move(f->buf);
+      } else if (v.bytes.data() != nullptr || v.keepalive) {
+        // The backend handed out its own bytes: copy them into the slab so cached values all
+        // live in (possibly pinned) slab memory and the backend's buffer can go.
+        if (v.bytes.size() >= len) {
+          buf = alloc_value(len);
+          if (len != 0) std::memcpy(buf->data, v.bytes.data(), len);
+        } else {
+          s = Status::kUnrecoveredError;
+        }
+      } else if (len == 0) {
+        buf = alloc_value(0);
+      } else {
+        s = Status::kUnrecoveredError;  // neither the sink nor a view got the value
+      }
+      f->op.view = ValueView{};
+    }
+    std::vector<BackendOp*> waiters;
+    Launch launch;
+    {
+      std::lock_guard lk(mu_);
+      if (f->attached) flights_.erase(f->key);
+      const bool cache_it =
+          s == Status::kSuccess && f->attached && f->insertable && buf->from_slab();
+      if (cache_it) {
+        insert(f->key, buf, f->prefetch && !f->used ? AddKind::kPrefetch : AddKind::kDemand);
+        ++n_.fills;
+      }
+      if (f->prefetch) {
+        --prefetch_inflight_;
+        if (s != Status::kSuccess) {
+          ++n_.failed;
+        } else if (!cache_it && !f->used) {
+          ++n_.wasted;
+        }
+      }
+      waiters.swap(f->waiters);
+      pump(launch);
+    }
+    for (BackendOp* w : waiters) {
+      if (s == Status::kSuccess) {
+        w->view = ValueView{{buf->data, buf->len}, buf};
+        w->complete(s, len);
+      } else {
+        w->complete(s, 0);
+      }
+    }
+    start(launch);
+    delete f;
+    outstanding_.fetch_sub(1, std::memory_order_release);  // last: drain() may return now
+  }
+
+  void exists(BackendOp* op) {
+    bool hit;
+    {
+      std::lock_guard lk(mu_);
+      hit = entries_.contains(CacheKey{op->nsid, op->key});
+      if (hit) ++n_.exists_hits;
+    }
+    if (hit) return op->complete(Status::kSuccess);
+    inner_->submit(op);
+  }
+
+  // ---- writes ----
+
+  void write(BackendOp* op) {
+    auto* ctx = new WriteCtx{this, CacheKey{op->nsid, op->key}, op->done, op->user};
+    {
+      std::lock_guard lk(mu_);
+      WriteState& w = writes_[ctx->key];
+      if (++w.count > 1) w.overlapped = true;
+      detach(ctx->key);
+      if (op->kind == BackendOpKind::kPut && depth_ != 0) {
+        // A prefill's Stores teach the order its blocks will be read in.
+        Readahead& ra = readahead_[stream_id(op)];
+        learn(ra, ctx->key);
+        ra.ahead = 0;
+      }
+      outstanding_.fetch_add(1, std::memory_order_relaxed);
+    }
+    op->done = &write_done;
+    op->user = ctx;
+    inner_->submit(op);
+  }
+
+  static void write_done(BackendOp* op, Status s, uint64_t len) {
+    auto* ctx = static_cast<WriteCtx*>(op->user);
+    const WriteCtx c = *ctx;
+    delete ctx;
+    op->done = c.done;
+    op->user = c.user;
+    c.self->finish_write(op, c.key, s, len);
+  }
+
+  void finish_write(BackendOp* op, const CacheKey& key, Status s, uint64_t len) {
+    const bool put = op->kind == BackendOpKind::kPut;
+    std::shared_ptr<Buffer> buf;
+    if (put && s == Status::kSuccess && op->value.size() <= capacity_) {
+      bool sole;
+      {
+        std::lock_guard lk(mu_);
+        const WriteState& w = writes_[key];
+        sole = w.count == 1 && !w.overlapped;
+      }
+      // Copy outside the lock; rule 3 is checked again below, as a write may start meanwhile.
+      if (sole) buf = slab_->allocate(op->value.size());
+      if (buf && !op->value.empty()) std::memcpy(buf->data, op->value.data(), op->value.size());
+    }
+    {
+      std::lock_guard lk(mu_);
+      auto w = writes_.find(key);
+      detach(key);
+      if (buf && !w->second.overlapped) {
+        insert(key, std::move(buf), AddKind::kDemand);
+        ++n_.write_fills;
+      } else if (!(put && s != Status::kSuccess && rejected_unchanged(s))) {
+        erase(key);
+      }
+      if (--w->second.count == 0) writes_.erase(w);
+    }
+    op->complete(s, len);
+    outstanding_.fetch_sub(1, std::memory_order_release);
+  }
+
+  // ---- prefetch ----
+
+  void prefetch(BackendOp* op) {
+    Launch launch;
+    if (max_inflight_ != 0) {
+      std::lock_guard lk(mu_);
+      for (const Key& k : op->keys) {
+        if (!k.valid()) continue;
+        queue_prefetch(CacheKey{op->nsid, k}, kHint);
+        pump(launch);  // the queue holds only what waits for a slot
+      }
+    }
+    op->complete(Status::kSuccess);
+    start(launch);
+  }
+
+  // REQUIRES: mu_ held. Learns that `key` followed the stream's previous key; returns whether
+  // that is what the chain predicted.
+  bool learn(Readahead& ra, const CacheKey& key) {
+    bool followed = false;
+    if (ra.has_last && !(ra.last == key)) {
+      bool current = false;
+      const CacheKey* next = chain_.next(ra.last, &current);
+      followed = next != nullptr && *next == key;
+      if (!followed || !current) chain_.record(ra.last, key);
+    }
+    ra.last = key;
+    ra.has_last = true;
+    return followed;
+  }
+
+  // REQUIRES: mu_ held. Learns that `key` was read on `stream` and queues the keys the chain
+  // predicts after it (then starts what fits). Like a file system's readahead: while the reader
+  // follows the predicted chain the window of keys fetched ahead doubles, up to depth_; when it
+  // jumps elsewhere the window closes (to one key if the read missed, as a chain may start
+  // there), so random hits cost no chain walk and a sequential reader one step per block.
+  void predict(uint64_t stream, const CacheKey& key, bool miss, Launch& launch) {
+    if (depth_ == 0 || max_inflight_ == 0) return;
+    Readahead& ra = readahead_[stream];
+    if (learn(ra, key)) {
+      ra.window = std::min(depth_, std::max(1u, ra.window * 2));
+    } else {
+      ra.window = miss ? 1 : 0;
+      ra.ahead = 0;
+    }
+    if (ra.ahead > 0) {
+      --ra.ahead;  // the reader moved one step towards the frontier
+    } else {
+      ra.frontier = key;
+    }
+    while (ra.ahead < ra.window) {
+      const CacheKey* next = chain_.next(ra.frontier);
+      if (next == nullptr || *next == key) break;
+      ra.frontier = *next;
+      ++ra.ahead;
+      queue_prefetch(ra.frontier, kChain);
+      pump(launch);
+    }
+  }
+
+  // REQUIRES: mu_ held.
+  void queue_prefetch(const CacheKey& key, PrefetchSource source) {
+    if (entries_.contains(key) || flights_.contains(key) || queued_.contains(key)) return;
+    if (pending_.size() >= queue_cap_) {
+      ++n_.dropped;
+      return;
+    }
+    pending_.push_back(Pending{key, source});
+    queued_.insert(key);
+  }
+
+  // REQUIRES: mu_ held. Starts queued prefetches while slots are free; the caller submits them
+  // after unlocking.
+  void pump(Launch& launch) {
+    while (prefetch_inflight_ < max_inflight_ && !pending_.empty()) {
+      const Pending p = pending_.front();
+      pending_.pop_front();
+      queued_.erase(p.key);
+      if (entries_.contains(p.key) || flights_.contains(p.key)) continue;
+      ++n_.issued[p.source];
+      launch.push_back(start_flight(p.key, true, 0));
+    }
+  }
+
+  void start(const Launch& launch) {
+    for (Flight* f : launch) inner_->submit(&f->op);
+  }
+
+  // ---- state (REQUIRES: mu_ held) ----
+
+  // A strictly increasing clock for the policy: nanoseconds, bumped when two reads share one.
+  uint64_t tick() {
+    uint64_t t = steady_ns();
+    if (t <= last_tick_) t = last_tick_ + 1;
+    return last_tick_ = t;
+  }
+
+  Flight* start_flight(const CacheKey& key, bool prefetch, uint32_t stream) {
+    auto* f = new Flight;
+    f->self = this;
+    f->key = key;
+    f->prefetch = prefetch;
+    f->insertable = !writes_.contains(key);
+    f->op.kind = BackendOpKind::kGet;
+    f->op.nsid = key.nsid;
+    f->op.key = key.key;
+    f->op.stream = stream;
+    f->op.sink = &fill_sink;
+    f->op.done = &fill_done;
+    f->op.user = f;
+    flights_.emplace(key, f);
+    if (prefetch) ++prefetch_inflight_;
+    outstanding_.fetch_add(1, std::memory_order_relaxed);
+    return f;
+  }
+
+  void detach(const CacheKey& key) {
+    auto it = flights_.find(key);
+    if (it == flights_.end()) return;
+    it->second->attached = false;
+    flights_.erase(it);
+  }
+
+  void insert(const CacheKey& key, std::shared_ptr<Buffer> buf, AddKind kind) {
+    const uint64_t size = buf->len;
+    auto it = entries_.find(key);
+    if (size > capacity_) {
+      if (it != entries_.end()) erase(key);
+      return;
+    }
+    const uint64_t now = tick();
+    if (it != entries_.end()) {
+      // A Store over a cached value: the same entry, a new reference.
+      if (it->second.prefetched) ++n_.wasted;
+      bytes_ = bytes_ - it->second.buf->len + size;
+      it->second = Entry{std::move(buf), false};
+      policy_->record_access(key, size, now);
+      while (bytes_ > capacity_ && evict_one()) {
+      }
+      return;
+    }
+    policy_->prepare_insert(key, size, kind);
+    while (bytes_ + size > capacity_ && evict_one()) {
+    }
+    entries_.emplace(key, Entry{std::move(buf), kind == AddKind::kPrefetch});
+    bytes_ += size;
+    policy_->add(key, size, now, kind);
+  }
+
+  bool evict_one() {
+    CacheKey victim;
+    if (!policy_->evict(&victim)) return false;
+    auto it = entries_.find(victim);
+    if (it == entries_.end()) return true;  // cannot happen: the policy holds resident keys only
+    if (it->second.prefetched) ++n_.wasted;
+    bytes_ -= it->second.buf->len;
+    entries_.erase(it);
+    ++n_.evictions;
+    return true;
+  }
+
+  void erase(const CacheKey& key) {
+    auto it = entries_.find(key);
+    if (it == entries_.end()) return;
+    policy_->remove(key);
+    if (it->second.prefetched) ++n_.wasted;
+    bytes_ -= it->second.buf->len;
+    entries_.erase(it);
+    ++n_.invalidations;
+  }
+
+  std::shared_ptr<Buffer> alloc_value(size_t n) {
+    if (n <= capacity_) {
+      if (auto b = slab_->allocate(n)) return b;
+    }
+    return SlabAllocator::heap_buffer(n);  // still delivered, just not cached
+  }
+
+  const std::shared_ptr<Backend> inner_;
+  const uint64_t capacity_;
+  const uint32_t depth_;
+  const uint32_t max_inflight_;
+  const uint32_t queue_cap_;
+  const std::string policy_name_;
+  const std::shared_ptr<SlabAllocator> slab_;
+
+  mutable std::mutex mu_;
+  std::unique_ptr<cache::EvictionPolicy> policy_;
+  std::unordered_map<CacheKey, Entry, CacheKeyHash> entries_;
+  uint64_t bytes_ = 0;
+  std::unordered_map<CacheKey, Flight*, CacheKeyHash> flights_;  // attached flights
+  std::unordered_map<CacheKey, WriteState, CacheKeyHash> writes_;
+  cache::ChainTable chain_;
+  std::unordered_map<uint64_t, Readahead> readahead_;  // per stream
+  std::deque<Pending> pending_;
+  std::unordered_set<CacheKey, CacheKeyHash> queued_;  // keys in pending_
+  uint32_t prefetch_inflight_ = 0;
+  uint64_t last_tick_ = 0;
+  Counters n_;
+
+  std::atomic<uint64_t> outstanding_{0};  // flights and writes not finished yet
+};
+
+}  // namespace
+
+std::vector<std::string> cache_policies() { return {"adaptive", "lru-k", "lru"}; }
+
+std::shared_ptr<Backend> make_cached_backend(std::shared_ptr<Backend> inner,
+                                             const CacheOptions& options) {
+  if (!inner) throw std::invalid_argument("cache: no backend to cache");
+  cache::PolicyOptions po;
+  po.capacity_bytes = options.capacity_bytes;
+  po.k = options.k;
+  po.history_entries = options.history_entries;
+  po.correlated_window = options.correlated_window_us * 1000;  // the cache's clock is in ns
+  // A first guess (64 KiB values); the adaptive policy corrects it once the cache has filled.
+  po.expected_entries = options.capacity_bytes / (64 * 1024);
+  auto policy = cache::make_policy(options.policy, po);
+  if (!policy) {
+    if (options.policy == "lru-k") {
+      throw std::invalid_argument("cache: k must be 1.." + std::to_string(cache::kMaxK) + ", not " +
+                                  std::to_string(options.k));
+    }
+    throw std::invalid_argument("cache: unknown policy '" + options.policy +
+                                "' (adaptive, lru-k or lru)");
+  }
+  return std::make_shared<CachedBackend>(std::move(inner), options, std::move(policy));
+}
+
+}  // namespace gdkv

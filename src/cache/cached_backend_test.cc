@@ -1,0 +1,505 @@
+// The cache decorator: hits, single flight, prefetch (chain prediction and the vendor opcode),
+// write-through consistency under forced interleavings and under random races, through the
+// backend interface and end to end through the controller and Client.
+#include <gtest/gtest.h>
+
+#include <barrier>
+#include <random>
+#include <thread>
+
+#include "cache/cache_test_util.h"
+#include "gdkv/cache.h"
+#include "gdkv/client.h"
+#include "gdkv/commands.h"
+
+namespace gdkv {
+namespace {
+
+using nvme::Status;
+using test::GateBackend;
+using test::metric;
+using test::SyncOp;
+
+Key key(const std::string& s) { return *Key::from_string(s); }
+
+Key block_key(int chain, int i) {
+  char name[17];
+  std::snprintf(name, sizeof(name), "c%03d-block%05d", chain, i);
+  return key(name);
+}
+
+std::string block_value(const Key& k, size_t n = 4096) {
+  std::string v(n, '\0');
+  for (size_t i = 0; i < n; ++i) v[i] = static_cast<char>(k.bytes[i % k.len] + i / 7);
+  return v;
+}
+
+struct Fixture {
+  std::shared_ptr<Backend> memory;
+  std::shared_ptr<GateBackend> gate;
+  std::shared_ptr<Backend> cache;
+  explicit Fixture(CacheOptions o = {}, MemoryBackendOptions mo = {}) {
+    memory = make_memory_backend(mo);
+    gate = std::make_shared<GateBackend>(memory);
+    cache = make_cached_backend(gate, o);
+  }
+  std::string get(const Key& k, Status* s = nullptr) {
+    SyncOp op(BackendOpKind::kGet, k);
+    const Status st = op.run(*cache);
+    if (s != nullptr) *s = st;
+    return st == Status::kSuccess ? op.value() : std::string();
+  }
+};
+
+TEST(Cache, HitsAreServedWithoutTheBackend) {
+  Fixture f;
+  ASSERT_EQ(test::put(*f.memory, key("a"), "alpha"), Status::kSuccess);
+  EXPECT_EQ(f.get(key("a")), "alpha");
+  EXPECT_EQ(f.get(key("a")), "alpha");
+  EXPECT_EQ(f.get(key("a")), "alpha");
+  EXPECT_EQ(f.gate->count(BackendOpKind::kGet), 1u);
+  EXPECT_EQ(metric(*f.cache, "cache_hits_total"), 2);
+  EXPECT_EQ(metric(*f.cache, "cache_misses_total"), 1);
+  Status s;
+  f.get(key("nothing"), &s);
+  EXPECT_EQ(s, Status::kKeyNotExist);
+  // A write-through Store fills the cache: the next read is a hit.
+  ASSERT_EQ(test::put(*f.cache, key("b"), "beta"), Status::kSuccess);
+  EXPECT_EQ(f.get(key("b")), "beta");
+  EXPECT_EQ(f.gate->count(BackendOpKind::kGet), 2u);
+  // Exist is answered from the cache when it can be.
+  SyncOp ex(BackendOpKind::kExists, key("b"));
+  EXPECT_EQ(ex.run(*f.cache), Status::kSuccess);
+  EXPECT_EQ(f.gate->count(BackendOpKind::kExists), 0u);
+}
+
+TEST(Cache, ViewsOutliveEviction) {
+  CacheOptions o;
+  o.capacity_bytes = 8192;
+  Fixture f(o);
+  ASSERT_EQ(test::put(*f.cache, key("x"), block_value(key("x"))), Status::kSuccess);
+  SyncOp held(BackendOpKind::kGet, key("x"));
+  ASSERT_EQ(held.run(*f.cache), Status::kSuccess);
+  // Push x out; the view taken before still reads the right bytes (ASan checks the memory).
+  for (int i = 0; i < 8; ++i) {
+    const Key k = block_key(0, i);
+    ASSERT_EQ(test::put(*f.cache, k, block_value(k)), Status::kSuccess);
+  }
+  EXPECT_GT(metric(*f.cache, "cache_evictions_total"), 0);
+  EXPECT_EQ(held.value(), block_value(key("x")));
+  EXPECT_LE(metric(*f.cache, "cache_bytes"), 8192);
+}
+
+TEST(Cache, SixteenConcurrentMissesMakeOneBackendRead) {
+  Fixture f;
+  ASSERT_EQ(test::put(*f.memory, key("shared"), "prefix-block"), Status::kSuccess);
+  f.gate->hold_done(BackendOpKind::kGet, true);
+  std::vector<std::unique_ptr<SyncOp>> ops;
+  for (int i = 0; i < 16; ++i)
+    ops.push_back(std::make_unique<SyncOp>(BackendOpKind::kGet, key("shared")));
+  std::barrier sync(16);
+  std::vector<std::thread> ts;
+  for (int i = 0; i < 16; ++i) {
+    ts.emplace_back([&, i] {
+      sync.arrive_and_wait();
+      ops[i]->submit(*f.cache);
+    });
+  }
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(f.gate->count(BackendOpKind::kGet), 1u);
+  EXPECT_EQ(f.gate->held_dones(), 1u);
+  f.gate->release_all_dones();
+  for (auto& op : ops) {
+    ASSERT_TRUE(op->wait());
+    EXPECT_EQ(op->status, Status::kSuccess);
+    EXPECT_EQ(op->value(), "prefix-block");
+  }
+  EXPECT_EQ(metric(*f.cache, "cache_single_flight_merges_total"), 15);
+}
+
+TEST(Cache, SingleFlightThroughTheController) {
+  MemoryBackendOptions mo;
+  mo.delay_us = 20000;  // every backend op takes 20 ms: the 16 Retrieves overlap
+  auto memory = make_memory_backend(mo);
+  auto gate = std::make_shared<GateBackend>(memory);
+  auto cache = make_cached_backend(gate);
+  ASSERT_EQ(test::put(*memory, key("shared"), block_value(key("shared"))), Status::kSuccess);
+  auto client = Client::open(cache);
+  std::vector<std::vector<std::byte>> bufs(16, std::vector<std::byte>(4096));
+  std::vector<uint16_t> cids;
+  const Key k = key("shared");
+  for (auto& b : bufs) cids.push_back(client->start(cmd::retrieve(k.bytes, k.len, b.data(), 4096)));
+  for (size_t i = 0; i < cids.size(); ++i) {
+    CmdResult r = client->wait(cids[i]);
+    ASSERT_TRUE(r.ok()) << describe(r);
+    EXPECT_EQ(r.dw0, 4096u);
+    EXPECT_EQ(test::string_of(bufs[i]), block_value(k));
+  }
+  EXPECT_EQ(gate->count(BackendOpKind::kGet), 1u);
+}
+
+// Stores a chain of blocks through the cache (which learns their order), then reads it back in
+// order from a slow backend. Returns the cache's metrics after the reads.
+MetricList run_chain(uint32_t depth, uint64_t* backend_gets) {
+  MemoryBackendOptions mo;
+  mo.delay_us = 1000;
+  auto memory = make_memory_backend(mo);
+  auto gate = std::make_shared<GateBackend>(memory);
+  CacheOptions o;
+  o.capacity_bytes = 8 * 4096;  // far less than the chain: reads must go to the backend
+  o.prefetch_depth = depth;
+  auto cache = make_cached_backend(gate, o);
+  auto client = Client::open(cache);
+  constexpr int kBlocks = 64;
+  for (int i = 0; i < kBlocks; ++i) {
+    const Key k = block_key(1, i);
+    EXPECT_TRUE(client->put(k, test::bytes_of(block_value(k))).ok());
+  }
+  std::vector<std::byte> buf(4096);
+  for (int i = 0; i < kBlocks; ++i) {
+    const Key k = block_key(1, i);
+    CmdResult r = client->get(k, std::span(buf));
+    EXPECT_TRUE(r.ok()) << i << ": " << describe(r);
+    EXPECT_EQ(test::string_of(buf), block_value(k)) << i;
+  }
+  cache->drain();
+  *backend_gets = gate->count(BackendOpKind::kGet);
+  MetricList ms;
+  cache->collect(ms);
+  return ms;
+}
+
+TEST(Cache, ChainPrefetchTurnsMissesIntoHits) {
+  uint64_t gets_off = 0, gets_on = 0;
+  const MetricList off = run_chain(0, &gets_off);
+  const MetricList on = run_chain(4, &gets_on);
+  const double hits_off = metric(off, "cache_hits_total");
+  const double hits_on = metric(on, "cache_hits_total");
+  const double issued = metric(on, "cache_prefetch_issued_total", "source=chain");
+  const double used = metric(on, "cache_prefetch_used_total");
+  std::printf("prefetch off: %.0f hits; on: %.0f hits, %.0f issued, %.0f used, %.0f wasted\n",
+              hits_off, hits_on, issued, used, metric(on, "cache_prefetch_wasted_total"));
+  EXPECT_LE(hits_off, 8);  // at most the blocks still cached from the Stores
+  EXPECT_EQ(metric(off, "cache_prefetch_issued_total", "source=chain"), 0);
+  // With prefetch nearly every block is fetched ahead: hits, or reads that join a prefetch.
+  EXPECT_GE(issued, 50);
+  EXPECT_GE(used, 50);
+  EXPECT_GE(hits_on, 40);
+  EXPECT_LE(used, issued);
+  // Prefetch reads replace demand reads rather than adding to them.
+  EXPECT_LE(gets_on, gets_off + 8);
+}
+
+TEST(Cache, PrefetchOpcodeWarmsTheCache) {
+  MemoryBackendOptions mo;
+  mo.delay_us = 2000;
+  auto memory = make_memory_backend(mo);
+  auto gate = std::make_shared<GateBackend>(memory);
+  CacheOptions o;
+  o.prefetch_depth = 0;  // hints only
+  auto cache = make_cached_backend(gate, o);
+  std::vector<Key> keys;
+  for (int i = 0; i < 16; ++i) {
+    keys.push_back(block_key(2, i));
+    ASSERT_EQ(test::put(*memory, keys.back(), block_value(keys.back())), Status::kSuccess);
+  }
+  auto client = Client::open(cache);
+  CmdResult r = client->prefetch(keys);
+  ASSERT_TRUE(r.ok()) << describe(r);
+  ASSERT_TRUE(test::eventually([&] {
+    return metric(*cache, "cache_prefetch_issued_total", "source=hint") == 16 &&
+           metric(*cache, "cache_prefetch_inflight") == 0;
+  }));
+  std::vector<std::byte> buf(4096);
+  for (const Key& k : keys) {
+    ASSERT_TRUE(client->get(k, std::span(buf)).ok());
+    EXPECT_EQ(test::string_of(buf), block_value(k));
+  }
+  EXPECT_EQ(metric(*cache, "cache_hits_total"), 16);
+  EXPECT_EQ(metric(*cache, "cache_prefetch_used_total"), 16);
+  EXPECT_EQ(metric(*cache, "cache_prefetch_accuracy"), 1.0);
+  EXPECT_EQ(gate->count(BackendOpKind::kGet), 16u);
+  // Hints for keys the backend lacks are counted as failed, not as data.
+  const Key absent = key("absent");
+  ASSERT_TRUE(client->prefetch(std::span(&absent, 1)).ok());
+  ASSERT_TRUE(test::eventually([&] { return metric(*cache, "cache_prefetch_failed_total") == 1; }));
+}
+
+TEST(Cache, PrefetchIsBoundedAndDemandGoesFirst) {
+  MemoryBackendOptions mo;
+  mo.delay_us = 5000;
+  auto memory = make_memory_backend(mo);
+  auto gate = std::make_shared<GateBackend>(memory);
+  CacheOptions o;
+  o.max_prefetch_inflight = 2;
+  o.prefetch_queue = 10;
+  auto cache = make_cached_backend(gate, o);
+  SyncOp hint(BackendOpKind::kPrefetch, Key{});
+  for (int i = 0; i < 20; ++i) hint.op.keys.push_back(block_key(3, i));
+  ASSERT_EQ(hint.run(*cache), Status::kSuccess);
+  // Two reads in flight, ten queued, eight dropped.
+  EXPECT_EQ(metric(*cache, "cache_prefetch_inflight"), 2);
+  EXPECT_EQ(metric(*cache, "cache_prefetch_queued"), 10);
+  EXPECT_EQ(metric(*cache, "cache_prefetch_dropped_total"), 8);
+  // A demand read is sent to the backend at once, not behind the queued prefetches.
+  ASSERT_EQ(test::put(*memory, key("demand"), "now"), Status::kSuccess);
+  const uint64_t before = gate->count(BackendOpKind::kGet);
+  SyncOp d(BackendOpKind::kGet, key("demand"));
+  d.submit(*cache);
+  EXPECT_EQ(gate->count(BackendOpKind::kGet), before + 1);
+  ASSERT_TRUE(d.wait());
+  EXPECT_EQ(d.value(), "now");
+  cache->drain();
+  EXPECT_EQ(metric(*cache, "cache_prefetch_issued_total", "source=hint"), 12);
+}
+
+// ---- consistency: forced interleavings ----
+
+// A read that started before a Store and finishes after it must not cache the old value.
+TEST(CacheConsistency, FillRacingAStoreIsNotCached) {
+  Fixture f;
+  ASSERT_EQ(test::put(*f.memory, key("k"), "v1"), Status::kSuccess);
+  f.gate->hold_done(BackendOpKind::kGet, true);
+  SyncOp g1(BackendOpKind::kGet, key("k"));
+  g1.submit(*f.cache);  // reads v1 in the backend; completion held
+  ASSERT_EQ(f.gate->held_dones(), 1u);
+  ASSERT_EQ(test::put(*f.cache, key("k"), "v2"), Status::kSuccess);  // acknowledged
+  f.gate->release_all_dones();
+  ASSERT_TRUE(g1.wait());
+  EXPECT_EQ(g1.value(), "v1");  // it overlapped the Store: either value is right
+  f.gate->hold_done(BackendOpKind::kGet, false);
+  EXPECT_EQ(f.get(key("k")), "v2");
+}
+
+// A read that started while a Store was in flight must not cache what it read, whether or not the
+// Store's own value could be cached.
+class FillDuringStore : public testing::TestWithParam<bool> {};
+
+TEST_P(FillDuringStore, IsNotCached) {
+  const bool store_cacheable = GetParam();
+  CacheOptions o;
+  o.capacity_bytes = 100;
+  Fixture f(o);
+  const std::string v1(50, '1');
+  const std::string v2(store_cacheable ? 60 : 200, '2');  // 200 bytes don't fit the cache
+  ASSERT_EQ(test::put(*f.memory, key("k"), v1), Status::kSuccess);
+  f.gate->hold_submit(BackendOpKind::kPut, true);
+  SyncOp p(BackendOpKind::kPut, key("k"), test::bytes_of(v2));
+  p.submit(*f.cache);  // held before the backend sees it
+  f.gate->hold_done(BackendOpKind::kGet, true);
+  SyncOp g1(BackendOpKind::kGet, key("k"));
+  g1.submit(*f.cache);  // reads v1; completion held
+  ASSERT_EQ(f.gate->held_dones(), 1u);
+  f.gate->release_submits(BackendOpKind::kPut);
+  ASSERT_TRUE(p.wait());
+  ASSERT_EQ(p.status, Status::kSuccess);  // the Store is acknowledged
+  f.gate->release_all_dones();
+  ASSERT_TRUE(g1.wait());
+  EXPECT_EQ(g1.value(), v1);
+  f.gate->hold_done(BackendOpKind::kGet, false);
+  EXPECT_EQ(f.get(key("k")), v2);
+  EXPECT_EQ(f.get(key("k")), v2);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cache, FillDuringStore, testing::Bool());
+
+// A read that joins after a Store was acknowledged must not join a read that began before.
+TEST(CacheConsistency, ReadAfterStoreDoesNotJoinAnOlderRead) {
+  CacheOptions o;
+  o.capacity_bytes = 100;
+  Fixture f(o);
+  ASSERT_EQ(test::put(*f.memory, key("k"), "v1"), Status::kSuccess);
+  f.gate->hold_done(BackendOpKind::kGet, true);
+  SyncOp g1(BackendOpKind::kGet, key("k"));
+  g1.submit(*f.cache);
+  // v2 is too large to cache, so after its Store the cache has nothing for k.
+  const std::string v2(200, 'x');
+  ASSERT_EQ(test::put(*f.cache, key("k"), v2), Status::kSuccess);
+  SyncOp g2(BackendOpKind::kGet, key("k"));
+  g2.submit(*f.cache);
+  EXPECT_EQ(f.gate->held_dones(), 2u);  // g2 has its own backend read
+  f.gate->release_all_dones();
+  ASSERT_TRUE(g1.wait());
+  ASSERT_TRUE(g2.wait());
+  EXPECT_EQ(g2.value(), v2);
+}
+
+TEST(CacheConsistency, DeleteWinsOverARacingFill) {
+  Fixture f;
+  ASSERT_EQ(test::put(*f.memory, key("k"), "v1"), Status::kSuccess);
+  f.gate->hold_done(BackendOpKind::kGet, true);
+  SyncOp g1(BackendOpKind::kGet, key("k"));
+  g1.submit(*f.cache);
+  SyncOp del(BackendOpKind::kDelete, key("k"));
+  ASSERT_EQ(del.run(*f.cache), Status::kSuccess);
+  f.gate->release_all_dones();
+  ASSERT_TRUE(g1.wait());
+  f.gate->hold_done(BackendOpKind::kGet, false);
+  Status s;
+  f.get(key("k"), &s);
+  EXPECT_EQ(s, Status::kKeyNotExist);
+  // And a cached value goes with its Delete.
+  ASSERT_EQ(test::put(*f.cache, key("k"), "v3"), Status::kSuccess);
+  EXPECT_EQ(f.get(key("k")), "v3");
+  SyncOp del2(BackendOpKind::kDelete, key("k"));
+  ASSERT_EQ(del2.run(*f.cache), Status::kSuccess);
+  f.get(key("k"), &s);
+  EXPECT_EQ(s, Status::kKeyNotExist);
+}
+
+// Two overlapping Stores acknowledged in the reverse of the backend's order: the cache must end
+// up agreeing with the backend (v2), not with the Store acknowledged last (v1).
+TEST(CacheConsistency, OverlappingStoresLeaveTheBackendsValue) {
+  Fixture f;
+  f.gate->hold_done(BackendOpKind::kPut, true);
+  SyncOp p1(BackendOpKind::kPut, key("k"), test::bytes_of("v1"));
+  SyncOp p2(BackendOpKind::kPut, key("k"), test::bytes_of("v2"));
+  p1.submit(*f.cache);
+  p2.submit(*f.cache);  // the memory backend applied v1 then v2
+  ASSERT_EQ(f.gate->held_dones(), 2u);
+  f.gate->release_done(1);  // p2 acknowledged first
+  f.gate->release_done(0);
+  ASSERT_TRUE(p1.wait());
+  ASSERT_TRUE(p2.wait());
+  EXPECT_EQ(f.get(key("k")), "v2");
+}
+
+TEST(CacheConsistency, RejectedStoreKeepsTheCachedValue) {
+  Fixture f;
+  ASSERT_EQ(test::put(*f.cache, key("k"), "v1"), Status::kSuccess);
+  EXPECT_EQ(test::put(*f.cache, key("k"), "v2", nvme::kStoreMustNotExist), Status::kKeyExists);
+  EXPECT_EQ(f.get(key("k")), "v1");
+  EXPECT_EQ(f.gate->count(BackendOpKind::kGet), 0u);  // still cached
+}
+
+// ---- consistency: random races ----
+
+// One writer per key stores increasing versions; readers check that a read started after version
+// v was acknowledged never returns an older one. A slow backend and a small cache keep fills,
+// Stores and evictions overlapping.
+TEST(CacheConsistency, RandomRacesNeverReturnStaleValues) {
+  MemoryBackendOptions mo;
+  mo.delay_us = 30;
+  CacheOptions o;
+  o.capacity_bytes = 6 * 1024;
+  o.prefetch_depth = 2;
+  Fixture f(o, mo);
+  constexpr int kKeys = 4;
+  constexpr int kVersions = 150;
+  std::atomic<uint64_t> acked[kKeys] = {};
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> reads{0}, stale{0};
+  auto value_of = [](int k, uint64_t version, size_t size) {
+    std::string v(size, static_cast<char>('a' + k));
+    std::memcpy(v.data(), &version, sizeof(version));
+    return v;
+  };
+  std::vector<std::thread> ts;
+  for (int k = 0; k < kKeys; ++k) {
+    ts.emplace_back([&, k] {
+      std::mt19937 rng(k);
+      for (uint64_t v = 1; v <= kVersions; ++v) {
+        const size_t size = 16 + rng() % 2048;
+        ASSERT_EQ(test::put(*f.cache, block_key(9, k), value_of(k, v, size)), Status::kSuccess);
+        acked[k].store(v);
+      }
+    });
+  }
+  for (int r = 0; r < 3; ++r) {
+    ts.emplace_back([&, r] {
+      std::mt19937 rng(100 + r);
+      while (!stop.load()) {
+        const int k = static_cast<int>(rng() % kKeys);
+        const uint64_t floor = acked[k].load();
+        SyncOp g(BackendOpKind::kGet, block_key(9, k));
+        g.submit(*f.cache);
+        ASSERT_TRUE(g.wait());
+        reads.fetch_add(1);
+        if (g.status == Status::kKeyNotExist && floor == 0) continue;
+        ASSERT_EQ(g.status, Status::kSuccess);
+        const std::string v = g.value();
+        ASSERT_GE(v.size(), 16u);
+        uint64_t got;
+        std::memcpy(&got, v.data(), sizeof(got));
+        if (got < floor) stale.fetch_add(1);
+      }
+    });
+  }
+  for (int k = 0; k < kKeys; ++k) ts[k].join();
+  stop = true;
+  for (size_t i = kKeys; i < ts.size(); ++i) ts[i].join();
+  EXPECT_EQ(stale.load(), 0u);
+  EXPECT_GT(reads.load(), 100u);
+}
+
+// ---- end to end ----
+
+TEST(CacheEndToEnd, CommandsThroughTheController) {
+  auto memory = make_memory_backend();
+  auto cache = make_cached_backend(memory);
+  auto client = Client::open(cache);
+  std::vector<std::byte> buf(4096);
+  for (int i = 0; i < 10; ++i) {
+    const Key k = block_key(4, i);
+    ASSERT_TRUE(client->put(k, test::bytes_of(block_value(k))).ok());
+  }
+  for (int round = 0; round < 3; ++round) {
+    for (int i = 0; i < 10; ++i) {
+      const Key k = block_key(4, i);
+      CmdResult r = client->get(k, std::span(buf));
+      ASSERT_TRUE(r.ok());
+      EXPECT_EQ(test::string_of(buf), block_value(k));
+    }
+  }
+  EXPECT_EQ(metric(*cache, "cache_hits_total"), 30);
+  // A short buffer gets the first bytes and the full length.
+  std::vector<std::byte> small(100);
+  CmdResult r = client->get(block_key(4, 0), std::span(small));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r.dw0, 4096u);
+  EXPECT_EQ(test::string_of(small), block_value(block_key(4, 0)).substr(0, 100));
+  EXPECT_TRUE(client->exists(block_key(4, 3)).ok());
+  std::vector<Key> keys;
+  ASSERT_TRUE(client->list_all(keys).ok());
+  EXPECT_EQ(keys.size(), 10u);
+  ASSERT_TRUE(client->del(block_key(4, 3)).ok());
+  EXPECT_EQ(client->get(block_key(4, 3), std::span(buf)).status, Status::kKeyNotExist);
+  EXPECT_EQ(client->exists(block_key(4, 3)).status, Status::kKeyNotExist);
+  // Scatter retrieve is served from the cache too.
+  std::vector<std::byte> a(1000), b(1000);
+  nvme::ScatterEntry pieces[2] = {
+      {reinterpret_cast<uint64_t>(a.data()), 0, 1000},
+      {reinterpret_cast<uint64_t>(b.data()), 2000, 1000},
+  };
+  ASSERT_TRUE(client->scatter_get(block_key(4, 5), pieces).ok());
+  EXPECT_EQ(test::string_of(b), block_value(block_key(4, 5)).substr(2000, 1000));
+}
+
+TEST(CacheOptionsTest, BadOptionsAreRejected) {
+  CacheOptions o;
+  o.policy = "fifo";
+  EXPECT_THROW(make_cached_backend(make_memory_backend(), o), std::invalid_argument);
+  o.policy = "lru-k";
+  o.k = 0;
+  EXPECT_THROW(make_cached_backend(make_memory_backend(), o), std::invalid_argument);
+  EXPECT_THROW(make_cached_backend(nullptr), std::invalid_argument);
+  for (const std::string& p : cache_policies()) {
+    CacheOptions ok;
+    ok.policy = p;
+    EXPECT_NE(make_cached_backend(make_memory_backend(), ok), nullptr);
+  }
+}
+
+TEST(CacheOptionsTest, ZeroCapacityPassesThrough) {
+  CacheOptions o;
+  o.capacity_bytes = 0;
+  Fixture f(o);
+  ASSERT_EQ(test::put(*f.cache, key("k"), "v"), Status::kSuccess);
+  EXPECT_EQ(f.get(key("k")), "v");
+  EXPECT_EQ(f.get(key("k")), "v");
+  EXPECT_EQ(f.gate->count(BackendOpKind::kGet), 2u);
+  EXPECT_EQ(metric(*f.cache, "cache_bytes"), 0);
+}
+
+}  // namespace
+}  // namespace gdkv

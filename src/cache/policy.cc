@@ -1,0 +1,608 @@
+// LRU, LRU-K, ARC and the adaptive policy, as one engine over shared nodes.
+//
+// Every policy is an Engine running some of three "experts" (LRU, LRU-K, ARC). A key has one node
+// that carries each expert's links, so the adaptive policy, which keeps all three in step, pays
+// one hash lookup per reference rather than one per expert, and the single-expert policies are the
+// same code with the other experts switched off.
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "cache/policy.h"
+
+namespace gdkv::cache {
+namespace {
+
+enum Expert : uint8_t { kArc, kLruK, kLru, kExperts };
+constexpr const char* kExpertNames[kExperts] = {"arc", "lru-k", "lru"};
+
+struct Node;
+
+struct Link {
+  Node* prev = nullptr;
+  Node* next = nullptr;
+};
+
+// ---- LRU-K state ----
+//
+// O'Neil, O'Neil and Weikum's LRU-K. Each key keeps the times of its last K bursts (a burst is a
+// reference more than the correlated window after the previous reference; later references of the
+// same burst move the burst's time forward instead of counting again). The victim is the entry
+// whose K-th most recent burst is oldest. Entries with fewer than K bursts have an infinite
+// backward K-distance and go first; among them the tie rule is the oldest retained burst first
+// (for K = 2: the entry first referenced longest ago), and an entry a prefetch added without any
+// reference is ordered by the time it was added. Evicted keys keep their burst times in a bounded
+// history (oldest evicted forgotten first), so a key that returns resumes its count.
+
+struct Refs {
+  std::array<uint64_t, kMaxK> hist{};  // hist[0]: most recent burst
+  uint64_t last = 0;                   // most recent reference of any kind
+  uint64_t added = 0;                  // when a prefetch added it (count == 0 only)
+  uint8_t count = 0;                   // bursts remembered, <= K
+  bool has_last = false;
+};
+
+struct Order {
+  uint64_t prio;
+  uint64_t id;  // unique: settles equal priorities (a caller repeating a tick) by age
+  friend bool operator<(const Order& a, const Order& b) noexcept {
+    return a.prio != b.prio ? a.prio < b.prio : a.id < b.id;
+  }
+};
+
+enum KState : uint8_t { kKNone, kKResident, kKHistory };
+
+// ---- ARC state ----
+//
+// ARC (Megiddo and Modha) in bytes. T1 holds keys referenced once recently, T2 keys referenced
+// again (recency vs frequency); B1 and B2 remember keys recently evicted from each. A miss on a
+// key in B1 means T1 was too small, so T1's target p grows; a miss on a key in B2 shrinks it.
+// REPLACE evicts from T1 while it is over its target, else from T2. The ghost lists are bounded so
+// that T1 + B1 <= c and all four <= 2c. Two additions: a prefetched key enters T1 unreferenced and
+// its first use keeps it in T1 (a prefetch is not a first reference), and a second reference
+// within the correlated window is the same burst, so it keeps the key in T1 too.
+
+enum ArcList : uint8_t { kT1, kT2, kB1, kB2, kArcNone };
+
+struct Node {
+  CacheKey key;
+  uint64_t size = 0;
+  bool resident = false;
+  Link lru;
+  // LRU-K
+  Refs refs;
+  KState k = kKNone;
+  uint64_t k_id = 0;
+  std::map<Order, Node*>::iterator k_pos;  // in the order, while resident
+  Link k_fifo;                             // in the history, while remembered
+  // ARC
+  ArcList arc = kArcNone;
+  bool arc_prefetched = false;
+  bool arc_has_last = false;
+  uint64_t arc_last = 0;
+  Link arc_link;
+};
+
+// An intrusive list through one of a node's links; front = least recently used.
+template <Link Node::*L>
+class List {
+ public:
+  bool empty() const { return head_ == nullptr; }
+  Node* front() const { return head_; }
+  size_t size() const { return n_; }
+  void push_back(Node* x) {
+    (x->*L).prev = tail_;
+    (x->*L).next = nullptr;
+    if (tail_ != nullptr) {
+      (tail_->*L).next = x;
+    } else {
+      head_ = x;
+    }
+    tail_ = x;
+    ++n_;
+  }
+  void erase(Node* x) {
+    Link& l = x->*L;
+    if (l.prev != nullptr) {
+      (l.prev->*L).next = l.next;
+    } else {
+      head_ = l.next;
+    }
+    if (l.next != nullptr) {
+      (l.next->*L).prev = l.prev;
+    } else {
+      tail_ = l.prev;
+    }
+    l.prev = l.next = nullptr;
+    --n_;
+  }
+  void move_to_back(Node* x) {
+    if (tail_ == x) return;
+    erase(x);
+    push_back(x);
+  }
+
+ private:
+  Node* head_ = nullptr;
+  Node* tail_ = nullptr;
+  size_t n_ = 0;
+};
+
+class Engine final : public EvictionPolicy {
+ public:
+  // `experts`: a bit per Expert. `name`: what name() reports. Several experts: the adaptive
+  // policy, with shadow caches to score them.
+  Engine(const char* name, uint32_t experts, const PolicyOptions& o)
+      : name_(name),
+        experts_(experts),
+        options_(o),
+        k_(o.k),
+        window_(o.correlated_window),
+        c_(o.capacity_bytes) {
+    for (uint8_t e = 0; e < kExperts; ++e) {
+      if (has(static_cast<Expert>(e)) && o.pin_expert == kExpertNames[e]) leader_ = e;
+    }
+    if (!has(static_cast<Expert>(leader_))) {
+      for (uint8_t e = 0; e < kExperts; ++e) {
+        if (has(static_cast<Expert>(e))) {
+          leader_ = e;
+          break;
+        }
+      }
+    }
+    adaptive_ = std::popcount(experts) > 1 && o.pin_expert.empty();
+    if (adaptive_) {
+      leader_ = kArc;  // until the shadows know better: the middle ground is never far off
+      reshard(ideal_shift(o.expected_entries));
+    }
+  }
+
+  const char* name() const override { return name_; }
+
+  void prepare_insert(const CacheKey& key, uint64_t size, AddKind kind) override {
+    pending_b2_ = false;
+    if (!has(kArc) || kind != AddKind::kDemand) return;
+    auto it = nodes_.find(key);
+    if (it == nodes_.end()) return;
+    const Node& n = it->second;
+    const double s = static_cast<double>(std::max<uint64_t>(size, 1));
+    if (n.arc == kB1) {
+      const double ratio = static_cast<double>(bytes_[kB2]) / static_cast<double>(bytes_[kB1]);
+      const uint64_t delta = static_cast<uint64_t>(s * std::max(1.0, ratio));
+      p_ = c_ - p_ < delta ? c_ : p_ + delta;
+    } else if (n.arc == kB2) {
+      const double ratio = static_cast<double>(bytes_[kB1]) / static_cast<double>(bytes_[kB2]);
+      const uint64_t delta = static_cast<uint64_t>(s * std::max(1.0, ratio));
+      p_ = p_ > delta ? p_ - delta : 0;
+      pending_b2_ = true;
+    }
+  }
+
+  void add(const CacheKey& key, uint64_t size, uint64_t now, AddKind kind) override {
+    auto [it, fresh] = nodes_.try_emplace(key);
+    Node* n = &it->second;
+    if (fresh) n->key = key;
+    // An ARC ghost leaves its list at its old size, before the node takes the new one.
+    const bool arc_ghost = n->arc == kB1 || n->arc == kB2;
+    if (arc_ghost) arc_unlink(n);
+    n->resident = true;
+    n->size = size;
+    ++resident_;
+    resident_bytes_ += size;
+    if (has(kLru)) lru_.push_back(n);
+    if (has(kLruK)) lruk_add(n, now, kind);
+    if (has(kArc)) arc_add(n, now, kind, arc_ghost);
+    pending_b2_ = false;
+    if (adaptive_) observe(key, size, now, kind);
+  }
+
+  void record_access(const CacheKey& key, uint64_t size, uint64_t now) override {
+    if (Node* n = find_resident(key)) touch(n, size, now);
+  }
+
+  void touch(Node* n, uint64_t size, uint64_t now) {
+    const CacheKey& key = n->key;
+    resident_bytes_ = resident_bytes_ - n->size + size;
+    if (has(kArc)) arc_access(n, size, now);
+    n->size = size;
+    if (has(kLru)) lru_.move_to_back(n);
+    if (has(kLruK)) lruk_access(n, now);
+    if (adaptive_) observe(key, size, now, AddKind::kDemand);
+  }
+
+  void remove(const CacheKey& key) override {
+    auto it = nodes_.find(key);
+    if (it == nodes_.end() || !it->second.resident) return;
+    Node* n = &it->second;
+    if (has(kLru)) lru_.erase(n);
+    if (has(kLruK)) {
+      order_.erase(n->k_pos);
+      n->k = kKNone;
+    }
+    if (has(kArc)) {
+      arc_unlink(n);
+    }
+    leave(n);
+    release(n);
+    if (adaptive_) {
+      for (auto& s : shadows_) {
+        if (s) s->remove(key);
+      }
+    }
+  }
+
+  bool evict(CacheKey* victim) override {
+    if (resident_ == 0) return false;
+    Node* n = nullptr;
+    switch (leader_) {
+      case kLru:
+        n = lru_.front();
+        break;
+      case kLruK:
+        n = order_.begin()->second;
+        break;
+      default: {
+        const bool t1 = !arc_lists_[kT1].empty() && (arc_lists_[kT2].empty() || bytes_[kT1] > p_ ||
+                                                     (pending_b2_ && bytes_[kT1] >= p_));
+        n = (t1 ? arc_lists_[kT1] : arc_lists_[kT2]).front();
+      }
+    }
+    *victim = n->key;
+    evict_node(n);
+    return true;
+  }
+
+  void evict_key(const CacheKey& key) override {
+    auto it = nodes_.find(key);
+    if (it != nodes_.end() && it->second.resident) evict_node(&it->second);
+  }
+
+  size_t entries() const override { return resident_; }
+
+  void collect(MetricList& out) const override {
+    auto gauge = [&](const char* name, const char* help, double v,
+                     std::vector<std::pair<std::string, std::string>> labels = {}) {
+      out.push_back(Metric{name, help, MetricType::kGauge, std::move(labels), v});
+    };
+    if (has(kLruK)) {
+      gauge("cache_lruk_history_entries", "LRU-K: evicted keys whose reference times it keeps",
+            static_cast<double>(fifo_.size()));
+    }
+    if (has(kArc)) {
+      gauge("cache_arc_recency_target_bytes", "ARC: bytes it aims to give entries used once (p)",
+            static_cast<double>(p_));
+      gauge("cache_arc_recency_bytes", "ARC: bytes of entries referenced once",
+            static_cast<double>(bytes_[kT1]));
+      gauge("cache_arc_frequency_bytes", "ARC: bytes of entries referenced more than once",
+            static_cast<double>(bytes_[kT2]));
+      gauge("cache_arc_ghost_bytes", "ARC: bytes of evicted keys remembered",
+            static_cast<double>(bytes_[kB1] + bytes_[kB2]));
+    }
+    if (std::popcount(experts_) > 1) {
+      for (uint8_t e = 0; e < kExperts; ++e) {
+        if (!has(static_cast<Expert>(e))) continue;
+        const std::string name = e == kLruK ? "lru-" + std::to_string(k_) : kExpertNames[e];
+        gauge("cache_adaptive_expert_score",
+              "adaptive policy: recent hits of each expert policy on its shadow cache", score_[e],
+              {{"expert", name}});
+        gauge("cache_adaptive_leader",
+              "adaptive policy: 1 for the expert whose evictions it follows",
+              e == leader_ ? 1.0 : 0.0, {{"expert", name}});
+      }
+      out.push_back(Metric{"cache_adaptive_switches_total",
+                           "adaptive policy: times the leading expert changed",
+                           MetricType::kCounter,
+                           {},
+                           static_cast<double>(switches_)});
+    }
+  }
+
+  Node* find_resident(const CacheKey& key) {
+    auto it = nodes_.find(key);
+    return it != nodes_.end() && it->second.resident ? &it->second : nullptr;
+  }
+  uint64_t resident_bytes() const { return resident_bytes_; }
+
+ private:
+  bool has(Expert e) const { return (experts_ >> e) & 1u; }
+
+  // The node left the cache (all experts are done with its resident state).
+  void leave(Node* n) {
+    n->resident = false;
+    --resident_;
+    resident_bytes_ -= n->size;
+  }
+
+  // Frees the node once no expert remembers it.
+  void release(Node* n) {
+    if (!n->resident && n->k != kKHistory && n->arc == kArcNone) nodes_.erase(n->key);
+  }
+
+  void evict_node(Node* n) {
+    if (has(kLru)) lru_.erase(n);
+    if (has(kLruK)) lruk_to_history(n);
+    if (has(kArc)) arc_to_ghost(n);
+    leave(n);
+    release(n);  // n may be gone from here on: the trims free what they drop
+    if (has(kLruK)) trim_history();
+    if (has(kArc)) trim_ghosts();
+  }
+
+  // ---- LRU-K ----
+
+  void reference(Refs& r, uint64_t now) const {
+    if (r.has_last && r.count > 0 && now - r.last <= window_) {
+      r.hist[0] = now;  // the same burst: it counts once, at its latest time
+    } else {
+      for (uint32_t i = k_ - 1; i > 0; --i) r.hist[i] = r.hist[i - 1];
+      r.hist[0] = now;
+      if (r.count < k_) ++r.count;
+    }
+    r.last = now;
+    r.has_last = true;
+  }
+
+  // Entries with fewer than K bursts sort before every entry with K (the top bit).
+  uint64_t priority(const Refs& r) const {
+    constexpr uint64_t kFull = uint64_t{1} << 63;
+    if (r.count >= k_) return kFull | (r.hist[k_ - 1] & ~kFull);
+    return (r.count == 0 ? r.added : r.hist[r.count - 1]) & ~kFull;
+  }
+
+  void lruk_add(Node* n, uint64_t now, AddKind kind) {
+    if (n->k == kKHistory) {
+      fifo_.erase(n);  // a returning key resumes its count
+    } else {
+      n->refs = Refs{};
+    }
+    if (kind == AddKind::kDemand) {
+      reference(n->refs, now);
+    } else if (n->refs.count == 0) {
+      n->refs.added = now;
+    }
+    n->k = kKResident;
+    n->k_id = next_id_++;
+    n->k_pos = order_.emplace(Order{priority(n->refs), n->k_id}, n).first;
+  }
+
+  void lruk_access(Node* n, uint64_t now) {
+    auto handle = order_.extract(n->k_pos);
+    reference(n->refs, now);
+    handle.key() = Order{priority(n->refs), n->k_id};
+    n->k_pos = order_.insert(std::move(handle)).position;
+  }
+
+  void lruk_to_history(Node* n) {
+    order_.erase(n->k_pos);
+    n->k = kKHistory;
+    fifo_.push_back(n);
+  }
+
+  void trim_history() {
+    const uint64_t cap =
+        options_.history_entries != 0 ? options_.history_entries : std::max<uint64_t>(resident_, 1);
+    while (fifo_.size() > cap) {
+      Node* old = fifo_.front();
+      fifo_.erase(old);
+      old->k = kKNone;
+      release(old);
+    }
+  }
+
+  // ---- ARC ----
+
+  static bool arc_resident(ArcList l) { return l == kT1 || l == kT2; }
+
+  void arc_link(Node* n, ArcList to) {
+    arc_lists_[to].push_back(n);
+    n->arc = to;
+    bytes_[to] += n->size;
+  }
+  void arc_unlink(Node* n) {
+    arc_lists_[n->arc].erase(n);
+    bytes_[n->arc] -= n->size;
+    n->arc = kArcNone;
+  }
+
+  // `ghost`: the key was in B1 or B2 (and has been unlinked from it).
+  void arc_add(Node* n, uint64_t now, AddKind kind, bool ghost) {
+    // A ghost's demand miss returns it to the frequency side, as in ARC; a prefetch does not count
+    // as that second reference.
+    const ArcList to = ghost && kind == AddKind::kDemand ? kT2 : kT1;
+    n->arc_prefetched = kind == AddKind::kPrefetch;
+    n->arc_has_last = kind == AddKind::kDemand;
+    n->arc_last = now;
+    arc_link(n, to);
+    trim_ghosts();
+  }
+
+  void arc_access(Node* n, uint64_t size, uint64_t now) {
+    ArcList to = kT2;
+    if (n->arc == kT1 && (n->arc_prefetched || (n->arc_has_last && now - n->arc_last <= window_))) {
+      to = kT1;
+    }
+    arc_unlink(n);
+    n->size = size;
+    n->arc_prefetched = false;
+    n->arc_has_last = true;
+    n->arc_last = now;
+    arc_link(n, to);
+  }
+
+  void arc_to_ghost(Node* n) {
+    const ArcList ghost = n->arc == kT1 ? kB1 : kB2;
+    arc_unlink(n);
+    n->arc_prefetched = false;
+    arc_link(n, ghost);
+  }
+
+  void arc_drop_lru(ArcList l) {
+    Node* n = arc_lists_[l].front();
+    arc_unlink(n);
+    release(n);
+  }
+
+  void trim_ghosts() {
+    while (!arc_lists_[kB1].empty() && bytes_[kT1] + bytes_[kB1] > c_) arc_drop_lru(kB1);
+    auto total = [&] { return bytes_[kT1] + bytes_[kT2] + bytes_[kB1] + bytes_[kB2]; };
+    while (!arc_lists_[kB2].empty() && total() > 2 * c_) arc_drop_lru(kB2);
+    while (!arc_lists_[kB1].empty() && total() > 2 * c_) arc_drop_lru(kB1);
+  }
+
+  // ---- Adaptive ----
+  //
+  // No single policy wins at every size on KV-cache traffic: LRU-2 (frequency) wins when the
+  // cache is small next to the working set, LRU (recency) when it is large, ARC often in between.
+  // The adaptive policy keeps all three as experts ordering the cache's entries (the state above),
+  // and also runs each alone on a shadow cache of the same capacity that holds keys only and sees
+  // the same references. Shadow hits, halved every epoch (several turnovers of the cache), score
+  // each expert on the recent past, and evictions follow the best. In a steady workload the cache
+  // converges on the contents the best expert would have; a change of workload moves the lead
+  // within a few epochs. The shadows follow a fixed sample of the key space (SHARDS, spatial
+  // sampling) once the cache holds many entries, so they cost a fraction of a lookup per reference.
+
+  static constexpr uint64_t kShadowEntries = 2048;  // sampled keys a shadow aims to hold
+  static constexpr uint32_t kMaxShift = 6;
+  static constexpr uint64_t kMinEpoch = 65536;  // references
+
+  static uint32_t ideal_shift(uint64_t entries) {
+    uint32_t shift = 0;
+    while (shift < kMaxShift && (entries >> (shift + 1)) >= kShadowEntries) ++shift;
+    return shift;
+  }
+
+  // Starts the shadows afresh, following one key in 2^shift. Scores restart; the leader stays.
+  void reshard(uint32_t shift) {
+    shift_ = shift;
+    shadow_capacity_ = c_ >> shift;
+    PolicyOptions so = options_;
+    so.capacity_bytes = shadow_capacity_;
+    so.pin_expert.clear();
+    if (so.history_entries != 0)
+      so.history_entries = std::max<uint64_t>(so.history_entries >> shift, 1);
+    for (uint8_t e = 0; e < kExperts; ++e) {
+      score_[e] = 0;
+      shadows_[e].reset();
+      if (has(static_cast<Expert>(e))) {
+        shadows_[e] = std::make_unique<Engine>(kExpertNames[e], 1u << e, so);
+      }
+    }
+  }
+
+  bool sampled(const CacheKey& key) const {
+    return shift_ == 0 || (CacheKeyHash{}(key)*0x2545F4914F6CDD1Dull) >> (64 - shift_) == 0;
+  }
+
+  void observe(const CacheKey& key, uint64_t size, uint64_t now, AddKind kind) {
+    if (sampled(key)) {
+      for (uint8_t e = 0; e < kExperts; ++e) {
+        if (shadows_[e]) shadow_reference(e, key, size, now, kind);
+      }
+    }
+    // More entries than the sample was sized for: sample more sparsely at once (cheap check).
+    if (shift_ < kMaxShift && (resident_ >> (shift_ + 1)) >= kShadowEntries) {
+      reshard(ideal_shift(resident_));
+    }
+    if (++refs_ >= epoch_) {
+      refs_ = 0;
+      epoch_ = std::max<uint64_t>(kMinEpoch, 4 * resident_);
+      for (double& s : score_) s *= 0.5;
+      // Fewer entries than the sample was sized for (the first guess may be off): sample more
+      // densely, but only once the cache has filled, or every step of the filling would restart
+      // the shadows.
+      if (const uint32_t want = ideal_shift(resident_);
+          want < shift_ && resident_bytes_ >= c_ / 4 * 3) {
+        reshard(want);
+      }
+    }
+    uint8_t best = leader_;
+    for (uint8_t e = 0; e < kExperts; ++e) {
+      if (shadows_[e] && score_[e] > score_[best]) best = e;
+    }
+    // Hysteresis: a lead of a few hits is noise, and each switch costs the cache some contents.
+    // ARC must lead by more: it is the middle ground between the other two, and on a sampled
+    // shadow it often looks as good as the better of them when it is slightly worse.
+    const double margin = best == kArc ? 1.005 : 1.001;
+    if (best != leader_ && score_[best] > score_[leader_] * margin + 8) {
+      leader_ = best;
+      ++switches_;
+    }
+  }
+
+  void shadow_reference(uint8_t e, const CacheKey& key, uint64_t size, uint64_t now, AddKind kind) {
+    Engine& s = *shadows_[e];
+    CacheKey v;
+    if (Node* n = s.find_resident(key)) {
+      if (kind == AddKind::kPrefetch) return;  // a prefetch is not a reference
+      score_[e] += 1;
+      s.touch(n, size, now);
+      while (s.resident_bytes() > shadow_capacity_ && s.evict(&v)) {
+      }
+      return;
+    }
+    if (size > shadow_capacity_) return;
+    s.prepare_insert(key, size, kind);
+    while (s.resident_bytes() + size > shadow_capacity_ && s.evict(&v)) {
+    }
+    s.add(key, size, now, kind);
+  }
+
+  const char* name_;
+  const uint32_t experts_;
+  const PolicyOptions options_;
+  const uint32_t k_;
+  const uint64_t window_;
+  const uint64_t c_;
+
+  std::unordered_map<CacheKey, Node, CacheKeyHash> nodes_;
+  size_t resident_ = 0;
+  uint64_t resident_bytes_ = 0;
+  // LRU
+  List<&Node::lru> lru_;
+  // LRU-K
+  std::map<Order, Node*> order_;  // first = its next victim
+  List<&Node::k_fifo> fifo_;      // history, oldest evicted first
+  uint64_t next_id_ = 0;
+  // ARC
+  std::array<List<&Node::arc_link>, 4> arc_lists_;
+  std::array<uint64_t, 4> bytes_{};
+  uint64_t p_ = 0;  // target bytes of T1
+  bool pending_b2_ = false;
+  // Adaptive
+  bool adaptive_ = false;
+  uint8_t leader_ = kExperts;
+  std::array<std::unique_ptr<Engine>, kExperts> shadows_;
+  std::array<double, kExperts> score_{};
+  uint32_t shift_ = 0;
+  uint64_t shadow_capacity_ = 0;
+  uint64_t refs_ = 0;
+  uint64_t epoch_ = kMinEpoch;
+  uint64_t switches_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<EvictionPolicy> make_policy(std::string_view name, const PolicyOptions& o) {
+  if (name == "lru") return std::make_unique<Engine>("lru", 1u << kLru, o);
+  if (name == "lru-k") {
+    if (o.k < 1 || o.k > kMaxK) return nullptr;
+    return std::make_unique<Engine>("lru-k", 1u << kLruK, o);
+  }
+  if (name == "arc") return std::make_unique<Engine>("arc", 1u << kArc, o);
+  if (name == "adaptive") {
+    PolicyOptions a = o;
+    a.k = 2;
+    if (!a.pin_expert.empty() && a.pin_expert != "arc" && a.pin_expert != "lru-k" &&
+        a.pin_expert != "lru") {
+      return nullptr;
+    }
+    return std::make_unique<Engine>("adaptive", (1u << kArc) | (1u << kLruK) | (1u << kLru), a);
+  }
+  return nullptr;
+}
+
+}  // namespace gdkv::cache
