@@ -45,6 +45,10 @@ struct ControllerOptions {
   // to or from GPU memory is one DMA. Default: the heap.
   std::function<void*(size_t bytes)> staging_alloc;
   std::function<void(void* p, size_t bytes)> staging_free;
+  // Measures a copy engine's peak bandwidth (bytes/s) once at start, for the
+  // dma_link_peak_bytes_per_second and dma_link_utilization gauges. Unset: not measured (tests
+  // start many controllers). gdkvd passes measure_copy_peak_bps (metrics_server.h).
+  std::function<double(CopyEngine&)> measure_dma_peak;
 };
 
 // A contiguous piece of a command's data buffer, resolved to memory the controller can reach.

@@ -432,6 +432,10 @@ Controller::Controller(std::shared_ptr<Backend> backend, ControllerOptions optio
   for (uint32_t i = 0; i < options_.reactors; ++i) {
     impl_->reactors.push_back(std::make_unique<Reactor>(impl_.get(), i, options_.copy_engine(i)));
   }
+  // Before the reactors start: an engine belongs to its reactor's thread once that runs.
+  if (options_.measure_dma_peak) {
+    impl_->dma_peak_bps = options_.measure_dma_peak(impl_->reactors[0]->engine());
+  }
   for (auto& r : impl_->reactors) r->start();
 }
 
@@ -548,6 +552,29 @@ void Controller::collect(MetricList& out) const {
         static_cast<double>(s.copy_bytes.load()), {{"engine", r->engine().name()}});
     add("dma_busy_seconds_total", "time copies were in flight", MetricType::kCounter,
         static_cast<double>(s.copy_ns.load()) / 1e9, {{"engine", r->engine().name()}});
+    if (impl_->dma_peak_bps > 0) {
+      const std::pair<std::string, std::string> eng{"engine", r->engine().name()};
+      add("dma_link_peak_bytes_per_second", "copy engine peak bandwidth, measured at start",
+          MetricType::kGauge, impl_->dma_peak_bps, {eng});
+      // Utilisation over the interval since the previous collect of this reactor.
+      const uint64_t bytes = s.copy_bytes.load(), now = now_ns();
+      double util = 0;
+      {
+        std::lock_guard lk(impl_->util_mu);
+        if (impl_->util_last.size() < impl_->reactors.size()) {
+          impl_->util_last.resize(impl_->reactors.size(), {0, 0});
+        }
+        auto& [last_bytes, last_ns] = impl_->util_last[r->index()];
+        if (last_ns != 0 && now > last_ns) {
+          util = static_cast<double>(bytes - last_bytes) * 1e9 /
+                 static_cast<double>(now - last_ns) / impl_->dma_peak_bps;
+        }
+        last_bytes = bytes;
+        last_ns = now;
+      }
+      add("dma_link_utilization", "DMA bandwidth since the previous collect / measured peak",
+          MetricType::kGauge, util, {eng});
+    }
     add("queue_depth", "commands in flight", MetricType::kGauge,
         static_cast<double>(r->in_flight().load()));
     add("reactor_busy_polls_total", "poll iterations that found work", MetricType::kCounter,

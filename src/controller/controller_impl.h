@@ -116,6 +116,10 @@ struct Controller::Impl {
   std::map<uintptr_t, MemoryRegion> regions;  // by begin
   std::atomic<uint32_t> region_count{0};
 
+  double dma_peak_bps = 0;  // measured at start, 0 if not
+  mutable std::mutex util_mu;
+  mutable std::vector<std::pair<uint64_t, uint64_t>> util_last;  // per reactor: copy bytes, ns
+
   std::mutex queues_mu;
   std::vector<std::unique_ptr<Poller>> queues;  // in-process queue pollers
 

@@ -74,6 +74,7 @@ int main(int argc, char** argv) {
     co.max_value_bytes = cfg.max_value_bytes;
     co.idle_spin_us = cfg.idle_spin_us;
     co.never_sleep = cfg.never_sleep;
+    co.measure_dma_peak = [](gdkv::CopyEngine& e) { return gdkv::measure_copy_peak_bps(e); };
     co.namespaces = 1;
     for (const auto& ns : cfg.namespaces)
       co.namespaces = std::max(co.namespaces, ns.backend_namespace);
