@@ -384,6 +384,14 @@ TEST(MemoryBackend, CapacityExceeded) {
   EXPECT_EQ(client->exists(key("two")).status, Status::kKeyNotExist);
   ASSERT_TRUE(client->del(key("one")).ok());
   EXPECT_TRUE(client->put(key("two"), v).ok());
+  // Only the two Stores the backend took count as stored bytes.
+  MetricList m;
+  client->controller()->collect(m);
+  double stored = 0;
+  for (const Metric& x : m) {
+    if (x.name == "value_bytes_in_total") stored += x.value;
+  }
+  EXPECT_EQ(stored, 12000.0);
 }
 
 // A backend that holds every op until the test releases them.

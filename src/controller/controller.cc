@@ -69,6 +69,9 @@ void add_gather(CommandState& st, std::byte* dst, const DataSegments& segs) {
   }
 }
 
+// The backend handed out bytes it holds (memory backend, cache) instead of filling the sink.
+bool has_view(const BackendOp& op) { return op.view.bytes.data() != nullptr || op.view.keepalive; }
+
 bool single_host_segment(const DataSegments& segs) {
   return segs.size() == 1 && segs[0].kind == MemKind::kHost;
 }
@@ -300,7 +303,6 @@ void Controller::Impl::execute(Command* cmd) {
       }
       st.op.kind = BackendOpKind::kPut;
       st.op.store_options = sqe.options & (nvme::kStoreMustExist | nvme::kStoreMustNotExist);
-      bump(st.owner->stats().bytes_in, len);
       if (len == 0 || single_host_segment(st.segs)) {
         if (len != 0) st.op.value = {st.segs[0].addr, len};
         return submit_backend(cmd);
@@ -363,7 +365,7 @@ void Controller::Impl::on_backend_done(Command* cmd) {
     case nvme::Opcode::kRetrieve: {
       const uint64_t want = std::min(st.value_len, st.deliver_cap);
       bump(rs.bytes_out, want);
-      if (st.op.view.bytes.data() != nullptr || st.op.view.keepalive) {
+      if (has_view(st.op)) {
         st.copy_segs.clear();
         add_spread(st, st.op.view.bytes.data(), std::min<size_t>(want, st.op.view.bytes.size()),
                    st.segs);
@@ -377,7 +379,7 @@ void Controller::Impl::on_backend_done(Command* cmd) {
       return launch_copy(cmd, CmdPhase::kDeliver);
     }
     case nvme::Opcode::kScatterRetrieve: {
-      const bool from_view = st.op.view.bytes.data() != nullptr || st.op.view.keepalive;
+      const bool from_view = has_view(st.op);
       const std::byte* src = from_view ? st.op.view.bytes.data() : st.staging.data();
       const uint64_t have = from_view ? st.op.view.bytes.size() : st.staging.size();
       st.copy_segs.clear();
@@ -411,6 +413,9 @@ void Controller::Impl::on_backend_done(Command* cmd) {
       add_spread(st, st.staging.data(), off, st.segs);
       return launch_copy(cmd, CmdPhase::kDeliver);
     }
+    case nvme::Opcode::kStore:
+      bump(rs.bytes_in, cmd->sqe.cdw10);  // counted once the backend has the value
+      return ::gdkv::finish(cmd, Status::kSuccess);
     default:
       return ::gdkv::finish(cmd, Status::kSuccess);
   }
