@@ -184,7 +184,11 @@ TEST(Cache, ChainPrefetchTurnsMissesIntoHits) {
   // With prefetch nearly every block is fetched ahead: hits, or reads that join a prefetch.
   EXPECT_GE(issued, 50);
   EXPECT_GE(used, 50);
-  EXPECT_GE(hits_on, 40);
+  // Whether a prefetched block is already in (a hit) or still in flight (the read joins it) when
+  // the reader asks depends on scheduling: under ASan on two busy cores 33 of 64 were hits. `used`
+  // above is the deterministic count; here, only that prefetch made hits at all.
+  EXPECT_GE(hits_on, 16);
+  EXPECT_GT(hits_on, hits_off);
   EXPECT_LE(used, issued);
   // Prefetch reads replace demand reads rather than adding to them.
   EXPECT_LE(gets_on, gets_off + 8);
