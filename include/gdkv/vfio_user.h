@@ -75,6 +75,11 @@ struct VfioUserServerOptions {
   uint16_t pci_device_id = 0x0001;
   std::string serial;  // Identify serial number; default: "gdkv-" + hostname
   DeviceMemoryImporter* device_memory = nullptr;  // not owned; null: no GPU memory registration
+  // Memory a client maps without an fd is reached by DMA_READ/DMA_WRITE messages to the client
+  // (slow: for hosts that cannot share some of their memory). A reply later than this fails the
+  // command (04h); data in such memory is bounced through at most this many bytes per client.
+  uint32_t dma_reply_timeout_ms = 10000;
+  uint64_t message_bounce_bytes = uint64_t{256} << 20;
   // One line per connection event (accept, reject, disconnect, errors); default: stderr.
   std::function<void(const std::string&)> log;
 };

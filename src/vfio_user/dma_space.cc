@@ -54,6 +54,7 @@ int DmaSpace::insert(std::unique_ptr<DmaMap> m) {
     if (prev.iova + prev.size > m->iova) return EEXIST;
   }
   const uint64_t at = m->iova;
+  if (m->host == nullptr) message_maps_.fetch_add(1, std::memory_order_release);
   maps_.emplace(at, std::move(m));
   return 0;
 }
@@ -117,6 +118,7 @@ std::unique_ptr<DmaMap> DmaSpace::detach(uint64_t iova, uint64_t size, int* err,
   }
   std::unique_ptr<DmaMap> victim = std::move(it->second);
   maps_.erase(it);
+  if (victim->host == nullptr) message_maps_.fetch_sub(1, std::memory_order_release);
   *err = 0;
   return victim;
 }
@@ -129,36 +131,46 @@ int DmaSpace::unmap(uint64_t iova, uint64_t size) {
   return 0;
 }
 
+int DmaSpace::detach_all(std::vector<std::unique_ptr<DmaMap>>& out) {
+  std::unique_lock lk(mu_);
+  for (const auto& [at, m] : maps_) {
+    if (m->queue_refs.load() != 0) return EBUSY;
+  }
+  for (auto& [at, m] : maps_) out.push_back(std::move(m));
+  maps_.clear();
+  message_maps_.store(0, std::memory_order_release);
+  return 0;
+}
+
 int DmaSpace::unmap_all() {
   std::vector<std::unique_ptr<DmaMap>> victims;
-  {
-    std::unique_lock lk(mu_);
-    for (const auto& [at, m] : maps_) {
-      if (m->queue_refs.load() != 0) return EBUSY;
-    }
-    for (auto& [at, m] : maps_) victims.push_back(std::move(m));
-    maps_.clear();
-  }
+  if (int err = detach_all(victims); err != 0) return err;
   for (const auto& m : victims) wait_unpinned(*m);
   return 0;
 }
 
 nvme::Status DmaSpace::resolve(uint64_t iova, uint64_t len, bool for_write, DataSegments& out,
-                               MapRefs& refs) {
+                               MapRefs& refs, RemoteSink* remote) {
   if (len == 0) return nvme::Status::kSuccess;
   if (overflows(iova, len)) return nvme::Status::kDataTransferError;
   std::shared_lock lk(mu_);
   while (len > 0) {
     DmaMap* m = find(iova);
-    if (m == nullptr || m->host == nullptr) return nvme::Status::kDataTransferError;
+    if (m == nullptr) return nvme::Status::kDataTransferError;
     if (for_write ? !m->writable : !m->readable) return nvme::Status::kDataTransferError;
     const uint64_t n = std::min<uint64_t>(len, m->iova + m->size - iova);
-    std::byte* p = m->host + (iova - m->iova);
-    bool pinned = false;
-    for (DmaMap* r : refs) pinned |= r == m;
-    if (!pinned) {
-      m->inflight.fetch_add(1, std::memory_order_relaxed);
-      refs.push_back(m);
+    std::byte* p;
+    if (m->host == nullptr) {
+      p = remote == nullptr ? nullptr : remote->bounce(iova, n, for_write);
+      if (p == nullptr) return nvme::Status::kDataTransferError;
+    } else {
+      p = m->host + (iova - m->iova);
+      bool pinned = false;
+      for (DmaMap* r : refs) pinned |= r == m;
+      if (!pinned) {
+        m->inflight.fetch_add(1, std::memory_order_relaxed);
+        refs.push_back(m);
+      }
     }
     if (!out.empty() && out.back().kind == m->kind && out.back().addr + out.back().len == p) {
       out.back().len += n;
@@ -169,6 +181,21 @@ nvme::Status DmaSpace::resolve(uint64_t iova, uint64_t len, bool for_write, Data
     len -= n;
   }
   return nvme::Status::kSuccess;
+}
+
+bool DmaSpace::message_only(uint64_t iova, uint64_t len, bool for_write) const {
+  if (len == 0 || overflows(iova, len)) return false;
+  std::shared_lock lk(mu_);
+  while (len > 0) {
+    const DmaMap* m = find(iova);
+    if (m == nullptr || m->host != nullptr || (for_write ? !m->writable : !m->readable)) {
+      return false;
+    }
+    const uint64_t n = std::min<uint64_t>(len, m->iova + m->size - iova);
+    iova += n;
+    len -= n;
+  }
+  return true;
 }
 
 bool DmaSpace::read(uint64_t iova, void* dst, size_t len) {

@@ -7,6 +7,11 @@
 // the map from lookups at once, refuses (EBUSY) while a queue lives there, and otherwise waits for
 // pinned commands to finish before it munmaps: the spec's "release all references before replying".
 //
+// Message-only maps (DMA_MAP without an fd) hold no memory here: their bytes move by DMA_READ and
+// DMA_WRITE messages to the client. resolve() hands such ranges to a RemoteSink, which supplies a
+// bounce buffer in their place; they are never pinned (there is nothing to unmap), so the sender
+// checks message_only() before each message instead: nothing is sent for a range unmapped since.
+//
 // Memory safety against the client: a client that shrinks a shared file under our mapping would
 // make our accesses fault (SIGBUS). memfds must therefore be sealed against shrinking
 // (F_SEAL_SHRINK) unless the server was configured to trust unsealed memory (SPDK's hugetlbfs
@@ -49,6 +54,15 @@ struct DmaMap {
 // The maps one command pinned.
 using MapRefs = std::vector<DmaMap*>;
 
+// Takes the pieces of a transfer that lie in message-only maps.
+class RemoteSink {
+ public:
+  virtual ~RemoteSink() = default;
+  // Bounce memory standing in for client memory [iova, iova+len) (the map allows the access), or
+  // null to refuse the transfer (04h).
+  virtual std::byte* bounce(uint64_t iova, uint64_t len, bool for_write) = 0;
+};
+
 struct DmaSpaceOptions {
   uint32_t max_maps = 1024;            // DMA_MAP regions at once
   bool allow_unsealed_memory = false;  // accept memfds without F_SEAL_SHRINK and non-memfd files
@@ -72,11 +86,19 @@ class DmaSpace {
   std::unique_ptr<DmaMap> detach(uint64_t iova, uint64_t size, int* err, bool device_only = false);
   // Removes every map (DMA_UNMAP with the ALL flag, disconnect). EBUSY if a queue lives in one.
   int unmap_all();
+  // unmap_all() without the wait: the caller waits for each map's commands, then destroys it.
+  int detach_all(std::vector<std::unique_ptr<DmaMap>>& out);
 
   // Resolves [iova, iova+len) into segments (spanning adjacent maps), pinning each map in `refs`.
-  // 04h if any byte is unmapped, not reachable, or lacks the needed permission.
+  // Pieces in message-only maps go to `remote` (refused without one). 04h if any byte is
+  // unmapped, not reachable, or lacks the needed permission.
   nvme::Status resolve(uint64_t iova, uint64_t len, bool for_write, DataSegments& out,
-                       MapRefs& refs);
+                       MapRefs& refs, RemoteSink* remote = nullptr);
+  // Whether [iova, iova+len) lies in message-only maps that allow the access: checked before each
+  // DMA_READ (for_write false) or DMA_WRITE (true) message.
+  bool message_only(uint64_t iova, uint64_t len, bool for_write) const;
+  // Message-only maps present (cheap: read on every I/O command).
+  uint32_t message_maps() const { return message_maps_.load(std::memory_order_acquire); }
   // Copies client memory (PRP lists, SGL segments, admin data) into `dst`. False if unreachable.
   bool read(uint64_t iova, void* dst, size_t len);
   // Copies `src` into client memory. False if unreachable or not writable.
@@ -100,6 +122,7 @@ class DmaSpace {
   DmaSpaceOptions options_;
   mutable std::shared_mutex mu_;
   std::map<uint64_t, std::unique_ptr<DmaMap>> maps_;  // by iova
+  std::atomic<uint32_t> message_maps_{0};
 };
 
 }  // namespace gdkv::vfio_user

@@ -18,6 +18,7 @@
 #include "gdkv/vfio_user.h"
 #include "vfio_user/nvme_defs.h"
 #include "vfio_user/protocol.h"
+#include "vfio_user/raw_host.h"
 #include "vfio_user/test_util.h"
 
 namespace gdkv {
@@ -63,6 +64,12 @@ class VfioUserE2E : public ::testing::Test {
   void TearDown() override {
     server_->stop();
     ctl_->stop();
+  }
+
+  // The stored value of `k` in namespace 1, read from the backend directly.
+  bool backend_get(const Key& k, std::vector<std::byte>& out) {
+    auto c = connect_vfio_user(dir_.path());
+    return c->get(k, out).ok();
   }
 
   TempDir dir_{"e2e"};
@@ -329,153 +336,149 @@ TEST_F(VfioUserE2E, DisconnectTearsDown) {
 // an I/O CQ, KV commands built by hand, and completions with phase tags.
 TEST_F(VfioUserE2E, StandardHostWithInterrupts) {
   using namespace vfio_user;  // NOLINT
-  vfio_user::test::RawClient r(dir_.path());
-  ASSERT_EQ(r.version(), 0);
-  // Memory: a sealed memfd mapped here and shared by DMA_MAP at IOVA 0x80000000.
-  constexpr uint64_t kIova = 0x80000000, kSize = 0x20000;
-  UniqueFd mfd(::memfd_create("host", MFD_CLOEXEC | MFD_ALLOW_SEALING));
-  ASSERT_EQ(::ftruncate(mfd.get(), kSize), 0);
-  ASSERT_EQ(::fcntl(mfd.get(), F_ADD_SEALS, F_SEAL_SHRINK), 0);
-  auto* mem = static_cast<std::byte*>(
-      ::mmap(nullptr, kSize, PROT_READ | PROT_WRITE, MAP_SHARED, mfd.get(), 0));
-  ASSERT_NE(mem, MAP_FAILED);
-  const DmaMapMsg dm{32, kDmaFlagRead | kDmaFlagWrite, 0, kIova, kSize};
-  ASSERT_EQ(r.call(static_cast<uint16_t>(Cmd::kDmaMap), vfio_user::test::RawClient::bytes_of(dm),
-                   nullptr, std::vector<int>{mfd.get()}),
-            0);
-  // The doorbell page through the sparse-mmap area.
-  Message info;
-  const RegionInfoMsg ri{256, 0, kRegionBar0, 0, 0, 0};
-  ASSERT_EQ(r.call(static_cast<uint16_t>(Cmd::kDeviceGetRegionInfo),
-                   vfio_user::test::RawClient::bytes_of(ri), &info),
-            0);
-  ASSERT_EQ(info.fds.size(), 1u);
-  auto* db = static_cast<uint32_t*>(
-      ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, info.fds[0].get(), kDoorbellPage));
-  ASSERT_NE(db, MAP_FAILED);
-  // MSI-X vectors 0 (admin) and 3 (I/O).
-  UniqueFd ev0(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)),
-      ev3(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  IrqSetMsg is{20, kIrqSetDataEventfd | kIrqSetActionTrigger, kIrqMsix, 0, 1};
-  ASSERT_EQ(r.call(static_cast<uint16_t>(Cmd::kDeviceSetIrqs),
-                   vfio_user::test::RawClient::bytes_of(is), nullptr, std::vector<int>{ev0.get()}),
-            0);
-  is.start = 3;
-  ASSERT_EQ(r.call(static_cast<uint16_t>(Cmd::kDeviceSetIrqs),
-                   vfio_user::test::RawClient::bytes_of(is), nullptr, std::vector<int>{ev3.get()}),
-            0);
-  auto reg_write = [&](uint32_t off, uint64_t v, uint32_t n) {
-    std::vector<std::byte> p(16 + n);
-    const RegionAccessMsg a{off, kRegionBar0, n};
-    std::memcpy(p.data(), &a, 16);
-    std::memcpy(p.data() + 16, &v, n);
-    return r.call(static_cast<uint16_t>(Cmd::kRegionWrite), p);
-  };
-  auto reg_read = [&](uint32_t off) {
-    Message rep;
-    const RegionAccessMsg a{off, kRegionBar0, 4};
-    r.call(static_cast<uint16_t>(Cmd::kRegionRead), vfio_user::test::RawClient::bytes_of(a), &rep);
-    uint32_t v = 0;
-    std::memcpy(&v, rep.payload.data() + 16, 4);
-    return v;
-  };
-  // Layout: admin SQ (8 entries) at +0, admin CQ at +0x1000, I/O SQ (16) at +0x2000, I/O CQ at
-  // +0x3000, data at +0x4000.
-  auto* asq = reinterpret_cast<nvme::Sqe*>(mem);
-  auto* acq = reinterpret_cast<nvme::Cqe*>(mem + 0x1000);
-  auto* isq = reinterpret_cast<nvme::Sqe*>(mem + 0x2000);
-  auto* icq = reinterpret_cast<nvme::Cqe*>(mem + 0x3000);
-  ASSERT_EQ(reg_write(reg::kAqa, (7u << 16) | 7u, 4), 0);
-  ASSERT_EQ(reg_write(reg::kAsq, kIova, 8), 0);
-  ASSERT_EQ(reg_write(reg::kAcq, kIova + 0x1000, 8), 0);
-  ASSERT_EQ(reg_write(reg::kCc, kCcEn | (6u << 4) | (6u << 16) | (4u << 20), 4), 0);
-  for (int i = 0; i < 2000 && !(reg_read(reg::kCsts) & kCstsRdy); ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  ASSERT_TRUE(reg_read(reg::kCsts) & kCstsRdy);
-
-  auto wait_event = [](int fd) {
-    for (int i = 0; i < 2000; ++i) {
-      uint64_t n;
-      if (::read(fd, &n, 8) == 8) return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    return false;
-  };
-  uint32_t atail = 0, ahead = 0;
-  auto admin = [&](nvme::Sqe s, bool ring_by_message) {
-    s.cid = static_cast<uint16_t>(100 + atail);
-    asq[atail] = s;
-    atail = (atail + 1) % 8;
-    if (ring_by_message) {
-      EXPECT_EQ(reg_write(reg::kDoorbells, atail, 4), 0);  // SQ 0 tail by REGION_WRITE
-    } else {
-      __atomic_store_n(&db[0], atail, __ATOMIC_RELEASE);  // through the mapping
-    }
-    EXPECT_TRUE(wait_event(ev0.get()));
-    nvme::Cqe e;
-    std::memcpy(&e, &acq[ahead], sizeof(e));
-    EXPECT_EQ(e.status & 1, 1);  // phase 1 on the first pass
-    EXPECT_EQ(e.cid, s.cid);
-    ahead = (ahead + 1) % 8;
-    __atomic_store_n(&db[16], ahead, __ATOMIC_RELEASE);  // CQ 0 head
-    return e;
-  };
+  test::RawHost h(dir_.path());
+  ASSERT_TRUE(h.start());
+  std::byte* mem = h.mem();
+  constexpr uint64_t kIova = test::RawHost::kIova;
+  // Identify with the doorbell rung by REGION_WRITE (RawHost::start rang it through the page).
   nvme::Sqe id{};
   id.opcode = static_cast<uint8_t>(AdminOp::kIdentify);
   id.cdw10 = kCnsController;
   id.dptr.prp.prp1 = kIova + 0x4000;
-  nvme::Cqe e = admin(id, true);
-  EXPECT_EQ(nvme::status_code(e.status), Status::kSuccess);
+  EXPECT_EQ(nvme::status_code(h.admin(id, true).status), Status::kSuccess);
   EXPECT_EQ(reinterpret_cast<IdentifyController*>(mem + 0x4000)->ver, 0x00020000u);
-  // An I/O queue pair with ring-index doorbells and interrupts on vector 3.
-  nvme::Sqe cq{};
-  cq.opcode = static_cast<uint8_t>(AdminOp::kCreateIoCq);
-  cq.cdw10 = 1 | (15u << 16);
-  cq.key_length = 1 | 2;  // PC, IEN
-  cq.cdw11_reserved = 3;  // IV
-  cq.dptr.prp.prp1 = kIova + 0x3000;
-  EXPECT_EQ(nvme::status_code(admin(cq, false).status), Status::kSuccess);
-  nvme::Sqe sq{};
-  sq.opcode = static_cast<uint8_t>(AdminOp::kCreateIoSq);
-  sq.cdw10 = 1 | (15u << 16);
-  sq.key_length = 1;
-  sq.cdw11_reserved = 1;  // CQ 1
-  sq.dptr.prp.prp1 = kIova + 0x2000;
-  EXPECT_EQ(nvme::status_code(admin(sq, false).status), Status::kSuccess);
   // Store 6000 bytes through PRP1 + PRP2 (two pages), then Retrieve them into other pages.
   for (int i = 0; i < 6000; ++i) mem[0x6000 + i] = static_cast<std::byte>(i * 13);
   const Key k = *Key::from_string("raw-host");
-  uint32_t itail = 0, ihead = 0;
-  auto io = [&](nvme::Sqe s) {
-    s.cid = static_cast<uint16_t>(itail);
-    isq[itail] = s;
-    itail = (itail + 1) % 16;
-    __atomic_store_n(&db[2 * 16], itail, __ATOMIC_RELEASE);  // SQ 1 tail
-    EXPECT_TRUE(wait_event(ev3.get()));
-    nvme::Cqe c;
-    std::memcpy(&c, &icq[ihead], sizeof(c));
-    EXPECT_EQ(c.sq_id, 1);
-    ihead = (ihead + 1) % 16;
-    __atomic_store_n(&db[3 * 16], ihead, __ATOMIC_RELEASE);  // CQ 1 head
-    return c;
-  };
   nvme::Sqe st = cmd::store(k.bytes, k.len, nullptr, 6000);
   st.dptr.prp.prp1 = kIova + 0x6000;
   st.dptr.prp.prp2 = kIova + 0x7000;
-  EXPECT_EQ(nvme::status_code(io(st).status), Status::kSuccess);
+  EXPECT_EQ(nvme::status_code(h.io(st).status), Status::kSuccess);
   nvme::Sqe rt = cmd::retrieve(k.bytes, k.len, nullptr, 6000);
   rt.dptr.prp.prp1 = kIova + 0x9000;
   rt.dptr.prp.prp2 = kIova + 0xA000;
-  nvme::Cqe c = io(rt);
+  nvme::Cqe c = h.io(rt);
   EXPECT_EQ(nvme::status_code(c.status), Status::kSuccess);
   EXPECT_EQ(c.dw0, 6000u);
   EXPECT_EQ(std::memcmp(mem + 0x9000, mem + 0x6000, 6000), 0);
   // A Retrieve whose single PRP crosses a page without PRP2 on a standard queue: not flat here.
   rt.dptr.prp.prp2 = 0;
-  EXPECT_EQ(nvme::status_code(io(rt).status), Status::kDataTransferError);
-  ::munmap(db, 4096);
-  ::munmap(mem, kSize);
+  EXPECT_EQ(nvme::status_code(h.io(rt).status), Status::kDataTransferError);
+}
+
+// Memory mapped without an fd (QEMU guest RAM that is not shared): values move by DMA_READ and
+// DMA_WRITE messages, for every opcode with a data buffer, and mixed with fd-backed pages.
+TEST_F(VfioUserE2E, MessageOnlyMemory) {
+  using namespace vfio_user;  // NOLINT
+  test::RawHost h(dir_.path());
+  ASSERT_TRUE(h.start());
+  constexpr uint64_t kMsgIova = 0x100000000;
+  constexpr size_t kMsgSize = 8 << 20;
+  std::vector<std::byte> local(kMsgSize);
+  ASSERT_EQ(h.map_message_memory(kMsgIova, local.data(), kMsgSize), 0);
+  // A 3 MiB value (several max_data_xfer_size messages) stored from message-only memory, with an
+  // SGL data block.
+  const auto v = pattern(3 << 20, 77);
+  std::memcpy(local.data() + 4096, v.data(), v.size());
+  const Key k = *Key::from_string("msg-only");
+  nvme::Sqe st = cmd::store(k.bytes, k.len, nullptr, static_cast<uint32_t>(v.size()));
+  st.flags = 0x40;  // PSDT 01b: SGL
+  st.dptr.sgl = {kMsgIova + 4096, static_cast<uint32_t>(v.size()), {}, 0};
+  EXPECT_EQ(nvme::status_code(h.io(st).status), Status::kSuccess);
+  std::vector<std::byte> stored;
+  ASSERT_TRUE(backend_get(k, stored));
+  EXPECT_TRUE(stored == v);
+  // Retrieve into a larger buffer: exactly the value's bytes come back, the rest is untouched.
+  std::memset(local.data() + (4 << 20), 0x5A, 3 << 20 | 8192);
+  nvme::Sqe rt = cmd::retrieve(k.bytes, k.len, nullptr, (3 << 20) + 8192);
+  rt.flags = 0x40;
+  rt.dptr.sgl = {kMsgIova + (4 << 20), (3 << 20) + 8192, {}, 0};
+  nvme::Cqe c = h.io(rt);
+  EXPECT_EQ(nvme::status_code(c.status), Status::kSuccess);
+  EXPECT_EQ(c.dw0, v.size());
+  EXPECT_EQ(std::memcmp(local.data() + (4 << 20), v.data(), v.size()), 0);
+  EXPECT_EQ(local[(4 << 20) + v.size()], std::byte{0x5A});
+  EXPECT_EQ(local[(4 << 20) + v.size() + 8191], std::byte{0x5A});
+  // PRPs mixing an fd-backed page and a message-only page, both ways.
+  std::byte* mem = h.mem();
+  for (int i = 0; i < 4096; ++i) mem[0x6000 + i] = static_cast<std::byte>(i * 7);
+  for (int i = 0; i < 4096; ++i) local[i] = static_cast<std::byte>(i * 11);
+  const Key k2 = *Key::from_string("mixed");
+  nvme::Sqe st2 = cmd::store(k2.bytes, k2.len, nullptr, 8192);
+  st2.dptr.prp.prp1 = test::RawHost::kIova + 0x6000;
+  st2.dptr.prp.prp2 = kMsgIova;
+  EXPECT_EQ(nvme::status_code(h.io(st2).status), Status::kSuccess);
+  std::vector<std::byte> expect(mem + 0x6000, mem + 0x7000);
+  expect.insert(expect.end(), local.data(), local.data() + 4096);
+  ASSERT_TRUE(backend_get(k2, stored));
+  EXPECT_TRUE(stored == expect);
+  nvme::Sqe rt2 = cmd::retrieve(k2.bytes, k2.len, nullptr, 8192);
+  rt2.dptr.prp.prp1 = kMsgIova + 0x10000;
+  rt2.dptr.prp.prp2 = test::RawHost::kIova + 0x9000;
+  EXPECT_EQ(nvme::status_code(h.io(rt2).status), Status::kSuccess);
+  EXPECT_EQ(std::memcmp(local.data() + 0x10000, expect.data(), 4096), 0);
+  EXPECT_EQ(std::memcmp(mem + 0x9000, expect.data() + 4096, 4096), 0);
+  // List into message-only memory: the keys, and nothing after them.
+  std::memset(local.data() + 0x20000, 0x5A, 4096);
+  const Key from = *Key::from_string("a");
+  nvme::Sqe ls = cmd::list(from.bytes, from.len, nullptr, 4096);
+  ls.dptr.prp.prp1 = kMsgIova + 0x20000;
+  c = h.io(ls);
+  EXPECT_EQ(nvme::status_code(c.status), Status::kSuccess);
+  EXPECT_EQ(c.dw0, 2u);
+  uint32_t count = 0;
+  std::memcpy(&count, local.data() + 0x20000, 4);
+  EXPECT_EQ(count, 2u);
+  const size_t list_end = 4 + nvme::key_list_entry_size(k.len) + nvme::key_list_entry_size(k2.len);
+  EXPECT_EQ(local[0x20000 + list_end], std::byte{0x5A});
+  EXPECT_NE(local[0x20000 + list_end - 1], std::byte{0x5A});
+  // Scatter Retrieve: the descriptor list and two destinations in message-only memory, one in
+  // fd-backed memory; a destination past the value's end gets only what exists.
+  std::memset(local.data() + 0x30000, 0x5A, 0x10000);
+  nvme::ScatterHeader sh{3, 0};
+  nvme::ScatterEntry se[3] = {{kMsgIova + 0x31000, 0, 1000},
+                              {test::RawHost::kIova + 0xB000, 1000, 2000},
+                              {kMsgIova + 0x33000, 8000, 1000}};
+  std::memcpy(local.data() + 0x30000, &sh, sizeof(sh));
+  std::memcpy(local.data() + 0x30000 + sizeof(sh), se, sizeof(se));
+  nvme::Sqe sc = cmd::scatter_retrieve(k2.bytes, k2.len, nullptr, sizeof(sh) + sizeof(se));
+  sc.dptr.prp.prp1 = kMsgIova + 0x30000;
+  c = h.io(sc);
+  EXPECT_EQ(nvme::status_code(c.status), Status::kSuccess);
+  EXPECT_EQ(std::memcmp(local.data() + 0x31000, expect.data(), 1000), 0);
+  EXPECT_EQ(local[0x31000 + 1000], std::byte{0x5A});
+  EXPECT_EQ(std::memcmp(mem + 0xB000, expect.data() + 1000, 2000), 0);
+  EXPECT_EQ(std::memcmp(local.data() + 0x33000, expect.data() + 8000, 192), 0);
+  EXPECT_EQ(local[0x33000 + 192], std::byte{0x5A});
+  // Prefetch with its key list in message-only memory.
+  std::vector<std::byte> kl(4 + nvme::key_list_entry_size(k.len));
+  const uint32_t one = 1;
+  const uint16_t klen = k.len;
+  std::memcpy(kl.data(), &one, 4);
+  std::memcpy(kl.data() + 4, &klen, 2);
+  std::memcpy(kl.data() + 6, k.bytes, k.len);
+  std::memcpy(local.data() + 0x40000, kl.data(), kl.size());
+  nvme::Sqe pf = cmd::prefetch(nullptr, static_cast<uint32_t>(kl.size()));
+  pf.dptr.prp.prp1 = kMsgIova + 0x40000;
+  EXPECT_EQ(nvme::status_code(h.io(pf).status), Status::kSuccess);
+  // Commands without data, and a Retrieve of a missing key (nothing written back), still work.
+  std::memset(local.data() + 0x50000, 0x5A, 64);
+  const Key missing = *Key::from_string("missing");
+  nvme::Sqe rm = cmd::retrieve(missing.bytes, missing.len, nullptr, 64);
+  rm.dptr.prp.prp1 = kMsgIova + 0x50000;
+  EXPECT_EQ(nvme::status_code(h.io(rm).status), Status::kKeyNotExist);
+  EXPECT_EQ(local[0x50000], std::byte{0x5A});
+  EXPECT_EQ(nvme::status_code(h.io(cmd::exist(k.bytes, k.len)).status), Status::kSuccess);
+  EXPECT_GT(h.dma_reads(), 3u);
+  EXPECT_GT(h.dma_writes(), 3u);
+  EXPECT_EQ(h.dma_bad(), 0u);  // every request stayed inside the map, sized right
+  MetricList ms;
+  server_->collect(ms);
+  double bounced = 0;
+  for (const Metric& m : ms) {
+    if (m.name == "vfio_user_bounced_commands_total") bounced = m.value;
+  }
+  EXPECT_GE(bounced, 8.0);
 }
 
 TEST(VfioUserServerSetup, Errors) {

@@ -20,6 +20,7 @@
 #include "vfio_user/nvme_defs.h"
 #include "vfio_user/pci_config.h"
 #include "vfio_user/protocol.h"
+#include "vfio_user/raw_host.h"
 #include "vfio_user/test_util.h"
 
 namespace gdkv {
@@ -56,6 +57,8 @@ class Hostile : public ::testing::Test {
     so.socket_dir = dir_.path();
     so.log = [](const std::string&) {};
     so.max_dma_maps = 8;
+    so.dma_reply_timeout_ms = 300;
+    so.message_bounce_bytes = 64 << 10;
     server_ = std::make_unique<VfioUserServer>(*ctl_, so);
     server_->start();
     // A well-behaved client that must keep working whatever the others do.
@@ -469,6 +472,99 @@ TEST_F(Hostile, ConfigSpace) {
   EXPECT_EQ(cfg(0x40, 2), 0x5001u);
   EXPECT_EQ(cfg(0x50, 2), 0x6011u);
   EXPECT_EQ(cfg(0x60, 2), 0x0010u);
+}
+
+}  // namespace
+}  // namespace gdkv
+
+namespace gdkv {
+namespace {
+
+// Data in memory mapped without an fd, with a client that answers DMA_READ/DMA_WRITE badly, late,
+// never, or hangs up; unmaps while transfers wait; more bounce memory asked than the budget.
+TEST_F(Hostile, MessageOnlyMemory) {
+  test::RawHost h(dir_.path());
+  ASSERT_TRUE(h.start());
+  constexpr uint64_t kMsg = 0x100000000, kReadOnly = 0x200000000, kData = 0x90000000;
+  std::vector<std::byte> local(1 << 20), ro(1 << 16);
+  ASSERT_EQ(h.map_message_memory(kMsg, local.data(), local.size()), 0);
+  auto sgl = [](nvme::Sqe s, uint64_t iova, uint32_t len) {
+    s.flags = 0x40;  // SGL data block
+    s.dptr.sgl = {iova, len, {}, 0};
+    return s;
+  };
+  auto store = [&](const char* key, uint64_t iova, uint32_t len) {
+    const Key k = *Key::from_string(key);
+    return sgl(cmd::store(k.bytes, k.len, nullptr, len), iova, len);
+  };
+  auto status = [](const nvme::Cqe& c) { return nvme::status_code(c.status); };
+  using M = test::RawHost::DmaMode;
+  for (size_t i = 0; i < local.size(); ++i) local[i] = static_cast<std::byte>(i * 5);
+  EXPECT_EQ(status(h.io(store("m0", kMsg, 40000))), Status::kSuccess);
+  // An error reply, a reply with the wrong count, no reply at all (300 ms): 04h each time.
+  h.set_dma_mode(M::kErrorReply);
+  EXPECT_EQ(status(h.io(store("m1", kMsg, 40000))), Status::kDataTransferError);
+  const Key m0 = *Key::from_string("m0");
+  EXPECT_EQ(status(h.io(sgl(cmd::retrieve(m0.bytes, m0.len, nullptr, 40000), kMsg, 40000))),
+            Status::kDataTransferError);
+  h.set_dma_mode(M::kWrongCount);
+  EXPECT_EQ(status(h.io(store("m1", kMsg, 40000))), Status::kDataTransferError);
+  h.set_dma_mode(M::kNoReply);
+  EXPECT_EQ(status(h.io(store("m1", kMsg, 40000))), Status::kDataTransferError);
+  h.set_dma_mode(M::kServe);
+  // A stray reply (an id we never sent) is dropped; the next command works.
+  const DmaAccessMsg bogus{kMsg, 8};
+  ASSERT_TRUE(h.raw().send(c(Cmd::kDmaRead), RawClient::bytes_of(bogus), {}, kTypeReply));
+  EXPECT_EQ(status(h.io(store("m2", kMsg, 40000))), Status::kSuccess);
+  // A failed Store stored nothing; the good ones hold their bytes.
+  std::vector<std::byte> out;
+  EXPECT_EQ(good_->get(*Key::from_string("m1"), out).status, Status::kKeyNotExist);
+  ASSERT_TRUE(good_->get(*Key::from_string("m2"), out).ok());
+  EXPECT_TRUE(std::equal(out.begin(), out.end(), local.begin()) && out.size() == 40000);
+  // Four 48 KiB Stores at once over a 64 KiB bounce budget: they run one after another.
+  std::vector<nvme::Sqe> batch;
+  const char* names[] = {"b0", "b1", "b2", "b3"};
+  for (int i = 0; i < 4; ++i) batch.push_back(store(names[i], kMsg + i * 0x10000, 48 << 10));
+  const auto done = h.io_batch(batch);
+  ASSERT_EQ(done.size(), 4u);
+  for (const auto& e : done) EXPECT_EQ(status(e), Status::kSuccess);
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_TRUE(good_->get(*Key::from_string(names[i]), out).ok());
+    EXPECT_EQ(std::memcmp(out.data(), local.data() + i * 0x10000, 48 << 10), 0);
+  }
+  // A read-only message map: nothing is written there, and no DMA_WRITE is sent.
+  const DmaMapMsg rom{32, kDmaFlagRead, 0, kReadOnly, ro.size()};
+  ASSERT_EQ(h.call(Cmd::kDmaMap, RawClient::bytes_of(rom)), 0);
+  const uint64_t writes = h.dma_writes();
+  EXPECT_EQ(status(h.io(sgl(cmd::retrieve(m0.bytes, m0.len, nullptr, 4096), kReadOnly, 4096))),
+            Status::kDataTransferError);
+  EXPECT_EQ(h.dma_writes(), writes);
+  // Unmapping fd-backed memory that a command waiting on a DMA reply uses: the unmap is answered
+  // (the waiting transfer fails, 04h) instead of hanging the connection.
+  UniqueFd data = memfd(0x10000);
+  const DmaMapMsg dm{32, kDmaFlagRead | kDmaFlagWrite, 0, kData, 0x10000};
+  ASSERT_EQ(h.call(Cmd::kDmaMap, RawClient::bytes_of(dm), nullptr, std::vector<int>{data.get()}),
+            0);
+  h.set_dma_mode(M::kNoReply);
+  const Key mx = *Key::from_string("mixed");
+  nvme::Sqe st = cmd::store(mx.bytes, mx.len, nullptr, 8192);
+  st.dptr.prp.prp1 = kData;
+  st.dptr.prp.prp2 = kMsg;
+  nvme::Cqe cqe{};
+  std::thread io([&] { cqe = h.io(st); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the DMA_READ is out
+  const DmaUnmapMsg um{24, 0, kData, 0x10000};
+  EXPECT_EQ(h.call(Cmd::kDmaUnmap, RawClient::bytes_of(um)), 0);
+  io.join();
+  EXPECT_EQ(status(cqe), Status::kDataTransferError);
+  EXPECT_EQ(h.dma_bad(), 0u);
+  // A client that hangs up in the middle of a transfer is torn down (its waiting command fails
+  // before its memory goes); the others keep working.
+  h.set_dma_mode(M::kHangUp);
+  EXPECT_EQ(status(h.io(store("m3", kMsg, 40000), 2000)), Status::kDataTransferError);
+  h.stop_dma();
+  wait_clients(1);
+  expect_good_client_works();
 }
 
 }  // namespace

@@ -47,19 +47,69 @@ void pad_copy(char* dst, size_t n, const std::string& s) {
   std::memcpy(dst, s.data(), std::min(n, s.size()));
 }
 
-// Resolves through a DmaSpace, pinning maps into a command's refs.
+// Resolves through a DmaSpace, pinning maps into a command's refs; message-only pieces go to
+// `remote` when there is one.
 class PinningResolver final : public DmaResolver {
  public:
-  PinningResolver(DmaSpace& dma, MapRefs& refs) : dma_(dma), refs_(refs) {}
+  PinningResolver(DmaSpace& dma, MapRefs& refs, RemoteSink* remote = nullptr)
+      : dma_(dma), refs_(refs), remote_(remote) {}
   Status resolve(uint64_t iova, uint64_t len, bool for_write, DataSegments& out) override {
-    return dma_.resolve(iova, len, for_write, out, refs_);
+    return dma_.resolve(iova, len, for_write, out, refs_, remote_);
   }
   bool read(uint64_t iova, void* dst, size_t len) override { return dma_.read(iova, dst, len); }
 
  private:
   DmaSpace& dma_;
   MapRefs& refs_;
+  RemoteSink* remote_;
 };
+
+// Copies transfer bytes [off, off+len) out of the segments they were resolved to.
+bool read_segments(const DataSegments& segs, uint64_t off, void* dst, size_t len) {
+  auto* d = static_cast<std::byte*>(dst);
+  for (const DataSegment& s : segs) {
+    if (len == 0) break;
+    if (off >= s.len) {
+      off -= s.len;
+      continue;
+    }
+    if (s.kind != MemKind::kHost) return false;
+    const size_t n = std::min<uint64_t>(len, s.len - off);
+    std::memcpy(d, s.addr + off, n);
+    d += n;
+    len -= n;
+    off = 0;
+  }
+  return len == 0;
+}
+
+// Bytes a successful List (dw0 keys) wrote at the start of its buffer of `cap` bytes.
+uint64_t list_bytes(const DataSegments& segs, uint32_t cap, uint32_t count) {
+  uint64_t off = sizeof(nvme::KeyListHeader);
+  for (uint32_t i = 0; i < count && off + 2 <= cap; ++i) {
+    uint16_t len = 0;
+    if (!read_segments(segs, off, &len, 2)) break;
+    off += nvme::key_list_entry_size(len);
+  }
+  return std::min<uint64_t>(off, cap);
+}
+
+// The data pointer length and direction of opcodes that have one (cdw10 bytes), for staging.
+bool data_transfer(const nvme::Sqe& sqe, bool* for_write) {
+  switch (static_cast<nvme::Opcode>(sqe.opcode)) {
+    case nvme::Opcode::kStore:
+    case nvme::Opcode::kPrefetch:
+    case nvme::Opcode::kScatterRetrieve:
+      *for_write = false;
+      return sqe.cdw10 != 0;
+    case nvme::Opcode::kRetrieve:
+    case nvme::Opcode::kList:
+      *for_write = true;
+      return sqe.cdw10 != 0;
+    default:
+      return false;
+  }
+}
 
 // NGUID of a namespace: the same configuration gives the same identifier on every node, which is
 // what a namespace shared through RADOS is.
@@ -72,13 +122,85 @@ void namespace_nguid(const NamespaceView& ns, uint8_t out[16]) {
 }  // namespace
 
 // One I/O command slot of an SQ; its own AddressSpace so translation pins maps into its refs.
-struct NvmeController::IoCmd final : AddressSpace {
+//
+// Message-only memory: `staged` commands had their data pointer translated when fetched (transfer
+// 0, `pre`); each piece in message-only memory is a Bounce. Scatter Retrieve destinations
+// resolved later (map_range, transfers 1..n) may bounce too. The descriptor list of a staged
+// Scatter Retrieve is copied (`scatter_copy`) so the entries seen at completion are the ones the
+// controller used.
+struct NvmeController::IoCmd final : AddressSpace, RemoteSink {
+  struct Bounce {
+    uint64_t iova;
+    uint64_t len;
+    std::unique_ptr<std::byte[]> buf;
+    uint32_t transfer;  // which map_data/map_range call
+    uint64_t offset;    // where in that transfer
+    bool to_client;
+  };
+  enum class Stage : uint8_t { kNone, kFetching, kWriting };
+
   Command cmd;
   NvmeController* owner = nullptr;
   Sq* sq = nullptr;
   MapRefs refs;
 
+  bool staged = false;
+  bool pre_write = false;
+  uint64_t pre_len = 0;
+  DataSegments pre;
+  std::vector<std::byte> scatter_copy;
+  std::vector<Bounce> bounces;
+  std::vector<DmaXfer> xfers;
+  uint64_t bounce_bytes = 0;
+  uint64_t charged = 0;    // bounce bytes counted against the connection's budget
+  uint32_t transfers = 0;  // map_range calls after the staged transfer
+  Stage stage = Stage::kNone;
+  uint32_t pending = 0;  // transfers submitted, not done
+  bool dma_failed = false;
+  uint16_t status = 0;  // held while the write-back runs
+  uint32_t dw0 = 0;
+  // Set while resolving: where the next bounce starts in its transfer.
+  const DataSegments* resolving = nullptr;
+  size_t resolving_from = 0;
+
+  std::byte* bounce(uint64_t iova, uint64_t len, bool for_write) override {
+    if (bounce_bytes + len > owner->max_transfer_) return nullptr;  // a command's worth at most
+    uint64_t off = 0;
+    for (size_t i = resolving_from; i < resolving->size(); ++i) off += (*resolving)[i].len;
+    bounces.push_back(
+        Bounce{iova, len, std::make_unique<std::byte[]>(len), transfers, off, for_write});
+    bounce_bytes += len;
+    return bounces.back().buf.get();
+  }
+
+  // Resolves with bounces for message-only pieces (staged commands only).
+  Status resolve_into(DataSegments& out, const std::function<Status(DmaResolver&)>& fn) {
+    PinningResolver r(owner->dma_, refs, staged ? this : nullptr);
+    resolving = &out;
+    resolving_from = out.size();
+    const Status s = fn(r);
+    resolving = nullptr;
+    return s;
+  }
+
+  Status translate(const nvme::Sqe& sqe, uint64_t len, bool for_write, DataSegments& out) {
+    TranslateOptions o;
+    o.flat = sq->counter;
+    o.max_transfer = owner->max_transfer_;
+    return resolve_into(out, [&](DmaResolver& r) {
+      return translate_data(sqe, len, for_write, o, r, out);
+    });
+  }
+
   Status map_data(const nvme::Sqe& sqe, size_t len, bool for_write, DataSegments& out) override {
+    if (staged && len == pre_len && for_write == pre_write) {
+      if (!scatter_copy.empty()) {
+        out.push_back(DataSegment{scatter_copy.data(), scatter_copy.size(), MemKind::kHost});
+      } else {
+        out.insert(out.end(), pre.begin(), pre.end());
+      }
+      return Status::kSuccess;
+    }
     TranslateOptions o;
     o.flat = sq->counter;
     o.max_transfer = owner->max_transfer_;
@@ -86,13 +208,37 @@ struct NvmeController::IoCmd final : AddressSpace {
     return translate_data(sqe, len, for_write, o, r, out);
   }
   Status map_range(uint64_t addr, size_t len, bool for_write, DataSegments& out) override {
-    return owner->dma_.resolve(addr, len, for_write, out, refs);
+    ++transfers;
+    return resolve_into(
+        out, [&](DmaResolver& r) { return r.resolve(addr, len, for_write, out); });
+  }
+
+  // Bytes of transfer `t` the command wrote (from the start), after it succeeded with `dw0`.
+  uint64_t written(uint32_t t, uint32_t result) const {
+    const auto op = static_cast<nvme::Opcode>(cmd.sqe.opcode);
+    if (t == 0 && op == nvme::Opcode::kRetrieve) return std::min(cmd.sqe.cdw10, result);
+    if (t == 0 && op == nvme::Opcode::kList) return list_bytes(pre, cmd.sqe.cdw10, result);
+    if (t == 0 || op != nvme::Opcode::kScatterRetrieve) return 0;
+    // The t-th entry with a length (the controller maps only those, in order).
+    nvme::ScatterHeader h{};
+    if (scatter_copy.size() < sizeof(h)) return 0;
+    std::memcpy(&h, scatter_copy.data(), sizeof(h));
+    uint32_t seen = 0;
+    for (uint32_t i = 0; i < h.count; ++i) {
+      const size_t at = sizeof(h) + size_t{i} * sizeof(nvme::ScatterEntry);
+      if (at + sizeof(nvme::ScatterEntry) > scatter_copy.size()) break;
+      nvme::ScatterEntry e;
+      std::memcpy(&e, scatter_copy.data() + at, sizeof(e));
+      if (e.length == 0 || ++seen != t) continue;
+      return e.value_offset >= result ? 0 : std::min<uint64_t>(e.length, result - e.value_offset);
+    }
+    return 0;
   }
 };
 
 NvmeController::NvmeController(Controller& ctl, DmaSpace& dma, IrqSink& irq,
-                               NvmeControllerConfig config)
-    : ctl_(ctl), dma_(dma), irq_(irq), config_(std::move(config)) {
+                               NvmeControllerConfig config, DmaChannel* channel)
+    : ctl_(ctl), dma_(dma), irq_(irq), config_(std::move(config)), channel_(channel) {
   if (config_.max_queue_entries < 2 || config_.max_queue_entries > 65536) {
     config_.max_queue_entries = 4096;
   }
@@ -246,7 +392,7 @@ bool NvmeController::bar0_write(uint64_t offset, std::span<const std::byte> in) 
 // -------------------------------------------------------------
 
 bool NvmeController::poll() {
-  bool busy = false;
+  bool busy = process_dma();
   if (cc_dirty_.load(std::memory_order_relaxed) &&
       cc_dirty_.exchange(false, std::memory_order_acq_rel)) {
     handle_cc();
@@ -510,15 +656,153 @@ void NvmeController::dispatch_io(Sq& sq, IoCmd* c) {
   const NamespaceView* ns = css_ == kCcCssIoSets ? find_ns(c->cmd.sqe.nsid) : nullptr;
   if (ns == nullptr) return complete_io(c, sf(Status::kInvalidNamespace), 0);
   c->cmd.sqe.nsid = ns->backend_nsid;
+  c->transfers = 0;
+  if (channel_ != nullptr && dma_.message_maps() != 0) {
+    if (!bounce_wait_.empty() || !stage_io(c)) bounce_wait_.push_back(c);
+    return;
+  }
   ctl_.execute(&c->cmd);
+}
+
+// ---- Message-only DMA memory
+// ----------------------------------------------------------------------
+
+void NvmeController::dma_done(DmaXfer* x) {
+  std::lock_guard lk(dma_mu_);
+  dma_done_.push_back(x);
+  dma_pending_.store(true, std::memory_order_release);
+}
+
+bool NvmeController::process_dma() {
+  bool busy = false;
+  if (dma_pending_.load(std::memory_order_acquire)) {
+    std::vector<DmaXfer*> done;
+    {
+      std::lock_guard lk(dma_mu_);
+      done.swap(dma_done_);
+      dma_pending_.store(false, std::memory_order_relaxed);
+    }
+    for (DmaXfer* x : done) {
+      auto* c = static_cast<IoCmd*>(x->owner);
+      if (!x->ok) c->dma_failed = true;
+      if (--c->pending == 0) dma_step(c);
+    }
+    busy = !done.empty();
+  }
+  while (!bounce_wait_.empty() && stage_io(bounce_wait_.front())) {
+    bounce_wait_.pop_front();
+    busy = true;
+  }
+  return busy;
+}
+
+bool NvmeController::stage_io(IoCmd* c) {
+  const nvme::Sqe& sqe = c->cmd.sqe;
+  bool for_write = false;
+  if (!data_transfer(sqe, &for_write)) {
+    ctl_.execute(&c->cmd);
+    return true;
+  }
+  const bool scatter = sqe.opcode == static_cast<uint8_t>(nvme::Opcode::kScatterRetrieve);
+  c->staged = true;
+  c->pre_write = for_write;
+  c->pre_len = sqe.cdw10;
+  bool device = false;
+  const bool ok = c->translate(sqe, sqe.cdw10, for_write, c->pre) == Status::kSuccess;
+  for (const DataSegment& seg : c->pre) device |= seg.kind != MemKind::kHost;
+  // Nothing in message-only memory, or a pointer the controller will refuse itself: run as
+  // usual. A Scatter Retrieve list is kept (copied) so its destinations may bounce.
+  if (!ok || (scatter && device) || (c->bounces.empty() && !scatter)) {
+    release_bounce(c);
+    ctl_.execute(&c->cmd);
+    return true;
+  }
+  if (bounce_in_use_ != 0 && bounce_in_use_ + c->bounce_bytes > config_.message_bounce_bytes) {
+    release_bounce(c);  // waits for bounce memory; translated again then
+    return false;
+  }
+  c->charged = c->bounce_bytes;
+  bounce_in_use_ += c->charged;
+  stats_.bounced_commands.fetch_add(1, std::memory_order_relaxed);
+  // Fetch what the command reads, then run it.
+  c->xfers.clear();
+  c->xfers.reserve(c->bounces.size());
+  for (const IoCmd::Bounce& b : c->bounces) {
+    if (!b.to_client) c->xfers.push_back(DmaXfer{b.iova, b.len, b.buf.get(), false, false, c});
+  }
+  if (c->xfers.empty()) {
+    start_staged(c);
+    return true;
+  }
+  c->stage = IoCmd::Stage::kFetching;
+  c->pending = static_cast<uint32_t>(c->xfers.size());
+  c->dma_failed = false;
+  for (DmaXfer& x : c->xfers) channel_->submit(&x);
+  return true;
+}
+
+void NvmeController::start_staged(IoCmd* c) {
+  c->stage = IoCmd::Stage::kNone;
+  if (c->cmd.sqe.opcode == static_cast<uint8_t>(nvme::Opcode::kScatterRetrieve)) {
+    c->scatter_copy.resize(c->pre_len);
+    if (!read_segments(c->pre, 0, c->scatter_copy.data(), c->pre_len)) {
+      return complete_io(c, sf(Status::kDataTransferError), 0);
+    }
+  }
+  ctl_.execute(&c->cmd);
+}
+
+void NvmeController::dma_step(IoCmd* c) {
+  if (c->stage == IoCmd::Stage::kFetching) {
+    if (c->dma_failed) return complete_io(c, sf(Status::kDataTransferError), 0);
+    return start_staged(c);
+  }
+  complete_io(c, c->dma_failed ? sf(Status::kDataTransferError) : c->status, c->dw0);
+}
+
+bool NvmeController::write_back(IoCmd* c, uint16_t status, uint32_t dw0) {
+  c->xfers.clear();
+  for (const IoCmd::Bounce& b : c->bounces) {
+    if (!b.to_client) continue;
+    const uint64_t w = c->written(b.transfer, dw0);
+    if (w <= b.offset) continue;
+    const uint64_t n = std::min(b.len, w - b.offset);
+    c->xfers.push_back(DmaXfer{b.iova, n, b.buf.get(), true, false, c});
+  }
+  if (c->xfers.empty()) return false;
+  c->stage = IoCmd::Stage::kWriting;
+  c->status = status;
+  c->dw0 = dw0;
+  c->pending = static_cast<uint32_t>(c->xfers.size());
+  c->dma_failed = false;
+  for (DmaXfer& x : c->xfers) channel_->submit(&x);
+  return true;
+}
+
+void NvmeController::release_bounce(IoCmd* c) {
+  DmaSpace::unpin(c->refs);
+  bounce_in_use_ -= c->charged;
+  c->charged = 0;
+  c->staged = false;
+  c->pre.clear();
+  c->scatter_copy.clear();
+  c->bounces.clear();
+  c->xfers.clear();
+  c->bounce_bytes = 0;
+  c->stage = IoCmd::Stage::kNone;
+  c->pending = 0;
+  c->dma_failed = false;
 }
 
 void NvmeController::on_io_complete(Command* cmd, Status status, uint32_t dw0) {
   auto* c = static_cast<IoCmd*>(cmd->transport);
+  // Bytes the command wrote into bounce buffers go back to the client before its completion.
+  if (c->staged && status == Status::kSuccess && c->owner->write_back(c, sf(status), dw0)) return;
   c->owner->complete_io(c, sf(status), dw0);
 }
 
 void NvmeController::complete_io(IoCmd* c, uint16_t status, uint32_t dw0) {
+  if (c->staged) release_bounce(c);
   DmaSpace::unpin(c->refs);
   Sq& sq = *c->sq;
   const nvme::Sqe& sqe = c->cmd.sqe;

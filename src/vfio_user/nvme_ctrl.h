@@ -13,6 +13,13 @@
 // the spec says: an invalid doorbell write is ignored and counted), gdkv clients may ask for
 // counter doorbells per queue (nvme_defs.h).
 //
+// Message-only DMA memory (DMA_MAP without an fd): a command whose data pointer lies there gets
+// bounce buffers instead. While any such map exists, an I/O command with a data pointer is
+// translated when fetched; the pieces it reads are fetched first (DMA_READ through the
+// DmaChannel), the command then runs on the bounce buffers, and the bytes it wrote are sent back
+// (DMA_WRITE) before its completion is posted. Bounce memory per connection is bounded; commands
+// over the budget wait in order. Queues, PRP lists and SGL segments must be in fd-backed memory.
+//
 // Teardown: stop() makes the poller fetch nothing more; after the owner removed it from its
 // reactor and inflight() reached 0, the object may be destroyed. In-flight commands still post
 // their completions meanwhile.
@@ -54,6 +61,24 @@ class IrqSink {
   virtual void signal(uint16_t vector) = 0;
 };
 
+// One DMA_READ (client memory -> buf) or DMA_WRITE (buf -> client memory) of a message-only range.
+struct DmaXfer {
+  uint64_t iova = 0;
+  uint64_t len = 0;
+  std::byte* buf = nullptr;
+  bool to_client = false;  // DMA_WRITE
+  bool ok = false;         // set by the channel before it reports the transfer done
+  void* owner = nullptr;   // the command
+};
+
+// Carries DmaXfers to the client (the connection). submit() is called on the reactor; every
+// transfer is reported exactly once through NvmeController::dma_done, from any thread.
+class DmaChannel {
+ public:
+  virtual ~DmaChannel() = default;
+  virtual void submit(DmaXfer* x) = 0;
+};
+
 struct NvmeControllerConfig {
   uint16_t cntlid = 1;
   PciIds ids;
@@ -67,6 +92,9 @@ struct NvmeControllerConfig {
   std::vector<NamespaceView> namespaces;  // visible to this client
   DeviceMemoryImporter* importer = nullptr;
   uint32_t reactor = 0;  // where the poller runs (for the owner)
+  // Bounce memory for message-only DMA maps, per connection. A command larger than this still
+  // runs, alone.
+  uint64_t message_bounce_bytes = uint64_t{256} << 20;
 };
 
 // Counters of one controller (relaxed atomics, read by collect()).
@@ -79,12 +107,15 @@ struct NvmeStats {
   std::atomic<uint64_t> bytes_read{0};     // value bytes delivered to the host
   std::atomic<uint64_t> bytes_written{0};  // value bytes stored
   std::atomic<uint64_t> interrupts{0};
+  std::atomic<uint64_t> bounced_commands{0};  // commands that used message-only DMA memory
 };
 
 class NvmeController final : public Poller {
  public:
   // Throws std::runtime_error if the doorbell memfd cannot be made.
-  NvmeController(Controller& ctl, DmaSpace& dma, IrqSink& irq, NvmeControllerConfig config);
+  // `channel` (may be null: message-only maps are then unreachable) moves message-only data.
+  NvmeController(Controller& ctl, DmaSpace& dma, IrqSink& irq, NvmeControllerConfig config,
+                 DmaChannel* channel = nullptr);
   ~NvmeController() override;
 
   // ---- socket thread ----
@@ -96,6 +127,10 @@ class NvmeController final : public Poller {
   // Fetch nothing more (teardown); in-flight commands still complete.
   void stop() { stopping_.store(true, std::memory_order_release); }
   uint64_t inflight() const { return inflight_.load(std::memory_order_acquire); }
+
+  // ---- any thread ----
+  // A transfer submitted to the channel has finished (x->ok says how).
+  void dma_done(DmaXfer* x);
   const NvmeStats& stats() const { return stats_; }
   const NvmeControllerConfig& config() const { return config_; }
 
@@ -166,6 +201,13 @@ class NvmeController final : public Poller {
   bool process_deferred();
   bool fetch_io(Sq& sq);
   void dispatch_io(Sq& sq, IoCmd* c);
+  // Message-only memory: translate a command's data pointer up front; false = run it as usual.
+  bool stage_io(IoCmd* c);
+  void start_staged(IoCmd* c);
+  bool process_dma();
+  void dma_step(IoCmd* c);
+  bool write_back(IoCmd* c, uint16_t status, uint32_t dw0);
+  void release_bounce(IoCmd* c);
   void complete_io(IoCmd* c, uint16_t status, uint32_t dw0);
   static void on_io_complete(Command* cmd, nvme::Status status, uint32_t dw0);
   bool post(Cq& cq, const PendingCqe& e);
@@ -235,6 +277,13 @@ class NvmeController final : public Poller {
   uint16_t deferred_qid_ = 0;
   std::unique_ptr<DmaMap> dying_map_;  // device memory being unregistered
   MapRefs admin_refs_;
+  // Message-only memory.
+  DmaChannel* channel_ = nullptr;
+  std::mutex dma_mu_;
+  std::vector<DmaXfer*> dma_done_;  // guarded by dma_mu_
+  std::atomic<bool> dma_pending_{false};
+  std::deque<IoCmd*> bounce_wait_;  // over the bounce budget, in fetch order
+  uint64_t bounce_in_use_ = 0;
   uint8_t mdts_ = 1;
   uint64_t max_transfer_ = 0;  // bytes: 2^MDTS pages
 };

@@ -96,6 +96,7 @@ struct VfioUserServer::Impl {
   std::atomic<uint64_t> accepted{0}, rejected{0}, closed{0};
   std::atomic<uint64_t> messages{0}, message_errors{0}, bad_messages{0};
   std::atomic<uint64_t> io_commands{0}, io_errors{0}, admin_commands{0}, bad_doorbells{0};
+  std::atomic<uint64_t> dma_messages{0}, dma_bytes{0}, dma_failures{0}, bounced{0};
 
   Impl(Controller& c, VfioUserServerOptions o) : ctl(c), options(std::move(o)) {}
 
@@ -136,6 +137,8 @@ vfio_user::SessionConfig VfioUserServer::Impl::session_config(const ucred& peer,
     if (!taken) n.namespaces.push_back({ns.nsid, ns.backend_namespace, ns.name});
   }
   sc.dma.max_maps = options.max_dma_maps;
+  sc.dma_reply_timeout_ms = options.dma_reply_timeout_ms;
+  n.message_bounce_bytes = options.message_bounce_bytes;
   sc.dma.allow_unsealed_memory = options.allow_unsealed_memory;
   return sc;
 }
@@ -198,7 +201,17 @@ void VfioUserServer::Impl::accept_loop() {
 
 void VfioUserServer::Impl::serve(Connection* c) {
   Message m;
+  DeviceSession& session = *c->session;
+  const auto send = [c](const vfio_user::Header& h, std::span<const std::byte> payload) {
+    return vfio_user::write_message(c->sock.get(), h, payload);
+  };
   for (;;) {
+    // DMA_READ/DMA_WRITE requests for message-only memory go out from here too; the timeout
+    // lets an overdue reply fail its transfer.
+    session.dma_pump(send);
+    pollfd fds[2] = {{c->sock.get(), POLLIN, 0}, {session.dma_wake_fd(), POLLIN, 0}};
+    if (::poll(fds, 2, 100) < 0 && errno != EINTR) break;
+    if (fds[0].revents == 0) continue;
     vfio_user::HeaderError why = vfio_user::HeaderError::kOk;
     const ReadStatus st = vfio_user::read_message(c->sock.get(), m, vfio_user::kMaxMessage, &why);
     if (st == ReadStatus::kEof || st == ReadStatus::kIoError) break;
@@ -212,7 +225,7 @@ void VfioUserServer::Impl::serve(Connection* c) {
           std::to_string(m.hdr.size) + "): closing");
       break;
     }
-    vfio_user::Reply r = c->session->handle(m);
+    vfio_user::Reply r = session.handle(m);
     m.fds.clear();  // descriptors the handler did not keep
     if (r.hdr.flags & vfio_user::kErrorFlag) message_errors.fetch_add(1, std::memory_order_relaxed);
     if (r.send && !vfio_user::write_message(c->sock.get(), r.hdr, r.payload, r.fds)) break;
@@ -238,6 +251,11 @@ void VfioUserServer::Impl::retire(const Connection& c) {
   io_errors.fetch_add(s.io_errors.load());
   admin_commands.fetch_add(s.admin_commands.load());
   bad_doorbells.fetch_add(s.bad_doorbells.load());
+  bounced.fetch_add(s.bounced_commands.load());
+  const auto& d = c.session->stats();
+  dma_messages.fetch_add(d.dma_messages.load());
+  dma_bytes.fetch_add(d.dma_bytes.load());
+  dma_failures.fetch_add(d.dma_failures.load());
   closed.fetch_add(1);
 }
 
@@ -359,6 +377,8 @@ void VfioUserServer::collect(MetricList& out) const {
   const Impl& s = *impl_;
   uint64_t io = s.io_commands.load(), io_err = s.io_errors.load(), adm = s.admin_commands.load();
   uint64_t bad_db = s.bad_doorbells.load(), maps = 0, map_bytes = 0, live = 0;
+  uint64_t dma_msgs = s.dma_messages.load(), dma_bytes = s.dma_bytes.load(),
+           dma_fail = s.dma_failures.load(), bounced = s.bounced.load();
   {
     std::lock_guard lk(s.mu);
     for (const auto& c : s.conns) {
@@ -369,6 +389,11 @@ void VfioUserServer::collect(MetricList& out) const {
       io_err += st.io_errors.load();
       adm += st.admin_commands.load();
       bad_db += st.bad_doorbells.load();
+      bounced += st.bounced_commands.load();
+      const auto& d = c->session->stats();
+      dma_msgs += d.dma_messages.load();
+      dma_bytes += d.dma_bytes.load();
+      dma_fail += d.dma_failures.load();
       maps += c->session->dma().count();
       map_bytes += c->session->dma().bytes();
     }
@@ -389,6 +414,16 @@ void VfioUserServer::collect(MetricList& out) const {
       MetricType::kCounter, s.bad_messages.load());
   add("vfio_user_dma_maps", "DMA regions mapped by clients", MetricType::kGauge, maps);
   add("vfio_user_dma_mapped_bytes", "bytes of client memory mapped", MetricType::kGauge, map_bytes);
+  add("vfio_user_dma_messages_total",
+      "DMA_READ/DMA_WRITE requests sent for memory mapped without an fd", MetricType::kCounter,
+      dma_msgs);
+  add("vfio_user_dma_message_bytes_total", "bytes moved by DMA_READ/DMA_WRITE messages",
+      MetricType::kCounter, dma_bytes);
+  add("vfio_user_dma_message_failures_total",
+      "DMA_READ/DMA_WRITE transfers failed (error reply, timeout, unmapped, disconnect)",
+      MetricType::kCounter, dma_fail);
+  add("vfio_user_bounced_commands_total",
+      "I/O commands whose data lay in memory mapped without an fd", MetricType::kCounter, bounced);
   add("vfio_user_io_commands_total", "NVMe I/O commands fetched from clients", MetricType::kCounter,
       io);
   add("vfio_user_io_errors_total", "NVMe I/O commands completed with an error",

@@ -1,12 +1,15 @@
 // One client's device: vfio-user request handling (see session.h).
 #include "vfio_user/session.h"
 
+#include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <bit>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <stdexcept>
 #include <thread>
 
 namespace gdkv::vfio_user {
@@ -33,7 +36,9 @@ DeviceSession::DeviceSession(Controller& ctl, SessionConfig config)
   for (uint32_t v = 0; v < config_.nvme.msix_vectors && (v + 1) * 16 <= msix_table_.size(); ++v) {
     msix_table_[v * 16 + 12] = 1;
   }
-  nvme_ = std::make_unique<NvmeController>(ctl_, dma_, *this, config_.nvme);
+  dma_wake_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!dma_wake_.valid()) throw std::runtime_error(std::string("eventfd: ") + std::strerror(errno));
+  nvme_ = std::make_unique<NvmeController>(ctl_, dma_, *this, config_.nvme, this);
   ctl_.add_poller(config_.nvme.reactor, nvme_.get());
   registered_ = true;
 }
@@ -47,13 +52,147 @@ DeviceSession::~DeviceSession() {
 void DeviceSession::quiesce() {
   if (!nvme_) return;
   nvme_->stop();
+  // Commands in flight still write into this client's memory and post completions: wait for
+  // them before anything is unmapped. Those waiting on the client's DMA replies fail instead
+  // (nobody reads replies any more); the poller keeps running until all are done.
+  dma_refuse(true);
+  while (nvme_->inflight() != 0) std::this_thread::sleep_for(std::chrono::microseconds(100));
   if (registered_) {
     ctl_.remove_poller(nvme_.get());
     registered_ = false;
   }
-  // Commands in flight still write into this client's memory and post completions: wait for
-  // them before anything is unmapped.
-  while (nvme_->inflight() != 0) std::this_thread::sleep_for(std::chrono::microseconds(100));
+}
+
+// ---- Message-only memory
+// ---------------------------------------------------------------------------
+
+void DeviceSession::submit(DmaXfer* x) {
+  {
+    std::lock_guard lk(dma_mu_);
+    if (!dma_refusing_) {
+      dma_queue_.push_back(x);
+      const uint64_t one = 1;
+      (void)!::write(dma_wake_.get(), &one, sizeof(one));
+      return;
+    }
+  }
+  x->ok = false;
+  stats_.dma_failures.fetch_add(1, std::memory_order_relaxed);
+  nvme_->dma_done(x);
+}
+
+void DeviceSession::dma_finish(bool ok) {
+  DmaXfer* x = std::exchange(dma_cur_, nullptr);
+  dma_waiting_ = false;
+  if (x == nullptr) return;
+  x->ok = ok;
+  if (!ok) stats_.dma_failures.fetch_add(1, std::memory_order_relaxed);
+  nvme_->dma_done(x);
+}
+
+void DeviceSession::dma_refuse(bool refuse) {
+  std::deque<DmaXfer*> failed;
+  {
+    std::lock_guard lk(dma_mu_);
+    dma_refusing_ = refuse;
+    failed.swap(dma_queue_);
+  }
+  if (refuse) dma_finish(false);  // a reply to it is ignored when it comes
+  for (DmaXfer* x : failed) {
+    x->ok = false;
+    stats_.dma_failures.fetch_add(1, std::memory_order_relaxed);
+    nvme_->dma_done(x);
+  }
+}
+
+void DeviceSession::dma_pump(
+    const std::function<bool(const Header&, std::span<const std::byte>)>& send) {
+  uint64_t drained;
+  (void)!::read(dma_wake_.get(), &drained, sizeof(drained));
+  for (;;) {
+    if (dma_waiting_) {
+      if (std::chrono::steady_clock::now() > dma_deadline_) {
+        dma_finish(false);
+        continue;
+      }
+      return;  // one request outstanding at a time
+    }
+    if (dma_cur_ == nullptr) {
+      {
+        std::lock_guard lk(dma_mu_);
+        if (dma_queue_.empty()) return;
+        dma_cur_ = dma_queue_.front();
+        dma_queue_.pop_front();
+      }
+      dma_done_bytes_ = 0;
+      // Nothing is sent for memory unmapped (or mapped with an fd) since the command started.
+      if (!dma_.message_only(dma_cur_->iova, dma_cur_->len, dma_cur_->to_client)) {
+        dma_finish(false);
+        continue;
+      }
+    }
+    if (dma_done_bytes_ == dma_cur_->len) {
+      dma_finish(true);
+      continue;
+    }
+    const DmaXfer& x = *dma_cur_;
+    dma_len_ = static_cast<uint32_t>(std::min<uint64_t>(x.len - dma_done_bytes_, dma_chunk_));
+    std::vector<std::byte> payload(sizeof(DmaAccessMsg) + (x.to_client ? dma_len_ : 0));
+    const DmaAccessMsg a{x.iova + dma_done_bytes_, dma_len_};
+    std::memcpy(payload.data(), &a, sizeof(a));
+    if (x.to_client) std::memcpy(payload.data() + sizeof(a), x.buf + dma_done_bytes_, dma_len_);
+    Header h{};
+    h.id = ++next_msg_id_;
+    h.command = static_cast<uint16_t>(x.to_client ? Cmd::kDmaWrite : Cmd::kDmaRead);
+    h.size = static_cast<uint32_t>(sizeof(Header) + payload.size());
+    h.flags = kTypeCommand;
+    dma_msg_id_ = h.id;
+    dma_waiting_ = true;
+    dma_deadline_ =
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(config_.dma_reply_timeout_ms);
+    stats_.dma_messages.fetch_add(1, std::memory_order_relaxed);
+    if (!send(h, payload)) dma_finish(false);
+    return;
+  }
+}
+
+void DeviceSession::dma_reply(const Message& m) {
+  const bool read = dma_cur_ != nullptr && !dma_cur_->to_client;
+  const auto expected = static_cast<uint16_t>(read ? Cmd::kDmaRead : Cmd::kDmaWrite);
+  if (!dma_waiting_ || m.hdr.id != dma_msg_id_ || m.hdr.command != expected) {
+    stats_.errors.fetch_add(1, std::memory_order_relaxed);  // stray, late or unasked-for reply
+    return;
+  }
+  const DmaXfer& x = *dma_cur_;
+  const uint64_t at = x.iova + dma_done_bytes_;
+  PayloadReader p(m.payload);
+  const auto a = p.get<DmaAccessMsg>();
+  bool ok = !(m.hdr.flags & kErrorFlag);
+  if (ok && read) {
+    // The data, exactly: the address and count asked for, then count bytes.
+    ok = a && a->addr == at && a->count == dma_len_ &&
+         m.payload.size() == sizeof(DmaAccessMsg) + dma_len_;
+    if (ok) std::memcpy(x.buf + dma_done_bytes_, m.payload.data() + sizeof(DmaAccessMsg), dma_len_);
+  } else if (ok) {
+    // DMA_WRITE replies echo the address and count (some clients send nothing).
+    ok = m.payload.empty() || (a && a->addr == at && a->count == dma_len_);
+  }
+  if (!ok) return dma_finish(false);
+  dma_waiting_ = false;
+  dma_done_bytes_ += dma_len_;
+  stats_.dma_bytes.fetch_add(dma_len_, std::memory_order_relaxed);
+}
+
+void DeviceSession::release_map(std::unique_ptr<DmaMap> m) {
+  if (m->inflight.load(std::memory_order_acquire) != 0) {
+    // Commands still use it; those waiting on DMA replies (which this thread would read) fail.
+    dma_refuse(true);
+    while (m->inflight.load(std::memory_order_acquire) != 0) {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    dma_refuse(false);
+  }
+  m.reset();
 }
 
 void DeviceSession::signal(uint16_t vector) {
@@ -70,8 +209,9 @@ Reply DeviceSession::handle(Message& m) {
   r.send = !(m.hdr.flags & kNoReply);
   int err = 0;
   if ((m.hdr.flags & kTypeMask) != kTypeCommand) {
-    // We send no requests, so no reply is expected: drop it (its fds close with the message).
+    // A reply to our DMA_READ/DMA_WRITE, or a stray one (dropped; its fds close with it).
     r.send = false;
+    dma_reply(m);
     return r;
   }
   if (m.fds_truncated) {
@@ -149,6 +289,12 @@ int DeviceSession::on_version(const Message& m, Reply& r) {
   }
   VersionMsg out{kMajor, std::min(v.minor, kMaxMinor)};
   append(r.payload, out);
+  // Our DMA_READ/DMA_WRITE messages stay within the client's max_data_xfer_size (at least a
+  // page: smaller would only multiply messages) and ours.
+  if (v.caps.max_data_xfer_size) {
+    dma_chunk_ = static_cast<uint32_t>(
+        std::clamp<uint64_t>(*v.caps.max_data_xfer_size, 4096, kMaxDataXfer));
+  }
   const std::string json = version_reply_json(v.caps, config_.dma.max_maps);
   for (char c : json) r.payload.push_back(static_cast<std::byte>(c));
   r.payload.push_back(std::byte{0});  // QEMU refuses a reply whose JSON is not NUL-terminated
@@ -172,15 +318,18 @@ int DeviceSession::on_dma_unmap(Message& m, Reply& r) {
   if (!req || req->argsz < sizeof(DmaUnmapMsg)) return EINVAL;
   if (req->flags & kDmaUnmapFlagGetDirtyBitmap) return ENOTSUP;
   if (req->flags & ~(kDmaUnmapFlagAll)) return EINVAL;
-  int err;
+  int err = 0;
+  std::vector<std::unique_ptr<DmaMap>> victims;
   if (req->flags & kDmaUnmapFlagAll) {
     if (req->addr != 0 || req->size != 0) return EINVAL;
-    err = dma_.unmap_all();
+    err = dma_.detach_all(victims);
   } else {
-    err = dma_.unmap(req->addr, req->size);
+    victims.push_back(dma_.detach(req->addr, req->size, &err));
   }
-  if (err == 0) append(r.payload, *req);  // the reply echoes the unmapped entry
-  return err;
+  if (err != 0) return err;
+  for (auto& m : victims) release_map(std::move(m));  // no reference is left when we reply
+  append(r.payload, *req);  // the reply echoes the unmapped entry
+  return 0;
 }
 
 int DeviceSession::on_device_info(const Message& m, Reply& r) {
@@ -382,11 +531,17 @@ int DeviceSession::on_reset() {
   nvme_->bar0_write(reg::kCc, zero);
   const auto deadline =
       std::chrono::steady_clock::now() + std::chrono::milliseconds(config_.reset_timeout_ms);
+  dma_refuse(true);  // commands waiting on DMA replies fail: this thread reads no replies now
+  int err = 0;
   while (nvme_->csts() & (kCstsRdy | kCstsShstMask)) {
-    if (std::chrono::steady_clock::now() > deadline) return ETIMEDOUT;
+    if (std::chrono::steady_clock::now() > deadline) {
+      err = ETIMEDOUT;
+      break;
+    }
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
-  return 0;
+  dma_refuse(false);
+  return err;
 }
 
 }  // namespace gdkv::vfio_user

@@ -6,13 +6,25 @@
 // session owns the client's DMA space, PCI config space, MSI-X eventfds and NVMe controller (a
 // Poller on one reactor of the shared Controller).
 //
-// Thread safety: handle() is called by one thread (the connection's). signal() is called by the
-// reactor. The destructor stops the controller, waits for the client's in-flight commands, then
-// unmaps its memory.
+// Message-only DMA memory: the controller asks for DMA_READ/DMA_WRITE transfers (submit(), on the
+// reactor); the connection's thread sends them (dma_pump()) one message at a time, at most
+// max_data_xfer_size bytes each, and hands each reply to the transfer (handle()). A transfer
+// fails (the command completes with 04h) on an error reply, a malformed or late reply, a range
+// unmapped before it was sent, or a disconnect. While the connection's thread waits for commands
+// (DMA_UNMAP of memory in use, DEVICE_RESET, teardown) it cannot read replies, so transfers are
+// failed for that time instead of waited for.
+//
+// Thread safety: handle() and dma_pump() are called by one thread (the connection's). signal()
+// and submit() are called by the reactor. The destructor stops the controller, waits for the
+// client's in-flight commands, then unmaps its memory.
 #pragma once
 
 #include <array>
 #include <atomic>
+#include <chrono>
+#include <deque>
+#include <functional>
+#include <span>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -32,6 +44,7 @@ struct SessionConfig {
   NvmeControllerConfig nvme;
   DmaSpaceOptions dma;
   uint32_t reset_timeout_ms = 30000;  // DEVICE_RESET waits this long for the controller
+  uint32_t dma_reply_timeout_ms = 10000;  // a DMA_READ/DMA_WRITE reply later than this fails
 };
 
 struct Reply {
@@ -46,9 +59,12 @@ struct Reply {
 struct SessionStats {
   std::atomic<uint64_t> messages{0};
   std::atomic<uint64_t> errors{0};  // error replies
+  std::atomic<uint64_t> dma_messages{0};  // DMA_READ/DMA_WRITE requests sent
+  std::atomic<uint64_t> dma_bytes{0};     // bytes they moved
+  std::atomic<uint64_t> dma_failures{0};  // transfers failed
 };
 
-class DeviceSession final : public IrqSink {
+class DeviceSession final : public IrqSink, public DmaChannel {
  public:
   // Creates the device and registers its controller's poller on reactor config.nvme.reactor.
   DeviceSession(Controller& ctl, SessionConfig config);
@@ -60,6 +76,15 @@ class DeviceSession final : public IrqSink {
 
   // IrqSink (reactor thread).
   void signal(uint16_t vector) override;
+  // DmaChannel (reactor thread).
+  void submit(DmaXfer* x) override;
+
+  // Readable when transfers wait to be sent; the connection's thread then calls dma_pump(), and
+  // also every few milliseconds (reply timeouts).
+  int dma_wake_fd() const { return dma_wake_.get(); }
+  // Sends the next request if none is outstanding; fails an overdue one. `send` writes a message
+  // to the client (false: the socket failed).
+  void dma_pump(const std::function<bool(const Header&, std::span<const std::byte>)>& send);
 
   // Stops fetching, removes the poller and waits for in-flight commands (idempotent).
   void quiesce();
@@ -81,6 +106,12 @@ class DeviceSession final : public IrqSink {
   int on_region_write(const Message& m, Reply& r);
   int on_write_multi(const Message& m, Reply& r);
   int on_reset();
+  void dma_reply(const Message& m);
+  void dma_finish(bool ok);
+  // Fails every queued and outstanding transfer; while `refuse`, new ones fail at once.
+  void dma_refuse(bool refuse);
+  // Destroys a detached map once no command uses it, failing transfers meanwhile.
+  void release_map(std::unique_ptr<DmaMap> m);
   int region_access(uint32_t region, uint64_t offset, std::span<std::byte> read,
                     std::span<const std::byte> write);
 
@@ -95,6 +126,21 @@ class DeviceSession final : public IrqSink {
   std::unique_ptr<NvmeController> nvme_;
   bool registered_ = false;
   bool negotiated_ = false;
+
+  // Transfers of message-only memory.
+  std::mutex dma_mu_;
+  std::deque<DmaXfer*> dma_queue_;  // submitted, not started (guarded by dma_mu_)
+  bool dma_refusing_ = false;       // guarded by dma_mu_
+  UniqueFd dma_wake_;               // eventfd
+  // The connection's thread only:
+  DmaXfer* dma_cur_ = nullptr;  // being transferred
+  uint64_t dma_done_bytes_ = 0;  // of dma_cur_, acknowledged
+  bool dma_waiting_ = false;     // a request is outstanding
+  uint16_t dma_msg_id_ = 0;      // its message id
+  uint32_t dma_len_ = 0;         // its byte count
+  std::chrono::steady_clock::time_point dma_deadline_;
+  uint16_t next_msg_id_ = 0;
+  uint32_t dma_chunk_ = kMaxDataXfer;  // max_data_xfer_size agreed at VERSION
 };
 
 }  // namespace gdkv::vfio_user
