@@ -187,9 +187,8 @@ struct NvmeController::IoCmd final : AddressSpace, RemoteSink {
     TranslateOptions o;
     o.flat = sq->counter;
     o.max_transfer = owner->max_transfer_;
-    return resolve_into(out, [&](DmaResolver& r) {
-      return translate_data(sqe, len, for_write, o, r, out);
-    });
+    return resolve_into(
+        out, [&](DmaResolver& r) { return translate_data(sqe, len, for_write, o, r, out); });
   }
 
   Status map_data(const nvme::Sqe& sqe, size_t len, bool for_write, DataSegments& out) override {
@@ -209,8 +208,7 @@ struct NvmeController::IoCmd final : AddressSpace, RemoteSink {
   }
   Status map_range(uint64_t addr, size_t len, bool for_write, DataSegments& out) override {
     ++transfers;
-    return resolve_into(
-        out, [&](DmaResolver& r) { return r.resolve(addr, len, for_write, out); });
+    return resolve_into(out, [&](DmaResolver& r) { return r.resolve(addr, len, for_write, out); });
   }
 
   // Bytes of transfer `t` the command wrote (from the start), after it succeeded with `dw0`.

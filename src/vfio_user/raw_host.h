@@ -68,21 +68,21 @@ class RawHost {
         info.fds.size() != 1) {
       return false;
     }
-    void* d = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, info.fds[0].get(),
-                     kDoorbellPage);
+    void* d =
+        ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, info.fds[0].get(), kDoorbellPage);
     if (d == MAP_FAILED) return false;
     db_ = static_cast<uint32_t*>(d);
     // MSI-X vectors 0 (admin) and 3 (I/O).
     ev0_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
     ev3_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
     IrqSetMsg is{20, kIrqSetDataEventfd | kIrqSetActionTrigger, kIrqMsix, 0, 1};
-    if (call(Cmd::kDeviceSetIrqs, RawClient::bytes_of(is), nullptr,
-             std::vector<int>{ev0_.get()}) != 0) {
+    if (call(Cmd::kDeviceSetIrqs, RawClient::bytes_of(is), nullptr, std::vector<int>{ev0_.get()}) !=
+        0) {
       return false;
     }
     is.start = 3;
-    if (call(Cmd::kDeviceSetIrqs, RawClient::bytes_of(is), nullptr,
-             std::vector<int>{ev3_.get()}) != 0) {
+    if (call(Cmd::kDeviceSetIrqs, RawClient::bytes_of(is), nullptr, std::vector<int>{ev3_.get()}) !=
+        0) {
       return false;
     }
     if (reg_write(reg::kAqa, ((kAdminDepth - 1) << 16) | (kAdminDepth - 1), 4) != 0 ||
@@ -215,7 +215,8 @@ class RawHost {
       std::memcpy(&c, const_cast<const nvme::Cqe*>(&icq[ihead_]), sizeof(c));
       if ((c.status & 1) != iphase_) {
         uint64_t n;
-        if (::read(ev3_.get(), &n, 8) != 8) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        if (::read(ev3_.get(), &n, 8) != 8)
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
         continue;
       }
       out.push_back(c);

@@ -22,12 +22,12 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <deque>
 #include <functional>
-#include <span>
-#include <cstdint>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -43,7 +43,7 @@ namespace gdkv::vfio_user {
 struct SessionConfig {
   NvmeControllerConfig nvme;
   DmaSpaceOptions dma;
-  uint32_t reset_timeout_ms = 30000;  // DEVICE_RESET waits this long for the controller
+  uint32_t reset_timeout_ms = 30000;      // DEVICE_RESET waits this long for the controller
   uint32_t dma_reply_timeout_ms = 10000;  // a DMA_READ/DMA_WRITE reply later than this fails
 };
 
@@ -58,7 +58,7 @@ struct Reply {
 // Counters of one session (relaxed).
 struct SessionStats {
   std::atomic<uint64_t> messages{0};
-  std::atomic<uint64_t> errors{0};  // error replies
+  std::atomic<uint64_t> errors{0};        // error replies
   std::atomic<uint64_t> dma_messages{0};  // DMA_READ/DMA_WRITE requests sent
   std::atomic<uint64_t> dma_bytes{0};     // bytes they moved
   std::atomic<uint64_t> dma_failures{0};  // transfers failed
@@ -133,7 +133,7 @@ class DeviceSession final : public IrqSink, public DmaChannel {
   bool dma_refusing_ = false;       // guarded by dma_mu_
   UniqueFd dma_wake_;               // eventfd
   // The connection's thread only:
-  DmaXfer* dma_cur_ = nullptr;  // being transferred
+  DmaXfer* dma_cur_ = nullptr;   // being transferred
   uint64_t dma_done_bytes_ = 0;  // of dma_cur_, acknowledged
   bool dma_waiting_ = false;     // a request is outstanding
   uint16_t dma_msg_id_ = 0;      // its message id

@@ -142,10 +142,11 @@ bool load_toml(const std::string& text, const std::string& name, Config& c, std:
     return false;
   }
   Reader r(name, error);
-  r.known_keys(root, "",
-               {"socket_dir", "socket_mode", "metrics_port", "metrics_bind", "max_clients",
-                "max_dma_maps", "allow_unsealed_memory", "msix_vectors", "gpu", "backend",
-                "controller", "cache", "namespace"});
+  r.known_keys(
+      root, "",
+      {"socket_dir", "socket_mode", "metrics_port", "metrics_bind", "max_clients", "max_dma_maps",
+       "dma_reply_timeout_ms", "message_bounce_bytes", "allow_unsealed_memory", "msix_vectors",
+       "gpu", "backend", "controller", "cache", "namespace"});
   r.string(root, "", "socket_dir", c.socket_dir);
   r.uint(root, "", "socket_mode", c.socket_mode, 0, 0777);
   if (const toml::node* n = root.get("metrics_port")) {
@@ -159,6 +160,9 @@ bool load_toml(const std::string& text, const std::string& name, Config& c, std:
   r.string(root, "", "metrics_bind", c.metrics_bind);
   r.uint(root, "", "max_clients", c.max_clients, 1, 4096);
   r.uint(root, "", "max_dma_maps", c.max_dma_maps, 1, 65535);
+  r.uint(root, "", "dma_reply_timeout_ms", c.dma_reply_timeout_ms, 1, 3600000);
+  r.uint(root, "", "message_bounce_bytes", c.message_bounce_bytes, uint64_t{1} << 20,
+         uint64_t{1} << 40);
   r.boolean(root, "", "allow_unsealed_memory", c.allow_unsealed_memory);
   r.uint(root, "", "msix_vectors", c.msix_vectors, 1, 256);
   r.boolean(root, "", "gpu", c.gpu);
@@ -263,6 +267,8 @@ std::string to_toml(const Config& c) {
   s << "metrics_bind = \"" << c.metrics_bind << "\"\n";
   s << "max_clients = " << c.max_clients << "\n";
   s << "max_dma_maps = " << c.max_dma_maps << "\n";
+  s << "dma_reply_timeout_ms = " << c.dma_reply_timeout_ms << "\n";
+  s << "message_bounce_bytes = " << c.message_bounce_bytes << "\n";
   s << "allow_unsealed_memory = " << (c.allow_unsealed_memory ? "true" : "false") << "\n";
   s << "msix_vectors = " << c.msix_vectors << "\n";
   s << "gpu = " << (c.gpu ? "true" : "false") << "\n\n[backend]\n";

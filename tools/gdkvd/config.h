@@ -32,6 +32,8 @@ struct Config {
 
   uint32_t max_clients = 64;
   uint32_t max_dma_maps = 1024;
+  uint32_t dma_reply_timeout_ms = 10000;                // DMA_READ/DMA_WRITE replies (no-fd memory)
+  uint64_t message_bounce_bytes = uint64_t{256} << 20;  // bounce memory per client (no-fd memory)
   bool allow_unsealed_memory = false;
   uint16_t msix_vectors = 32;
   std::vector<gdkv::VfioUserNamespace> namespaces;  // empty: nsid 1 for everyone

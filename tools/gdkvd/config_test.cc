@@ -27,6 +27,8 @@ TEST(Config, Toml) {
 socket_dir = "/tmp/x"
 socket_mode = 0o666
 metrics_port = -1
+dma_reply_timeout_ms = 250
+message_bounce_bytes = 16777216
 [backend]
 kind = "memory"
 [controller]
@@ -50,6 +52,8 @@ gids = [20]
   EXPECT_EQ(c.socket_mode, 0666u);
   EXPECT_EQ(c.metrics_port, -1);
   EXPECT_EQ(c.reactors, 3u);
+  EXPECT_EQ(c.dma_reply_timeout_ms, 250u);
+  EXPECT_EQ(c.message_bounce_bytes, 16u << 20);
   EXPECT_TRUE(c.never_sleep);
   ASSERT_EQ(c.namespaces.size(), 2u);
   EXPECT_EQ(c.namespaces[0].backend_namespace, 4u);
@@ -75,6 +79,7 @@ TEST(Config, ErrorsNameTheLine) {
   EXPECT_FALSE(load_toml("x = [", "d.toml", c, &err));
   EXPECT_EQ(err.rfind("d.toml:1:", 0), 0u) << err;
   EXPECT_FALSE(load_toml("namespace = 3\n", "e.toml", c, &err));
+  EXPECT_FALSE(load_toml("message_bounce_bytes = 4096\n", "h.toml", c, &err));  // < 1 MiB
   EXPECT_FALSE(load_toml("[[namespace]]\nnsid = 2000\n", "f.toml", c, &err));
   EXPECT_FALSE(load_toml("[[namespace]]\nuids = [-1]\n", "g.toml", c, &err));
   Config v;

@@ -85,6 +85,8 @@ int main(int argc, char** argv) {
     so.namespaces = cfg.namespaces;
     so.max_clients = cfg.max_clients;
     so.max_dma_maps = cfg.max_dma_maps;
+    so.dma_reply_timeout_ms = cfg.dma_reply_timeout_ms;
+    so.message_bounce_bytes = cfg.message_bounce_bytes;
     so.allow_unsealed_memory = cfg.allow_unsealed_memory;
     so.msix_vectors = cfg.msix_vectors;
     so.log = log;
