@@ -337,6 +337,7 @@ TEST_F(VfioUserE2E, DisconnectTearsDown) {
 TEST_F(VfioUserE2E, StandardHostWithInterrupts) {
   using namespace vfio_user;  // NOLINT
   test::RawHost h(dir_.path());
+  h.on_failure = [](const std::string& what) { ADD_FAILURE() << what; };
   ASSERT_TRUE(h.start());
   std::byte* mem = h.mem();
   constexpr uint64_t kIova = test::RawHost::kIova;
@@ -371,6 +372,7 @@ TEST_F(VfioUserE2E, StandardHostWithInterrupts) {
 TEST_F(VfioUserE2E, MessageOnlyMemory) {
   using namespace vfio_user;  // NOLINT
   test::RawHost h(dir_.path());
+  h.on_failure = [](const std::string& what) { ADD_FAILURE() << what; };
   ASSERT_TRUE(h.start());
   constexpr uint64_t kMsgIova = 0x100000000;
   constexpr size_t kMsgSize = 8 << 20;

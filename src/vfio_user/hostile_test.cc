@@ -484,6 +484,7 @@ namespace {
 // never, or hangs up; unmaps while transfers wait; more bounce memory asked than the budget.
 TEST_F(Hostile, MessageOnlyMemory) {
   test::RawHost h(dir_.path());
+  h.on_failure = [](const std::string& what) { ADD_FAILURE() << what; };
   ASSERT_TRUE(h.start());
   constexpr uint64_t kMsg = 0x100000000, kReadOnly = 0x200000000, kData = 0x90000000;
   std::vector<std::byte> local(1 << 20), ro(1 << 16);

@@ -3,11 +3,12 @@
 // doorbell page, sets up MSI-X eventfds, enables the controller through BAR0 messages and creates
 // one I/O queue pair with ring-index doorbells and interrupts. Memory it maps without an fd is
 // served by a thread that answers the server's DMA_READ/DMA_WRITE from a local buffer, with
-// selectable misbehaviour. For tests only.
+// selectable misbehaviour. For tests and benchmarks: protocol surprises (a wrong phase, cid or
+// SQ id in a completion, a doorbell write refused) go to on_failure (tests: ADD_FAILURE).
 #pragma once
 
 #include <fcntl.h>
-#include <gtest/gtest.h>
+#include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -15,7 +16,9 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -30,35 +33,42 @@ namespace gdkv::vfio_user::test {
 
 class RawHost {
  public:
-  static constexpr uint64_t kIova = 0x80000000, kSize = 0x20000;
+  static constexpr uint64_t kIova = 0x80000000, kDefaultSize = 0x20000;
   // Layout in the shared memory: admin SQ (8 entries) at +0, admin CQ at +0x1000, I/O SQ (16) at
-  // +0x2000, I/O CQ at +0x3000, data from +0x4000.
+  // +0x2000, I/O CQ at +0x3000, data from +0x4000 to the end (`size` bytes in all).
   static constexpr uint32_t kAdminDepth = 8, kIoDepth = 16;
 
   // How the DMA thread answers the server's requests.
   enum class DmaMode { kServe, kErrorReply, kNoReply, kWrongCount, kHangUp };
 
-  explicit RawHost(const std::string& dir) : raw_(dir) {}
+  explicit RawHost(const std::string& dir, uint64_t size = kDefaultSize) : raw_(dir), size_(size) {}
   ~RawHost() {
     stop_dma();
     if (db_ != nullptr) ::munmap(db_, 4096);
-    if (mem_ != nullptr) ::munmap(mem_, kSize);
+    if (mem_ != nullptr) ::munmap(mem_, size_);
   }
 
   std::byte* mem() { return mem_; }
   RawClient& raw() { return raw_; }
+  // Where protocol surprises go; default: stderr.
+  std::function<void(const std::string&)> on_failure = [](const std::string& what) {
+    std::fprintf(stderr, "raw host: %s\n", what.c_str());
+  };
+  // Busy-wait for completions instead of waiting for the interrupt (eventfd).
+  void set_spin(bool spin) { spin_ = spin; }
 
   // Everything up to a ready I/O queue pair; false (with test failures) if a step failed.
   bool start() {
     if (!raw_.ok() || raw_.version() != 0) return false;
     UniqueFd mfd(::memfd_create("host", MFD_CLOEXEC | MFD_ALLOW_SEALING));
-    if (::ftruncate(mfd.get(), kSize) != 0 || ::fcntl(mfd.get(), F_ADD_SEALS, F_SEAL_SHRINK) != 0) {
+    if (::ftruncate(mfd.get(), static_cast<off_t>(size_)) != 0 ||
+        ::fcntl(mfd.get(), F_ADD_SEALS, F_SEAL_SHRINK) != 0) {
       return false;
     }
-    void* m = ::mmap(nullptr, kSize, PROT_READ | PROT_WRITE, MAP_SHARED, mfd.get(), 0);
+    void* m = ::mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_SHARED, mfd.get(), 0);
     if (m == MAP_FAILED) return false;
     mem_ = static_cast<std::byte*>(m);
-    const DmaMapMsg dm{32, kDmaFlagRead | kDmaFlagWrite, 0, kIova, kSize};
+    const DmaMapMsg dm{32, kDmaFlagRead | kDmaFlagWrite, 0, kIova, size_};
     if (call(Cmd::kDmaMap, RawClient::bytes_of(dm), nullptr, std::vector<int>{mfd.get()}) != 0) {
       return false;
     }
@@ -159,15 +169,15 @@ class RawHost {
     asq[atail_] = s;
     atail_ = (atail_ + 1) % kAdminDepth;
     if (ring_by_message) {
-      EXPECT_EQ(reg_write(reg::kDoorbells, atail_, 4), 0);  // SQ 0 tail by REGION_WRITE
+      check(reg_write(reg::kDoorbells, atail_, 4) == 0, "SQ 0 doorbell by REGION_WRITE refused");
     } else {
       __atomic_store_n(&db_[0], atail_, __ATOMIC_RELEASE);
     }
-    EXPECT_TRUE(wait_event(ev0_.get(), 2000));
+    check(wait_event(ev0_.get(), 2000), "no admin interrupt");
     nvme::Cqe e;
     std::memcpy(&e, &acq[ahead_], sizeof(e));
-    EXPECT_EQ(e.status & 1, aphase_);
-    EXPECT_EQ(e.cid, s.cid);
+    check((e.status & 1) == aphase_, "admin CQE with the wrong phase");
+    check(e.cid == s.cid, "admin CQE for another command");
     if (++ahead_ == kAdminDepth) {
       ahead_ = 0;
       aphase_ ^= 1;
@@ -188,9 +198,8 @@ class RawHost {
     c.status = 0xFFFF;
     if (!wait_event(ev3_.get(), wait_ms)) return c;
     std::memcpy(&c, &icq[ihead_], sizeof(c));
-    EXPECT_EQ(c.status & 1, iphase_);
-    EXPECT_EQ(c.sq_id, 1);
-    EXPECT_EQ(c.cid, s.cid);
+    check((c.status & 1) == iphase_, "I/O CQE with the wrong phase");
+    check(c.sq_id == 1 && c.cid == s.cid, "I/O CQE for another command");
     if (++ihead_ == kIoDepth) {
       ihead_ = 0;
       iphase_ ^= 1;
@@ -210,13 +219,16 @@ class RawHost {
     }
     __atomic_store_n(&db_[2 * 16], itail_, __ATOMIC_RELEASE);
     std::vector<nvme::Cqe> out;
-    for (int i = 0; i < wait_ms && out.size() < cmds.size(); ++i) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(wait_ms);
+    while (out.size() < cmds.size() && std::chrono::steady_clock::now() < deadline) {
       nvme::Cqe c;
       std::memcpy(&c, const_cast<const nvme::Cqe*>(&icq[ihead_]), sizeof(c));
       if ((c.status & 1) != iphase_) {
         uint64_t n;
-        if (::read(ev3_.get(), &n, 8) != 8)
-          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        if (::read(ev3_.get(), &n, 8) != 8 && !spin_) {
+          pollfd p{ev3_.get(), POLLIN, 0};  // the interrupt, or a 1 ms recheck
+          (void)::poll(&p, 1, 1);
+        }
         continue;
       }
       out.push_back(c);
@@ -225,7 +237,6 @@ class RawHost {
         iphase_ ^= 1;
       }
       __atomic_store_n(&db_[3 * 16], ihead_, __ATOMIC_RELEASE);
-      --i;
     }
     uint64_t n;
     (void)!::read(ev3_.get(), &n, 8);
@@ -255,13 +266,18 @@ class RawHost {
   }
 
  private:
-  static bool wait_event(int fd, int ms) {
-    for (int i = 0; i < ms; ++i) {
+  bool wait_event(int fd, int ms) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+    for (;;) {
       uint64_t n;
       if (::read(fd, &n, 8) == 8) return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      if (std::chrono::steady_clock::now() > deadline) return false;
+      pollfd p{fd, POLLIN, 0};
+      if (!spin_) (void)::poll(&p, 1, 1);
     }
-    return false;
+  }
+  void check(bool ok, const char* what) {
+    if (!ok) on_failure(what);
   }
 
   // The socket reader: replies to our commands go to call(); DMA requests are answered.
@@ -321,6 +337,8 @@ class RawHost {
   }
 
   RawClient raw_;
+  uint64_t size_;
+  bool spin_ = false;
   std::byte* mem_ = nullptr;
   uint32_t* db_ = nullptr;
   UniqueFd ev0_, ev3_;
