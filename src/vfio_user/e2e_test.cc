@@ -8,6 +8,8 @@
 
 #include <cstring>
 #include <filesystem>
+#include <map>
+#include <mutex>
 #include <random>
 #include <thread>
 #include <vector>
@@ -481,6 +483,112 @@ TEST_F(VfioUserE2E, MessageOnlyMemory) {
     if (m.name == "vfio_user_bounced_commands_total") bounced = m.value;
   }
   EXPECT_GE(bounced, 8.0);
+}
+
+// The vendor admin command C0h (device memory by IPC handle) without a GPU: an importer that
+// resolves handles to host buffers and a copy engine that copies any memory kind stand in for
+// cudaIpcOpenMemHandle and the CUDA engine, so registration, I/O into the registered region,
+// unregistration and teardown run end to end.
+class AnyKindCopyEngine final : public CopyEngine {
+ public:
+  void submit(CopyJob* job) override {
+    for (uint32_t i = 0; i < job->count; ++i) {
+      std::memcpy(job->segs[i].dst, job->segs[i].src, job->segs[i].len);
+    }
+    job->done(job, Status::kSuccess);
+  }
+  bool poll() override { return false; }
+  const char* name() const override { return "test-any-kind"; }
+};
+
+class TableImporter final : public DeviceMemoryImporter {
+ public:
+  void add(uint64_t id, void* p, uint64_t size) {
+    std::lock_guard lk(mu_);
+    table_[id] = {p, size};
+  }
+  void* open(const uint8_t (&handle)[64], uint64_t size, std::string* why) override {
+    uint64_t id;
+    std::memcpy(&id, handle, sizeof(id));
+    std::lock_guard lk(mu_);
+    auto it = table_.find(id);
+    if (it == table_.end() || size > it->second.second) {
+      *why = "unknown handle";
+      return nullptr;
+    }
+    ++opened;
+    return it->second.first;
+  }
+  void close(void*) override { ++closed; }
+  std::atomic<int> opened{0}, closed{0};
+
+ private:
+  std::mutex mu_;
+  std::map<uint64_t, std::pair<void*, uint64_t>> table_;
+};
+
+TEST(VfioUserDeviceMemory, RegisterUseUnregisterTeardown) {
+  TempDir dir("devmem");
+  ControllerOptions co;
+  co.copy_engine = [](uint32_t) { return std::make_unique<AnyKindCopyEngine>(); };
+  Controller ctl(make_memory_backend(), co);
+  TableImporter importer;
+  VfioUserServerOptions so;
+  so.socket_dir = dir.path();
+  so.log = [](const std::string&) {};
+  so.device_memory = &importer;
+  VfioUserServer server(ctl, so);
+  server.start();
+  constexpr size_t kGpu = 1 << 20, kValue = 64 << 10;
+  std::vector<std::byte> gpu(kGpu);  // "device memory": its address is the DMA address
+  importer.add(7, gpu.data(), kGpu);
+  uint8_t handle[64] = {}, unknown[64] = {};
+  handle[0] = 7;
+  unknown[0] = 9;
+  const auto iova = reinterpret_cast<uint64_t>(gpu.data());
+  {
+    auto dev = VfioUserDevice::open(dir.path());
+    ASSERT_TRUE(dev->device_memory_supported());
+    ASSERT_TRUE(dev->register_device_memory(handle, iova, kGpu).ok());
+    CmdResult r = dev->register_device_memory(handle, iova + 4096, 4096);
+    EXPECT_EQ(r.status, Status::kInvalidField);
+    EXPECT_EQ(r.dw0, vfio_user::kDevMemErrOverlap);
+    EXPECT_EQ(importer.closed.load(), 1);  // the refused import is closed at once
+    r = dev->register_device_memory(unknown, iova + kGpu, 4096);
+    EXPECT_EQ(r.dw0, vfio_user::kDevMemErrImport);
+    r = dev->register_device_memory(handle, iova + kGpu, 0);
+    EXPECT_EQ(r.dw0, vfio_user::kDevMemErrBadRequest);
+    // Store from and Retrieve into the registered region.
+    auto c = dev->make_client();
+    const auto v = pattern(kValue, 5);
+    std::memcpy(gpu.data(), v.data(), kValue);
+    const Key k = *Key::from_string("devmem");
+    ASSERT_TRUE(c->execute(cmd::store(k.bytes, k.len, gpu.data(), kValue)).ok());
+    std::byte* out = gpu.data() + kGpu / 2;
+    const CmdResult got = c->execute(cmd::retrieve(k.bytes, k.len, out, kValue));
+    ASSERT_TRUE(got.ok()) << describe(got);
+    EXPECT_EQ(std::memcmp(out, v.data(), kValue), 0);
+    // Past the registered end: 04h.
+    EXPECT_EQ(c->execute(cmd::retrieve(k.bytes, k.len, gpu.data() + kGpu - 4096, 8192)).status,
+              Status::kDataTransferError);
+    // Unregister: the handle is closed, and the region is unreachable.
+    EXPECT_EQ(dev->unregister_device_memory(iova, 4096).dw0, vfio_user::kDevMemErrNotFound);
+    ASSERT_TRUE(dev->unregister_device_memory(iova, kGpu).ok());
+    EXPECT_EQ(importer.closed.load(), 2);
+    EXPECT_EQ(c->execute(cmd::retrieve(k.bytes, k.len, out, kValue)).status,
+              Status::kDataTransferError);
+    // Registered again and left registered: the disconnect closes it.
+    const CmdResult again = dev->register_device_memory(handle, iova, kGpu);
+    ASSERT_TRUE(again.ok()) << describe(again) << " dw0 " << again.dw0;
+  }
+  for (int i = 0; i < 500 && server.clients() != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(server.clients(), 0u);
+  EXPECT_EQ(importer.opened.load(), 3);
+  EXPECT_EQ(importer.closed.load(), 3);  // every import closed, the last by the disconnect
+  server.stop();
+  ctl.stop();
 }
 
 TEST(VfioUserServerSetup, Errors) {
