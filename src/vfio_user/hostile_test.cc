@@ -533,6 +533,26 @@ TEST_F(Hostile, MessageOnlyMemory) {
     ASSERT_TRUE(good_->get(*Key::from_string(names[i]), out).ok());
     EXPECT_EQ(std::memcmp(out.data(), local.data() + i * 0x10000, 48 << 10), 0);
   }
+  // Eight 4 KiB Retrieves at once, replies out of order: several requests are outstanding
+  // together and each reply lands in its own command.
+  h.set_dma_mode(M::kReverse);
+  batch.clear();
+  for (int i = 0; i < 8; ++i) {
+    const Key k = *Key::from_string(names[i % 4]);
+    batch.push_back(
+        sgl(cmd::retrieve(k.bytes, k.len, nullptr, 4096), kMsg + 0x80000 + i * 4096, 4096));
+  }
+  std::memset(local.data() + 0x80000, 0, 8 * 4096);
+  const auto got = h.io_batch(batch);
+  ASSERT_EQ(got.size(), 8u);
+  for (const auto& e : got) EXPECT_EQ(status(e), Status::kSuccess);
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_EQ(
+        std::memcmp(local.data() + 0x80000 + i * 4096, local.data() + (i % 4) * 0x10000, 4096), 0)
+        << i;
+  }
+  EXPECT_EQ(h.dma_max_outstanding(), 2u);
+  h.set_dma_mode(M::kServe);
   // A read-only message map: nothing is written there, and no DMA_WRITE is sent.
   const DmaMapMsg rom{32, kDmaFlagRead, 0, kReadOnly, ro.size()};
   ASSERT_EQ(h.call(Cmd::kDmaMap, RawClient::bytes_of(rom)), 0);

@@ -39,7 +39,8 @@ class RawHost {
   static constexpr uint32_t kAdminDepth = 8, kIoDepth = 16;
 
   // How the DMA thread answers the server's requests.
-  enum class DmaMode { kServe, kErrorReply, kNoReply, kWrongCount, kHangUp };
+  // kReverse answers correctly but out of order (each request after the one that follows it).
+  enum class DmaMode { kServe, kErrorReply, kNoReply, kWrongCount, kHangUp, kReverse };
 
   explicit RawHost(const std::string& dir, uint64_t size = kDefaultSize) : raw_(dir), size_(size) {}
   ~RawHost() {
@@ -257,6 +258,8 @@ class RawHost {
   uint64_t dma_reads() const { return reads_.load(); }
   uint64_t dma_writes() const { return writes_.load(); }
   uint64_t dma_bad() const { return bad_.load(); }
+  // Whether a DMA request arrived while another was held unanswered (2) or not (1; kReverse).
+  uint64_t dma_max_outstanding() const { return max_outstanding_.load(); }
   // Closes the connection (the server sees the client vanish).
   void hang_up() { ::shutdown(raw_.fd(), SHUT_RDWR); }
   void stop_dma() {
@@ -282,8 +285,18 @@ class RawHost {
 
   // The socket reader: replies to our commands go to call(); DMA requests are answered.
   void serve_dma() {
-    Message m;
-    while (read_message(raw_.fd(), m) == ReadStatus::kOk) {
+    Message m, held;  // kReverse: a request held back until the next one was answered
+    bool holding = false;
+    for (;;) {
+      if (holding) {
+        pollfd p{raw_.fd(), POLLIN, 0};
+        if (::poll(&p, 1, 5) == 0) {  // nothing more came: answer the held one
+          answer(held);
+          holding = false;
+          continue;
+        }
+      }
+      if (read_message(raw_.fd(), m) != ReadStatus::kOk) return;
       if ((m.hdr.flags & kTypeMask) == kTypeReply) {
         std::lock_guard lk(reply_mu_);
         replies_[m.hdr.id] = std::move(m);
@@ -291,44 +304,59 @@ class RawHost {
         m = Message{};
         continue;
       }
-      PayloadReader p(m.payload);
-      const auto a = p.get<DmaAccessMsg>();
-      const bool read = m.hdr.command == static_cast<uint16_t>(Cmd::kDmaRead);
-      const bool write = m.hdr.command == static_cast<uint16_t>(Cmd::kDmaWrite);
-      // Every request must stay inside what we mapped and carry exactly its data.
-      const bool inside = a && a->addr >= local_iova_ && a->count <= local_size_ &&
-                          a->addr - local_iova_ <= local_size_ - a->count;
-      const bool sized = a && (read ? m.payload.size() == sizeof(DmaAccessMsg)
-                                    : m.payload.size() == sizeof(DmaAccessMsg) + a->count);
-      if (!(read || write) || !inside || !sized) {
-        bad_.fetch_add(1);
-        send_reply(m.hdr, {}, EINVAL);
+      const uint64_t outstanding = holding ? 2 : 1;  // this one, and the held one
+      if (outstanding > max_outstanding_.load()) max_outstanding_.store(outstanding);
+      if (mode_.load() == DmaMode::kReverse && !holding) {
+        held = std::move(m);
+        holding = true;
         continue;
       }
-      const DmaMode mode = mode_.load();
-      if (mode == DmaMode::kNoReply) continue;
-      if (mode == DmaMode::kHangUp) {
-        ::shutdown(raw_.fd(), SHUT_RDWR);
-        continue;
+      answer(m);
+      if (holding) {
+        answer(held);
+        holding = false;
       }
-      if (mode == DmaMode::kErrorReply) {
-        send_reply(m.hdr, {}, EFAULT);
-        continue;
-      }
-      std::byte* at = local_ + (a->addr - local_iova_);
-      std::vector<std::byte> out(sizeof(DmaAccessMsg));
-      DmaAccessMsg echo = *a;
-      if (mode == DmaMode::kWrongCount) echo.count = a->count / 2;
-      std::memcpy(out.data(), &echo, sizeof(echo));
-      if (read) {
-        reads_.fetch_add(1);
-        out.insert(out.end(), at, at + echo.count);
-      } else {
-        writes_.fetch_add(1);
-        std::memcpy(at, m.payload.data() + sizeof(DmaAccessMsg), a->count);
-      }
-      send_reply(m.hdr, out, 0);
     }
+  }
+  // Answers one DMA request as the mode says.
+  void answer(const Message& m) {
+    PayloadReader p(m.payload);
+    const auto a = p.get<DmaAccessMsg>();
+    const bool read = m.hdr.command == static_cast<uint16_t>(Cmd::kDmaRead);
+    const bool write = m.hdr.command == static_cast<uint16_t>(Cmd::kDmaWrite);
+    // Every request must stay inside what we mapped and carry exactly its data.
+    const bool inside = a && a->addr >= local_iova_ && a->count <= local_size_ &&
+                        a->addr - local_iova_ <= local_size_ - a->count;
+    const bool sized = a && (read ? m.payload.size() == sizeof(DmaAccessMsg)
+                                  : m.payload.size() == sizeof(DmaAccessMsg) + a->count);
+    if (!(read || write) || !inside || !sized) {
+      bad_.fetch_add(1);
+      send_reply(m.hdr, {}, EINVAL);
+      return;
+    }
+    const DmaMode mode = mode_.load();
+    if (mode == DmaMode::kNoReply) return;
+    if (mode == DmaMode::kHangUp) {
+      ::shutdown(raw_.fd(), SHUT_RDWR);
+      return;
+    }
+    if (mode == DmaMode::kErrorReply) {
+      send_reply(m.hdr, {}, EFAULT);
+      return;
+    }
+    std::byte* at = local_ + (a->addr - local_iova_);
+    std::vector<std::byte> out(sizeof(DmaAccessMsg));
+    DmaAccessMsg echo = *a;
+    if (mode == DmaMode::kWrongCount) echo.count = a->count / 2;
+    std::memcpy(out.data(), &echo, sizeof(echo));
+    if (read) {
+      reads_.fetch_add(1);
+      out.insert(out.end(), at, at + echo.count);
+    } else {
+      writes_.fetch_add(1);
+      std::memcpy(at, m.payload.data() + sizeof(DmaAccessMsg), a->count);
+    }
+    send_reply(m.hdr, out, 0);
   }
   void send_reply(const Header& req, std::span<const std::byte> payload, int err) {
     std::lock_guard lk(write_mu_);
@@ -349,7 +377,7 @@ class RawHost {
   std::byte* local_ = nullptr;
   uint64_t local_iova_ = 0, local_size_ = 0;
   std::atomic<DmaMode> mode_{DmaMode::kServe};
-  std::atomic<uint64_t> reads_{0}, writes_{0}, bad_{0};
+  std::atomic<uint64_t> reads_{0}, writes_{0}, bad_{0}, max_outstanding_{0};
   std::mutex write_mu_;
   uint16_t own_id_ = 0x8000;  // ids of our commands sent while the DMA thread runs
   std::mutex reply_mu_;

@@ -81,10 +81,26 @@ void DeviceSession::submit(DmaXfer* x) {
   nvme_->dma_done(x);
 }
 
-void DeviceSession::dma_finish(bool ok) {
-  DmaXfer* x = std::exchange(dma_cur_, nullptr);
-  dma_waiting_ = false;
-  if (x == nullptr) return;
+namespace {
+// Bytes a request and its reply occupy on the socket.
+uint64_t dma_cost(uint32_t len) { return 2 * (sizeof(Header) + sizeof(DmaAccessMsg)) + len; }
+}  // namespace
+
+void DeviceSession::dma_finish(DmaXfer* x, bool ok) {
+  for (auto it = dma_out_.begin(); it != dma_out_.end();) {
+    if (it->second.x == x) {
+      dma_out_bytes_ -= dma_cost(it->second.len);
+      it = dma_out_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (auto it = dma_active_.begin(); it != dma_active_.end(); ++it) {
+    if (it->x == x) {
+      dma_active_.erase(it);
+      break;
+    }
+  }
   x->ok = ok;
   if (!ok) stats_.dma_failures.fetch_add(1, std::memory_order_relaxed);
   nvme_->dma_done(x);
@@ -97,87 +113,101 @@ void DeviceSession::dma_refuse(bool refuse) {
     dma_refusing_ = refuse;
     failed.swap(dma_queue_);
   }
-  if (refuse) dma_finish(false);  // a reply to it is ignored when it comes
-  for (DmaXfer* x : failed) {
-    x->ok = false;
-    stats_.dma_failures.fetch_add(1, std::memory_order_relaxed);
-    nvme_->dma_done(x);
+  if (refuse) {
+    while (!dma_active_.empty()) dma_finish(dma_active_.front().x, false);
   }
+  for (DmaXfer* x : failed) dma_finish(x, false);
 }
 
 void DeviceSession::dma_pump(
     const std::function<bool(const Header&, std::span<const std::byte>)>& send) {
   uint64_t drained;
   (void)!::read(dma_wake_.get(), &drained, sizeof(drained));
+  const auto now = std::chrono::steady_clock::now();
+  for (;;) {  // overdue replies fail their transfers
+    auto late = std::find_if(dma_out_.begin(), dma_out_.end(),
+                             [&](const auto& r) { return now > r.second.deadline; });
+    if (late == dma_out_.end()) break;
+    dma_finish(late->second.x, false);
+  }
   for (;;) {
-    if (dma_waiting_) {
-      if (std::chrono::steady_clock::now() > dma_deadline_) {
-        dma_finish(false);
-        continue;
+    // The next bytes to request: the oldest started transfer with some left, else a new one.
+    DmaActive* a = nullptr;
+    for (DmaActive& d : dma_active_) {
+      if (d.sent < d.x->len) {
+        a = &d;
+        break;
       }
-      return;  // one request outstanding at a time
     }
-    if (dma_cur_ == nullptr) {
+    if (a == nullptr) {
+      DmaXfer* x;
       {
         std::lock_guard lk(dma_mu_);
         if (dma_queue_.empty()) return;
-        dma_cur_ = dma_queue_.front();
+        x = dma_queue_.front();
         dma_queue_.pop_front();
       }
-      dma_done_bytes_ = 0;
       // Nothing is sent for memory unmapped (or mapped with an fd) since the command started.
-      if (!dma_.message_only(dma_cur_->iova, dma_cur_->len, dma_cur_->to_client)) {
-        dma_finish(false);
+      if (!dma_.message_only(x->iova, x->len, x->to_client)) {
+        dma_finish(x, false);
         continue;
       }
+      dma_active_.push_back(DmaActive{x});
+      a = &dma_active_.back();
     }
-    if (dma_done_bytes_ == dma_cur_->len) {
-      dma_finish(true);
-      continue;
+    const DmaXfer& x = *a->x;
+    const auto len = static_cast<uint32_t>(std::min<uint64_t>(x.len - a->sent, dma_chunk_));
+    if (!dma_out_.empty() && (dma_out_.size() >= kDmaWindowRequests ||
+                              dma_out_bytes_ + dma_cost(len) > kDmaWindowBytes)) {
+      return;  // a reply makes room
     }
-    const DmaXfer& x = *dma_cur_;
-    dma_len_ = static_cast<uint32_t>(std::min<uint64_t>(x.len - dma_done_bytes_, dma_chunk_));
-    std::vector<std::byte> payload(sizeof(DmaAccessMsg) + (x.to_client ? dma_len_ : 0));
-    const DmaAccessMsg a{x.iova + dma_done_bytes_, dma_len_};
-    std::memcpy(payload.data(), &a, sizeof(a));
-    if (x.to_client) std::memcpy(payload.data() + sizeof(a), x.buf + dma_done_bytes_, dma_len_);
+    std::vector<std::byte> payload(sizeof(DmaAccessMsg) + (x.to_client ? len : 0));
+    const DmaAccessMsg req{x.iova + a->sent, len};
+    std::memcpy(payload.data(), &req, sizeof(req));
+    if (x.to_client) std::memcpy(payload.data() + sizeof(req), x.buf + a->sent, len);
     Header h{};
     h.id = ++next_msg_id_;
     h.command = static_cast<uint16_t>(x.to_client ? Cmd::kDmaWrite : Cmd::kDmaRead);
     h.size = static_cast<uint32_t>(sizeof(Header) + payload.size());
     h.flags = kTypeCommand;
-    dma_msg_id_ = h.id;
-    dma_waiting_ = true;
-    dma_deadline_ =
-        std::chrono::steady_clock::now() + std::chrono::milliseconds(config_.dma_reply_timeout_ms);
+    dma_out_[h.id] = DmaRequest{a->x, a->sent, len,
+                                now + std::chrono::milliseconds(config_.dma_reply_timeout_ms)};
+    dma_out_bytes_ += dma_cost(len);
+    a->sent += len;
     stats_.dma_messages.fetch_add(1, std::memory_order_relaxed);
-    if (!send(h, payload)) dma_finish(false);
-    return;
+    if (!send(h, payload)) return dma_finish(a->x, false);
   }
 }
 
 void DeviceSession::dma_reply(const Message& m) {
-  const bool read = dma_cur_ != nullptr && !dma_cur_->to_client;
-  const auto expected = static_cast<uint16_t>(read ? Cmd::kDmaRead : Cmd::kDmaWrite);
-  if (!dma_waiting_ || m.hdr.id != dma_msg_id_ || m.hdr.command != expected) return;  // stray
-  const DmaXfer& x = *dma_cur_;
-  const uint64_t at = x.iova + dma_done_bytes_;
+  auto it = dma_out_.find(m.hdr.id);
+  if (it == dma_out_.end()) return;  // stray, or for a transfer that already failed
+  const DmaRequest r = it->second;
+  const bool read = !r.x->to_client;
+  const uint64_t at = r.x->iova + r.offset;
   PayloadReader p(m.payload);
   const auto a = p.get<DmaAccessMsg>();
-  bool ok = !(m.hdr.flags & kErrorFlag);
+  bool ok = !(m.hdr.flags & kErrorFlag) &&
+            m.hdr.command == static_cast<uint16_t>(read ? Cmd::kDmaRead : Cmd::kDmaWrite);
   if (ok && read) {
     // The data, exactly: the address and count asked for, then count bytes.
-    ok = a && a->addr == at && a->count == dma_len_ &&
-         m.payload.size() == sizeof(DmaAccessMsg) + dma_len_;
-    if (ok) std::memcpy(x.buf + dma_done_bytes_, m.payload.data() + sizeof(DmaAccessMsg), dma_len_);
+    ok =
+        a && a->addr == at && a->count == r.len && m.payload.size() == sizeof(DmaAccessMsg) + r.len;
+    if (ok) std::memcpy(r.x->buf + r.offset, m.payload.data() + sizeof(DmaAccessMsg), r.len);
   } else if (ok) {
     // DMA_WRITE replies echo the address and count (some clients send nothing).
-    ok = m.payload.empty() || (a && a->addr == at && a->count == dma_len_);
+    ok = m.payload.empty() || (a && a->addr == at && a->count == r.len);
   }
-  if (!ok) return dma_finish(false);
-  dma_waiting_ = false;
-  dma_done_bytes_ += dma_len_;
-  stats_.dma_bytes.fetch_add(dma_len_, std::memory_order_relaxed);
+  if (!ok) return dma_finish(r.x, false);
+  dma_out_.erase(it);
+  dma_out_bytes_ -= dma_cost(r.len);
+  stats_.dma_bytes.fetch_add(r.len, std::memory_order_relaxed);
+  for (DmaActive& d : dma_active_) {
+    if (d.x != r.x) continue;
+    d.acked += r.len;
+    if (d.acked == d.x->len) dma_finish(d.x, true);
+    break;
+  }
 }
 
 void DeviceSession::release_map(std::unique_ptr<DmaMap> m) {

@@ -7,12 +7,14 @@
 // Poller on one reactor of the shared Controller).
 //
 // Message-only DMA memory: the controller asks for DMA_READ/DMA_WRITE transfers (submit(), on the
-// reactor); the connection's thread sends them (dma_pump()) one message at a time, at most
-// max_data_xfer_size bytes each, and hands each reply to the transfer (handle()). A transfer
-// fails (the command completes with 04h) on an error reply, a malformed or late reply, a range
-// unmapped before it was sent, or a disconnect. While the connection's thread waits for commands
-// (DMA_UNMAP of memory in use, DEVICE_RESET, teardown) it cannot read replies, so transfers are
-// failed for that time instead of waited for.
+// reactor); the connection's thread sends them (dma_pump()) as messages of at most
+// max_data_xfer_size bytes and hands each reply to its transfer (handle()). Several requests may
+// be outstanding (replies matched by id, in any order) while they and their replies together stay
+// within kDmaWindowBytes, far below a socket buffer, so neither side can block writing while the
+// other does; a larger message goes out alone. A transfer fails (the command completes with 04h) on
+// an error reply, a malformed or late reply, a range unmapped before it was sent, or a disconnect.
+// While the connection's thread waits for commands (DMA_UNMAP of memory in use, DEVICE_RESET,
+// teardown) it cannot read replies, so transfers are failed for that time instead of waited for.
 //
 // Thread safety: handle() and dma_pump() are called by one thread (the connection's). signal()
 // and submit() are called by the reactor. The destructor stops the controller, waits for the
@@ -25,6 +27,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -39,6 +42,11 @@
 #include "vfio_user/socket_io.h"
 
 namespace gdkv::vfio_user {
+
+// Outstanding DMA_READ/DMA_WRITE requests and their replies, in bytes (headers included), and in
+// number; one request larger than that may be outstanding alone.
+inline constexpr uint64_t kDmaWindowBytes = 64 << 10;
+inline constexpr size_t kDmaWindowRequests = 16;
 
 struct SessionConfig {
   NvmeControllerConfig nvme;
@@ -107,7 +115,9 @@ class DeviceSession final : public IrqSink, public DmaChannel {
   int on_write_multi(const Message& m, Reply& r);
   int on_reset();
   void dma_reply(const Message& m);
-  void dma_finish(bool ok);
+  // Reports a started or queued transfer done; a failed one's outstanding requests are dropped
+  // (their replies, if they come, are ignored).
+  void dma_finish(DmaXfer* x, bool ok);
   // Fails every queued and outstanding transfer; while `refuse`, new ones fail at once.
   void dma_refuse(bool refuse);
   // Destroys a detached map once no command uses it, failing transfers meanwhile.
@@ -133,12 +143,20 @@ class DeviceSession final : public IrqSink, public DmaChannel {
   bool dma_refusing_ = false;       // guarded by dma_mu_
   UniqueFd dma_wake_;               // eventfd
   // The connection's thread only:
-  DmaXfer* dma_cur_ = nullptr;   // being transferred
-  uint64_t dma_done_bytes_ = 0;  // of dma_cur_, acknowledged
-  bool dma_waiting_ = false;     // a request is outstanding
-  uint16_t dma_msg_id_ = 0;      // its message id
-  uint32_t dma_len_ = 0;         // its byte count
-  std::chrono::steady_clock::time_point dma_deadline_;
+  struct DmaActive {  // a transfer being sent
+    DmaXfer* x;
+    uint64_t sent = 0;   // bytes requested so far
+    uint64_t acked = 0;  // bytes whose reply came
+  };
+  struct DmaRequest {  // a request awaiting its reply
+    DmaXfer* x;
+    uint64_t offset;
+    uint32_t len;
+    std::chrono::steady_clock::time_point deadline;
+  };
+  std::deque<DmaActive> dma_active_;
+  std::map<uint16_t, DmaRequest> dma_out_;  // by message id
+  uint64_t dma_out_bytes_ = 0;              // of dma_out_ and their replies
   uint16_t next_msg_id_ = 0;
   uint32_t dma_chunk_ = kMaxDataXfer;  // max_data_xfer_size agreed at VERSION
 };
