@@ -10,7 +10,7 @@
 // Message-only maps (DMA_MAP without an fd) hold no memory here: their bytes move by DMA_READ and
 // DMA_WRITE messages to the client. resolve() hands such ranges to a RemoteSink, which supplies a
 // bounce buffer in their place; they are never pinned (there is nothing to unmap), so the sender
-// checks message_only() before each message instead: nothing is sent for a range unmapped since.
+// checks message_only() before each request instead: nothing is sent for a range unmapped since.
 //
 // Memory safety against the client: a client that shrinks a shared file under our mapping would
 // make our accesses fault (SIGBUS). memfds must therefore be sealed against shrinking
@@ -95,7 +95,7 @@ class DmaSpace {
   nvme::Status resolve(uint64_t iova, uint64_t len, bool for_write, DataSegments& out,
                        MapRefs& refs, RemoteSink* remote = nullptr);
   // Whether [iova, iova+len) lies in message-only maps that allow the access: checked before each
-  // DMA_READ (for_write false) or DMA_WRITE (true) message.
+  // DMA_READ (for_write false) or DMA_WRITE (true) request.
   bool message_only(uint64_t iova, uint64_t len, bool for_write) const;
   // Message-only maps present (cheap: read on every I/O command).
   uint32_t message_maps() const { return message_maps_.load(std::memory_order_acquire); }

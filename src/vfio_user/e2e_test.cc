@@ -68,7 +68,7 @@ class VfioUserE2E : public ::testing::Test {
     ctl_->stop();
   }
 
-  // The stored value of `k` in namespace 1, read from the backend directly.
+  // The stored value of `k` in namespace 1, read back through a fresh client (its own memfd).
   bool backend_get(const Key& k, std::vector<std::byte>& out) {
     auto c = connect_vfio_user(dir_.path());
     return c->get(k, out).ok();
@@ -483,6 +483,17 @@ TEST_F(VfioUserE2E, MessageOnlyMemory) {
     if (m.name == "vfio_user_bounced_commands_total") bounced = m.value;
   }
   EXPECT_GE(bounced, 8.0);
+  // The host unmaps the memory while a 3 MiB Store is being fetched (1 MiB per request): the rest
+  // of that transfer is not requested, and the Store fails and stores nothing.
+  const uint64_t reads = h.dma_reads();
+  h.set_dma_mode(test::RawHost::DmaMode::kUnmapMidway);
+  const Key k3 = *Key::from_string("unmapped");
+  st = cmd::store(k3.bytes, k3.len, nullptr, static_cast<uint32_t>(v.size()));
+  st.flags = 0x40;
+  st.dptr.sgl = {kMsgIova + 4096, static_cast<uint32_t>(v.size()), {}, 0};
+  EXPECT_EQ(nvme::status_code(h.io(st).status), Status::kDataTransferError);
+  EXPECT_EQ(h.dma_reads(), reads + 1);  // the one answered after the unmap; no more came
+  EXPECT_FALSE(backend_get(k3, stored));
 }
 
 // The vendor admin command C0h (device memory by IPC handle) without a GPU: an importer that

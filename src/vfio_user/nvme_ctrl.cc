@@ -159,11 +159,13 @@ struct NvmeController::IoCmd final : AddressSpace, RemoteSink {
   bool dma_failed = false;
   uint16_t status = 0;  // held while the write-back runs
   uint32_t dw0 = 0;
+  bool staging = false;  // in stage_io's translation: the only time reads may bounce (fetched next)
   // Set while resolving: where the next bounce starts in its transfer.
   const DataSegments* resolving = nullptr;
   size_t resolving_from = 0;
 
   std::byte* bounce(uint64_t iova, uint64_t len, bool for_write) override {
+    if (!for_write && !staging) return nullptr;                     // nothing would fetch it
     if (bounce_bytes + len > owner->max_transfer_) return nullptr;  // a command's worth at most
     uint64_t off = 0;
     for (size_t i = resolving_from; i < resolving->size(); ++i) off += (*resolving)[i].len;
@@ -173,8 +175,10 @@ struct NvmeController::IoCmd final : AddressSpace, RemoteSink {
     return bounces.back().buf.get();
   }
 
-  // Resolves with bounces for message-only pieces (staged commands only).
-  Status resolve_into(DataSegments& out, const std::function<Status(DmaResolver&)>& fn) {
+  // Runs fn(resolver) to append to `out`, with bounces for message-only pieces (staged commands
+  // only).
+  template <class Fn>
+  Status resolve_into(DataSegments& out, Fn fn) {
     PinningResolver r(owner->dma_, refs, staged ? this : nullptr);
     resolving = &out;
     resolving_from = out.size();
@@ -200,11 +204,7 @@ struct NvmeController::IoCmd final : AddressSpace, RemoteSink {
       }
       return Status::kSuccess;
     }
-    TranslateOptions o;
-    o.flat = sq->counter;
-    o.max_transfer = owner->max_transfer_;
-    PinningResolver r(owner->dma_, refs);
-    return translate_data(sqe, len, for_write, o, r, out);
+    return translate(sqe, len, for_write, out);
   }
   Status map_range(uint64_t addr, size_t len, bool for_write, DataSegments& out) override {
     ++transfers;
@@ -705,8 +705,10 @@ bool NvmeController::stage_io(IoCmd* c) {
   c->staged = true;
   c->pre_write = for_write;
   c->pre_len = sqe.cdw10;
-  bool device = false;
+  c->staging = true;
   const bool ok = c->translate(sqe, sqe.cdw10, for_write, c->pre) == Status::kSuccess;
+  c->staging = false;
+  bool device = false;
   for (const DataSegment& seg : c->pre) device |= seg.kind != MemKind::kHost;
   // Nothing in message-only memory, or a pointer the controller will refuse itself: run as
   // usual. A Scatter Retrieve list is kept (copied) so its destinations may bounce.

@@ -40,7 +40,17 @@ class RawHost {
 
   // How the DMA thread answers the server's requests.
   // kReverse answers correctly but out of order (each request after the one that follows it).
-  enum class DmaMode { kServe, kErrorReply, kNoReply, kWrongCount, kHangUp, kReverse };
+  // kUnmapMidway sends DMA_UNMAP of the message-only map before answering the next request, then
+  // serves normally.
+  enum class DmaMode {
+    kServe,
+    kErrorReply,
+    kNoReply,
+    kWrongCount,
+    kHangUp,
+    kReverse,
+    kUnmapMidway
+  };
 
   explicit RawHost(const std::string& dir, uint64_t size = kDefaultSize) : raw_(dir), size_(size) {}
   ~RawHost() {
@@ -335,6 +345,16 @@ class RawHost {
       return;
     }
     const DmaMode mode = mode_.load();
+    if (mode == DmaMode::kUnmapMidway) {
+      const DmaUnmapMsg u{sizeof(DmaUnmapMsg), 0, local_iova_, local_size_};
+      std::lock_guard lk(write_mu_);
+      Header h{};
+      h.id = ++own_id_;
+      h.command = static_cast<uint16_t>(Cmd::kDmaUnmap);
+      h.size = sizeof(Header) + sizeof(u);
+      write_message(raw_.fd(), h, RawClient::bytes_of(u));  // its reply goes to replies_
+      mode_.store(DmaMode::kServe);
+    }
     if (mode == DmaMode::kNoReply) return;
     if (mode == DmaMode::kHangUp) {
       ::shutdown(raw_.fd(), SHUT_RDWR);

@@ -76,8 +76,12 @@ void DeviceSession::submit(DmaXfer* x) {
       return;
     }
   }
-  x->ok = false;
-  stats_.dma_failures.fetch_add(1, std::memory_order_relaxed);
+  dma_report(x, false);
+}
+
+void DeviceSession::dma_report(DmaXfer* x, bool ok) {
+  x->ok = ok;
+  if (!ok) stats_.dma_failures.fetch_add(1, std::memory_order_relaxed);
   nvme_->dma_done(x);
 }
 
@@ -101,9 +105,7 @@ void DeviceSession::dma_finish(DmaXfer* x, bool ok) {
       break;
     }
   }
-  x->ok = ok;
-  if (!ok) stats_.dma_failures.fetch_add(1, std::memory_order_relaxed);
-  nvme_->dma_done(x);
+  dma_report(x, ok);
 }
 
 void DeviceSession::dma_refuse(bool refuse) {
@@ -147,11 +149,6 @@ void DeviceSession::dma_pump(
         x = dma_queue_.front();
         dma_queue_.pop_front();
       }
-      // Nothing is sent for memory unmapped (or mapped with an fd) since the command started.
-      if (!dma_.message_only(x->iova, x->len, x->to_client)) {
-        dma_finish(x, false);
-        continue;
-      }
       dma_active_.push_back(DmaActive{x});
       a = &dma_active_.back();
     }
@@ -160,6 +157,12 @@ void DeviceSession::dma_pump(
     if (!dma_out_.empty() && (dma_out_.size() >= kDmaWindowRequests ||
                               dma_out_bytes_ + dma_cost(len) > kDmaWindowBytes)) {
       return;  // a reply makes room
+    }
+    // Nothing is sent for memory unmapped (or remapped with an fd) since the command started,
+    // not even the rest of a transfer already under way.
+    if (!dma_.message_only(x.iova + a->sent, len, x.to_client)) {
+      dma_finish(a->x, false);
+      continue;
     }
     std::vector<std::byte> payload(sizeof(DmaAccessMsg) + (x.to_client ? len : 0));
     const DmaAccessMsg req{x.iova + a->sent, len};

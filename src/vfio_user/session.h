@@ -118,6 +118,8 @@ class DeviceSession final : public IrqSink, public DmaChannel {
   // Reports a started or queued transfer done; a failed one's outstanding requests are dropped
   // (their replies, if they come, are ignored).
   void dma_finish(DmaXfer* x, bool ok);
+  // Hands a transfer's outcome to the controller (any thread: no session-thread state).
+  void dma_report(DmaXfer* x, bool ok);
   // Fails every queued and outstanding transfer; while `refuse`, new ones fail at once.
   void dma_refuse(bool refuse);
   // Destroys a detached map once no command uses it, failing transfers meanwhile.
