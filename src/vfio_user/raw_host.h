@@ -136,20 +136,14 @@ class RawHost {
   int call(Cmd cmd, std::span<const std::byte> payload, Message* reply = nullptr,
            std::span<const int> fds = {}) {
     if (!dma_thread_.joinable()) return raw_.call(static_cast<uint16_t>(cmd), payload, reply, fds);
-    Header h{};
-    {
-      std::lock_guard lk(write_mu_);
-      h.id = ++own_id_;
-      h.command = static_cast<uint16_t>(cmd);
-      h.size = static_cast<uint32_t>(sizeof(Header) + payload.size());
-      if (!write_message(raw_.fd(), h, payload, fds)) return -1;
-    }
+    const int id = send_command(cmd, payload, fds);
+    if (id < 0) return -1;
     std::unique_lock lk(reply_mu_);
-    if (!reply_cv_.wait_for(lk, std::chrono::seconds(10), [&] { return replies_.count(h.id); })) {
+    if (!reply_cv_.wait_for(lk, std::chrono::seconds(10), [&] { return replies_.count(id); })) {
       return -1;
     }
-    Message m = std::move(replies_[h.id]);
-    replies_.erase(h.id);
+    Message m = std::move(replies_[id]);
+    replies_.erase(id);
     const int err = (m.hdr.flags & kErrorFlag) ? static_cast<int>(m.hdr.error) : 0;
     if (reply != nullptr) *reply = std::move(m);
     return err;
@@ -211,11 +205,7 @@ class RawHost {
     std::memcpy(&c, &icq[ihead_], sizeof(c));
     check((c.status & 1) == iphase_, "I/O CQE with the wrong phase");
     check(c.sq_id == 1 && c.cid == s.cid, "I/O CQE for another command");
-    if (++ihead_ == kIoDepth) {
-      ihead_ = 0;
-      iphase_ ^= 1;
-    }
-    __atomic_store_n(&db_[3 * 16], ihead_, __ATOMIC_RELEASE);  // CQ 1 head
+    consume_io_cqe();
     return c;
   }
 
@@ -243,11 +233,7 @@ class RawHost {
         continue;
       }
       out.push_back(c);
-      if (++ihead_ == kIoDepth) {
-        ihead_ = 0;
-        iphase_ ^= 1;
-      }
-      __atomic_store_n(&db_[3 * 16], ihead_, __ATOMIC_RELEASE);
+      consume_io_cqe();
     }
     uint64_t n;
     (void)!::read(ev3_.get(), &n, 8);
@@ -279,6 +265,14 @@ class RawHost {
   }
 
  private:
+  // Moves past the CQE at the head of CQ 1 and tells the controller (head doorbell).
+  void consume_io_cqe() {
+    if (++ihead_ == kIoDepth) {
+      ihead_ = 0;
+      iphase_ ^= 1;
+    }
+    __atomic_store_n(&db_[3 * 16], ihead_, __ATOMIC_RELEASE);
+  }
   bool wait_event(int fd, int ms) {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
     for (;;) {
@@ -347,12 +341,7 @@ class RawHost {
     const DmaMode mode = mode_.load();
     if (mode == DmaMode::kUnmapMidway) {
       const DmaUnmapMsg u{sizeof(DmaUnmapMsg), 0, local_iova_, local_size_};
-      std::lock_guard lk(write_mu_);
-      Header h{};
-      h.id = ++own_id_;
-      h.command = static_cast<uint16_t>(Cmd::kDmaUnmap);
-      h.size = sizeof(Header) + sizeof(u);
-      write_message(raw_.fd(), h, RawClient::bytes_of(u));  // its reply goes to replies_
+      send_command(Cmd::kDmaUnmap, RawClient::bytes_of(u));  // its reply goes to replies_
       mode_.store(DmaMode::kServe);
     }
     if (mode == DmaMode::kNoReply) return;
@@ -377,6 +366,15 @@ class RawHost {
       std::memcpy(at, m.payload.data() + sizeof(DmaAccessMsg), a->count);
     }
     send_reply(m.hdr, out, 0);
+  }
+  // Sends one of our commands while the DMA thread runs; its id, or -1 if the socket failed.
+  int send_command(Cmd cmd, std::span<const std::byte> payload, std::span<const int> fds = {}) {
+    std::lock_guard lk(write_mu_);
+    Header h{};
+    h.id = ++own_id_;
+    h.command = static_cast<uint16_t>(cmd);
+    h.size = static_cast<uint32_t>(sizeof(Header) + payload.size());
+    return write_message(raw_.fd(), h, payload, fds) ? h.id : -1;
   }
   void send_reply(const Header& req, std::span<const std::byte> payload, int err) {
     std::lock_guard lk(write_mu_);

@@ -118,7 +118,7 @@ void DeviceSession::dma_refuse(bool refuse) {
   if (refuse) {
     while (!dma_active_.empty()) dma_finish(dma_active_.front().x, false);
   }
-  for (DmaXfer* x : failed) dma_finish(x, false);
+  for (DmaXfer* x : failed) dma_report(x, false);  // never started: nothing to drop
 }
 
 void DeviceSession::dma_pump(
@@ -169,7 +169,9 @@ void DeviceSession::dma_pump(
     std::memcpy(payload.data(), &req, sizeof(req));
     if (x.to_client) std::memcpy(payload.data() + sizeof(req), x.buf + a->sent, len);
     Header h{};
-    h.id = ++next_msg_id_;
+    do {
+      h.id = ++next_msg_id_;  // ids wrap; one still awaiting its reply is skipped
+    } while (dma_out_.count(h.id) != 0);
     h.command = static_cast<uint16_t>(x.to_client ? Cmd::kDmaWrite : Cmd::kDmaRead);
     h.size = static_cast<uint32_t>(sizeof(Header) + payload.size());
     h.flags = kTypeCommand;
