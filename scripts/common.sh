@@ -6,6 +6,7 @@ GDKV_BUILD_PACKAGES=(
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   libcli11-dev libxxhash-dev liburing-dev libtomlplusplus-dev
   librados-dev libradospp-dev
+  python3 python3-venv python3-dev
 )
 # What the tests and benchmarks need besides: a real Ceph cluster, fio and redis for reference runs,
 # clang for the libFuzzer targets, hipcc for the AMD compile check, e2fsprogs for a small full disk.
@@ -51,4 +52,23 @@ gdkv_build() {
   [ $# -gt 0 ] && targets=(--target "$@")
   gdkv_log "building build/$dir ${*:-}"
   cmake --build "build/$dir" -j"$(nproc)" "${targets[@]}"
+}
+
+# The Python environment: a virtual environment outside the clone (so CI on this machine reuses
+# it) with python/requirements.txt's exact versions, reinstalled only when that file changes, and
+# the gdkv package built into it (incrementally, in build/python).
+GDKV_VENV=${GDKV_VENV:-$HOME/.cache/gdkv/venv}
+GDKV_PYTHON=$GDKV_VENV/bin/python
+gdkv_python_env() {
+  [ -x "$GDKV_PYTHON" ] || /usr/bin/python3 -m venv "$GDKV_VENV"
+  local stamp=$GDKV_VENV/.gdkv-requirements want
+  want=$(sha256sum python/requirements.txt | cut -d' ' -f1)
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    gdkv_log "installing python/requirements.txt into $GDKV_VENV (the first time takes minutes: torch)"
+    "$GDKV_PYTHON" -m pip install -q --disable-pip-version-check -r python/requirements.txt
+    echo "$want" >"$stamp"
+  fi
+  gdkv_log "building the gdkv Python package (build/python)"
+  "$GDKV_PYTHON" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps \
+    ./python >build/python-install.log 2>&1 || { cat build/python-install.log; return 1; }
 }

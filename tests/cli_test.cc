@@ -129,6 +129,23 @@ TEST_F(Cli, HexKeysAndListing) {
   EXPECT_EQ(gdkv("exists apple").code, 0);
 }
 
+TEST_F(Cli, GlobalFlagsBeforeOrAfterTheVerb) {
+  const std::string v = write_random("v", 100, 3);
+  ASSERT_EQ(gdkv("put --hex 00aa " + path("v")).code, 0);
+  ASSERT_EQ(gdkv("put 00bb --hex " + path("v")).code, 0);
+  EXPECT_EQ(gdkv("get --hex 00aa").out, v);
+  EXPECT_EQ(gdkv("--hex get 00bb").out, v);
+  EXPECT_EQ(gdkv("exists 00aa --hex").code, 0);
+  EXPECT_EQ(gdkv("exists 00aa").code, 1);  // without --hex the key is the text "00aa"
+  EXPECT_EQ(gdkv("ls --hex").out, "00aa\n00bb\n");
+  // Another store named after the verb wins over the fixture's, which comes before it.
+  ASSERT_EQ(gdkv("put k " + path("v") + " --store " + path("other")).code, 0);
+  EXPECT_EQ(gdkv("exists k").code, 1);
+  EXPECT_EQ(gdkv("exists k --store " + path("other")).code, 0);
+  EXPECT_EQ(gdkv("stat --backend memory").code, 0);
+  EXPECT_EQ(gdkv("get --bogus k").code, 2);
+}
+
 TEST_F(Cli, StatAndBench) {
   write_random("v", 1000, 3);
   ASSERT_EQ(gdkv("put a " + path("v")).code, 0);

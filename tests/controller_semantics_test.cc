@@ -430,7 +430,7 @@ TEST(Controller, PendingBackendWorkDoesNotBlockTheReactor) {
   auto client = Client::open(gate, co);
   Key k = key("x");
   std::vector<uint16_t> cids;
-  for (int i = 0; i < 63; ++i) cids.push_back(client->start(cmd::exist(k.bytes, k.len)));
+  for (int i = 0; i < 63; ++i) cids.push_back(client->start(cmd::exist(k.bytes, k.len)).value());
   // depth - 1 commands in flight: the queue is full.
   EXPECT_FALSE(client->try_start(cmd::exist(k.bytes, k.len)).has_value());
   for (int spins = 0; gate->held() < 63 && spins < 100000; ++spins) std::this_thread::yield();

@@ -49,7 +49,7 @@ TEST(Queue, ManyProducersEveryCommandCompletesExactlyOnce) {
         const uint32_t id = t * kPerThread + i;
         uint8_t key[4];
         std::memcpy(key, &id, 4);
-        cids[n] = client->start(cmd::retrieve(key, 4, nullptr, 0));
+        cids[n] = client->start(cmd::retrieve(key, 4, nullptr, 0)).value();
         ids[n++] = id;
         if (n == kWindow) {
           for (int j = 0; j < kWindow; ++j) {

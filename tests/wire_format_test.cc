@@ -139,6 +139,18 @@ TEST(Keys, ChainKeysShareAPrefix) {
   EXPECT_EQ(tail[1], k1[3]);
 }
 
+// Pinned values: the Python package's test (python/tests/test_keys.py) checks the same ones, so
+// keys derived in Python and in C++ are the same keys.
+TEST(Keys, ChainKeysGoldenValues) {
+  std::vector<uint32_t> t(48);
+  for (uint32_t i = 0; i < 48; ++i) t[i] = i;
+  auto k = chain_keys(t, 16, "gdkv-golden");
+  ASSERT_EQ(k.size(), 3u);
+  EXPECT_EQ(k[0].hex(), "fd89c484d255d92e1edd78443f19b4f0");
+  EXPECT_EQ(k[1].hex(), "0007b2bf6e043ecedb83299278cdd0b4");
+  EXPECT_EQ(k[2].hex(), "9214b2ff4ccd1303bebde69b044cffcb");
+}
+
 TEST(Commands, BuildersFillTheRightFields) {
   uint8_t key[3] = {1, 2, 3};
   char buf[10];

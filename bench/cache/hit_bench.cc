@@ -49,7 +49,7 @@ Run measure(gdkv::Client& c, const std::vector<gdkv::Key>& keys, uint32_t size, 
   auto issue = [&](uint32_t s) {
     const gdkv::Key& k = keys[rng() % keys.size()];
     starts[s] = ns();
-    cids[s] = c.start(gdkv::cmd::retrieve(k.bytes, k.len, bufs[s].data(), size));
+    cids[s] = c.start(gdkv::cmd::retrieve(k.bytes, k.len, bufs[s].data(), size)).value();
   };
   for (uint32_t s = 0; s < qd; ++s) issue(s);
   const auto t0 = Clock::now();

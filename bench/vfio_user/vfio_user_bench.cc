@@ -105,7 +105,7 @@ Result run(gdkv::Client& c, const Options& o, uint32_t size,
     auto issue = [&](uint32_t s) {
       const gdkv::Key& k = keys[r() % keys.size()];
       starts[s] = Clock::now();
-      cids[s] = c.start(gdkv::cmd::retrieve(k.bytes, k.len, bufs[t][s], size));
+      cids[s] = c.start(gdkv::cmd::retrieve(k.bytes, k.len, bufs[t][s], size)).value();
     };
     for (uint32_t s = 0; s < o.qd; ++s) issue(s);
     while (!stop.load(std::memory_order_relaxed)) {

@@ -6,10 +6,18 @@
 //
 // Thread safety: a Client may be used from many threads at once (the queue protocol is lock-free);
 // an async command id is used by the thread that started it until it finishes it.
+//
+// Failure: a Client on a remote controller (gdkvd) checks while it waits that the controller is
+// still there, and gives up after a timeout. Either way it fails for good: the call, and every
+// later one, returns 07h (aborted) at once, and failure() says why. The caller opens a new
+// connection. (A command may still be in flight then: its id and staged memory are never reused.)
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -33,6 +41,30 @@ class BufferStager {
   virtual uint64_t acquire(const void* p, size_t len, bool to_controller) = 0;
   // After the command: copies `len` bytes back to `p` when !to_controller, and frees the stand-in.
   virtual void release(uint64_t addr, void* p, size_t len, bool to_controller) = 0;
+};
+
+// Why a Client stopped working.
+enum class ClientFailure : uint8_t {
+  kNone = 0,
+  kTimeout,   // a command did not complete within the timeout
+  kPeerGone,  // the controller's process closed the connection (gdkvd died or stopped)
+};
+
+// One command of a batch with its data buffer: staged through the Client's stager like the
+// synchronous calls' buffers.
+struct BatchItem {
+  nvme::Sqe sqe{};
+  const void* data = nullptr;  // the command's data buffer (its PRP1), or null
+  size_t len = 0;
+  bool to_controller = false;  // Store: the controller reads the buffer
+  CmdResult result{};
+};
+
+// Buffers the synchronous calls had to copy through a stager (not counted: buffers used in
+// place). Zero-copy callers assert both stay 0.
+struct CopyCounters {
+  uint64_t copies = 0;
+  uint64_t bytes = 0;
 };
 
 struct ClientOptions {
@@ -71,19 +103,33 @@ class Client {
                         uint32_t nsid = 1);
   // Runs any prepared command (cid is filled in).
   CmdResult execute(nvme::Sqe sqe);
+  // Runs commands with data buffers as one batch (one submission round where the queue allows);
+  // each item's result is filled in.
+  void execute_batch(std::span<BatchItem> items);
 
   // ---- asynchronous ----
   // Submits; nullopt when the queue is full (back-pressure).
   std::optional<uint16_t> try_start(nvme::Sqe sqe);
-  // Submits, spinning (and reaping) while the queue is full.
-  uint16_t start(nvme::Sqe sqe);
+  // Submits, spinning (and reaping) while the queue is full. nullopt once the Client failed.
+  std::optional<uint16_t> start(nvme::Sqe sqe);
   // True once command `cid` completed.
   bool poll(uint16_t cid) { return queue::poll(queue_, cid); }
   // The result of a completed command; frees its id. REQUIRES: poll(cid) returned true.
   CmdResult finish(uint16_t cid);
-  CmdResult wait(uint16_t cid) { return queue::wait(queue_, cid); }
+  // Waits for command `cid`, then frees its id. On a failed Client: 07h (see failure()).
+  CmdResult wait(uint16_t cid);
   // Runs a batch: submits as many as fit at once (one doorbell per group), waits for all.
   void run_batch(std::span<nvme::Sqe> sqes, std::span<CmdResult> results);
+
+  // How long wait() waits for one command (0: for ever, the default of in-process clients, whose
+  // backends time out on their own), and how it learns that the controller is gone (null: it
+  // never is). Set before the Client is shared between threads.
+  void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
+  void set_liveness(std::function<bool()> alive) { alive_ = std::move(alive); }
+  ClientFailure failure() const { return failure_.load(std::memory_order_acquire); }
+  CopyCounters copies() const {
+    return {copies_.load(std::memory_order_relaxed), copy_bytes_.load(std::memory_order_relaxed)};
+  }
 
   const QueueRef& queue() const { return queue_; }
   // The in-process controller (null for remote connections).
@@ -92,13 +138,27 @@ class Client {
  private:
   // A command whose data buffer is [p, p+len): staged through stager_ when there is one.
   CmdResult execute_data(nvme::Sqe sqe, const void* p, size_t len, bool to_controller);
+  // Staging of one buffer: false when no stand-in could be had.
+  bool stage(nvme::Sqe& sqe, const void* p, size_t len, bool to_controller);
+  void unstage(const nvme::Sqe& sqe, const void* p, size_t len, bool to_controller);
+  CmdResult wait_slow(uint16_t cid);
+  // Marks the Client failed (the first reason stays) and returns what every call then gets: 07h.
+  CmdResult fail(ClientFailure why);
+  bool broken() const { return failure_.load(std::memory_order_relaxed) != ClientFailure::kNone; }
 
   QueueRef queue_;
   std::shared_ptr<void> owner_;
   BufferStager* stager_ = nullptr;
   Controller* controller_ = nullptr;
   std::unique_ptr<Controller> owned_controller_;
+  std::chrono::milliseconds timeout_{0};
+  std::function<bool()> alive_;
+  std::atomic<ClientFailure> failure_{ClientFailure::kNone};
+  std::atomic<uint64_t> copies_{0}, copy_bytes_{0};
 };
+
+// "timed out", "controller gone" or "" for kNone.
+const char* failure_name(ClientFailure f);
 
 // "key does not exist (87h)"
 std::string describe(const CmdResult& r);

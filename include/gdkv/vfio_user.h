@@ -119,6 +119,9 @@ struct VfioUserClientOptions {
   size_t shared_memory_bytes = size_t{256} << 20;
   uint32_t admin_queue_depth = 32;
   uint32_t timeout_ms = 10000;  // controller enable/disable and admin commands
+  // One I/O command, after which the Client fails for good (ClientFailure::kTimeout); 0 = no limit.
+  // A gdkvd that exits or dies is noticed within ~10 ms whatever this is.
+  uint32_t io_timeout_ms = 30000;
 };
 
 // An open connection to a gdkvd: its controller, shared memory and admin queue.
@@ -138,6 +141,8 @@ class VfioUserDevice : public std::enable_shared_from_this<VfioUserDevice> {
   // Null when exhausted. free() takes what alloc() returned.
   virtual void* alloc(size_t bytes, size_t align = 64) = 0;
   virtual void free(void* p) = 0;
+  // True when [p, p + len) lies inside the shared region (a buffer gdkvd reaches in place).
+  virtual bool contains(const void* p, size_t len) const = 0;
 
   // Active namespace IDs (Identify CNS 02h): the namespaces this peer may use.
   virtual std::vector<uint32_t> namespaces() = 0;

@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <thread>
 
 #include "gdkv/commands.h"
 
@@ -35,12 +36,17 @@ std::optional<uint16_t> Client::try_start(nvme::Sqe sqe) {
   return cid;
 }
 
-uint16_t Client::start(nvme::Sqe sqe) {
-  for (;;) {
-    if (auto cid = try_start(sqe)) return *cid;
+std::optional<uint16_t> Client::start(nvme::Sqe sqe) {
+  for (uint32_t spins = 0;; ++spins) {
+    if (broken()) return std::nullopt;
+    if (auto cid = try_start(sqe)) return cid;
     // Full: completions we reap may free credits held by finished commands of other threads.
     queue::reap(queue_);
     atomic::pause();
+    // A full queue on a controller that died never drains: look every so often.
+    if ((spins & 0xffff) == 0xffff && alive_ && !alive_()) {
+      (void)fail(ClientFailure::kPeerGone);
+    }
   }
 }
 
@@ -50,16 +56,104 @@ CmdResult Client::finish(uint16_t cid) {
   return r;
 }
 
-CmdResult Client::execute(nvme::Sqe sqe) { return wait(start(sqe)); }
+namespace {
+// What every call of a failed Client returns.
+CmdResult aborted() { return CmdResult{nvme::Status::kAbortRequested, nvme::kSctGeneric, 0}; }
+}  // namespace
+
+CmdResult Client::fail(ClientFailure why) {
+  ClientFailure none = ClientFailure::kNone;
+  failure_.compare_exchange_strong(none, why, std::memory_order_acq_rel);
+  return aborted();
+}
+
+CmdResult Client::wait(uint16_t cid) {
+  // Most commands complete within a few microseconds: spin on the CQ before looking at clocks.
+  for (uint32_t i = 0; i < 1024; ++i) {
+    if (queue::poll(queue_, cid)) return finish(cid);
+    atomic::pause();
+  }
+  return wait_slow(cid);
+}
+
+CmdResult Client::wait_slow(uint16_t cid) {
+  using Clock = std::chrono::steady_clock;
+  constexpr auto kLivenessPeriod = std::chrono::milliseconds(10);
+  const auto begin = Clock::now();
+  auto next_look = begin + kLivenessPeriod;
+  for (uint32_t n = 0;; ++n) {
+    if (queue::poll(queue_, cid)) return finish(cid);
+    // Another thread found the controller gone: nothing completes any more. (The id stays taken.)
+    if (broken()) return aborted();
+    if ((n & 63) == 63) {
+      const auto now = Clock::now();
+      if (timeout_.count() > 0 && now - begin > timeout_) return fail(ClientFailure::kTimeout);
+      if (alive_ && now >= next_look) {
+        if (!alive_()) return fail(ClientFailure::kPeerGone);
+        next_look = now + kLivenessPeriod;
+      }
+    }
+    // Leave the core to the controller (on a small machine it may need this one).
+    std::this_thread::yield();
+  }
+}
+
+CmdResult Client::execute(nvme::Sqe sqe) {
+  auto cid = start(sqe);
+  if (!cid) return aborted();
+  return wait(*cid);
+}
+
+bool Client::stage(nvme::Sqe& sqe, const void* p, size_t len, bool to_controller) {
+  if (stager_ == nullptr || len == 0) return true;
+  const uint64_t addr = stager_->acquire(p, len, to_controller);
+  if (addr == 0) return false;
+  if (addr != reinterpret_cast<uint64_t>(p)) {
+    copies_.fetch_add(1, std::memory_order_relaxed);
+    copy_bytes_.fetch_add(len, std::memory_order_relaxed);
+  }
+  sqe.dptr.prp.prp1 = addr;
+  return true;
+}
+
+void Client::unstage(const nvme::Sqe& sqe, const void* p, size_t len, bool to_controller) {
+  if (stager_ == nullptr || len == 0) return;
+  // A failed Client's command may still be in flight: its stand-in is never handed out again.
+  if (broken()) return;
+  stager_->release(sqe.dptr.prp.prp1, const_cast<void*>(p), len, to_controller);
+}
 
 CmdResult Client::execute_data(nvme::Sqe sqe, const void* p, size_t len, bool to_controller) {
-  if (stager_ == nullptr || len == 0) return execute(sqe);
-  const uint64_t addr = stager_->acquire(p, len, to_controller);
-  if (addr == 0) return CmdResult{nvme::Status::kDataTransferError, nvme::kSctGeneric, 0};
-  sqe.dptr.prp.prp1 = addr;
+  if (!stage(sqe, p, len, to_controller)) {
+    return CmdResult{nvme::Status::kDataTransferError, nvme::kSctGeneric, 0};
+  }
   CmdResult r = execute(sqe);
-  stager_->release(addr, const_cast<void*>(p), len, to_controller);
+  unstage(sqe, p, len, to_controller);
   return r;
+}
+
+void Client::execute_batch(std::span<BatchItem> items) {
+  std::vector<nvme::Sqe> sqes;
+  std::vector<CmdResult> results;
+  std::vector<size_t> staged;  // indices of the items that were staged and run
+  sqes.reserve(items.size());
+  staged.reserve(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    BatchItem& it = items[i];
+    if (!stage(it.sqe, it.data, it.len, it.to_controller)) {
+      it.result = CmdResult{nvme::Status::kDataTransferError, nvme::kSctGeneric, 0};
+      continue;
+    }
+    sqes.push_back(it.sqe);
+    staged.push_back(i);
+  }
+  results.resize(sqes.size());
+  run_batch(sqes, results);
+  for (size_t j = 0; j < staged.size(); ++j) {
+    BatchItem& it = items[staged[j]];
+    it.result = results[j];
+    unstage(it.sqe, it.data, it.len, it.to_controller);
+  }
 }
 
 void Client::run_batch(std::span<nvme::Sqe> sqes, std::span<CmdResult> results) {
@@ -67,6 +161,11 @@ void Client::run_batch(std::span<nvme::Sqe> sqes, std::span<CmdResult> results) 
   size_t next = 0;
   size_t done = 0;
   while (done < sqes.size()) {
+    if (broken()) {
+      // Nothing more is submitted; what was submitted is waited for no longer.
+      for (; done < sqes.size(); ++done) results[done] = aborted();
+      return;
+    }
     // Acquire as many ids as the queue allows, submit them with one doorbell.
     size_t group = 0;
     while (next + group < sqes.size()) {
@@ -188,6 +287,18 @@ CmdResult Client::scatter_get(const Key& key, std::span<const nvme::ScatterEntry
   return execute_data(cmd::scatter_retrieve(key.bytes, key.len, desc.data(),
                                             static_cast<uint32_t>(desc.size()), nsid),
                       desc.data(), desc.size(), true);
+}
+
+const char* failure_name(ClientFailure f) {
+  switch (f) {
+    case ClientFailure::kTimeout:
+      return "timed out";
+    case ClientFailure::kPeerGone:
+      return "controller gone";
+    case ClientFailure::kNone:
+      break;
+  }
+  return "";
 }
 
 std::string describe(const CmdResult& r) {

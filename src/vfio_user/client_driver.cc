@@ -201,6 +201,7 @@ class Driver final : public VfioUserDevice {
   std::unique_ptr<Client> make_client(uint32_t depth) override;
   void* alloc(size_t bytes, size_t align) override { return alloc_.alloc(bytes, align); }
   void free(void* p) override { alloc_.free(p); }
+  bool contains(const void* p, size_t len) const override { return alloc_.contains(p, len); }
   std::vector<uint32_t> namespaces() override;
   CmdResult admin(nvme::Sqe sqe, void* data, size_t len) override;
   CmdResult register_device_memory(const void* handle, uint64_t iova, uint64_t size) override;
@@ -282,7 +283,7 @@ class Driver final : public VfioUserDevice {
   void write_reg32(uint32_t off, uint32_t v) { region_rw(kRegionBar0, off, &v, 4, true); }
   void write_reg64(uint32_t off, uint64_t v) { region_rw(kRegionBar0, off, &v, 8, true); }
 
-  // True once gdkvd closed the connection (then no admin command will ever complete).
+  // True once gdkvd closed the connection (then no command will ever complete). Thread-safe.
   bool peer_gone() {
     pollfd p{sock_.get(), POLLRDHUP, 0};
     return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR));
@@ -652,7 +653,12 @@ std::unique_ptr<Client> Driver::make_client(uint32_t depth) {
   ref.db =
       reinterpret_cast<QueueDoorbells*>(reinterpret_cast<char*>(db_) + 2u * qid * kDoorbellStride);
   ref.wake = nullptr;  // gdkvd's reactors poll; a remote process cannot wake them
-  return std::make_unique<Client>(ref, std::move(q), nullptr, &stager_);
+  auto client = std::make_unique<Client>(ref, q, nullptr, &stager_);
+  client->set_timeout(std::chrono::milliseconds(options_.io_timeout_ms));
+  // The client's queue (its owner) keeps the driver alive, so the check may name it.
+  Driver* self = this;
+  client->set_liveness([self] { return !self->peer_gone(); });
+  return client;
 }
 
 CmdResult Driver::register_device_memory(const void* handle, uint64_t iova, uint64_t size) {

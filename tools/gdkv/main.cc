@@ -215,13 +215,20 @@ int run_bench(gdkv::Client& client, const BenchOptions& b, uint32_t nsid) {
               : gdkv::cmd::retrieve(k.bytes, k.len, bufs[slot], b.value_size, nsid);
       starts[slot] =
           static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
-      cids[slot] = client.start(s);
+      // A Client that failed (gdkvd gone) takes no more commands: count it and stop the run.
+      if (auto cid = client.start(s)) {
+        cids[slot] = *cid;
+      } else {
+        errors.fetch_add(1, std::memory_order_relaxed);
+        stop = true;
+        cids[slot] = UINT16_MAX;
+      }
     };
     for (uint32_t s = 0; s < b.qd; ++s) issue(s);
     uint64_t local_ops = 0;
     while (true) {
       for (uint32_t s = 0; s < b.qd; ++s) {
-        if (!client.poll(cids[s])) continue;
+        if (cids[s] == UINT16_MAX || !client.poll(cids[s])) continue;
         CmdResult res = client.finish(cids[s]);
         const uint64_t now =
             static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
@@ -393,6 +400,10 @@ int run_stat(gdkv::Client& client) {
 int main(int argc, char** argv) {
   CLI::App app{"gdkv: a GPU-direct NVMe-KV store for KV-cache blocks"};
   app.require_subcommand(1);
+  // Global flags are accepted after the verb too (`gdkv put --hex KEY FILE`), as people type them.
+  app.fallthrough();
+  // A flag given twice (a default in an alias, then the user's own) takes the last value.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   Options o;
   app.add_option("--backend", o.backend.kind, "memory, local (default) or rados")
       ->check(CLI::IsMember({"memory", "local", "rados"}));

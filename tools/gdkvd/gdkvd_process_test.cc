@@ -222,6 +222,72 @@ TEST(GdkvdProcess, EveryOpcodeThroughTheDaemon) {
   EXPECT_EQ(d.stop(), 0) << d.log();
 }
 
+// A gdkvd killed while a call waits: the call fails within the liveness period (not the I/O
+// timeout), the Client says why, and every later call fails at once.
+TEST(GdkvdProcess, DaemonKilledMidCallFailsTheClientInBoundedTime) {
+  TempDir dir("prockill");
+  Daemon d(dir.path(), {"--backend", "memory"});
+  ASSERT_TRUE(d.wait_ready()) << d.log();
+  gdkv::VfioUserClientOptions o;
+  o.timeout_ms = 500;
+  o.io_timeout_ms = 60000;  // far longer than the test may take: the liveness check must act
+  auto dev = gdkv::VfioUserDevice::open(d.socket_dir(), o);
+  auto c = dev->make_client();
+  const Key k = *Key::from_string("k");
+  ASSERT_TRUE(c->put(k, pattern(4096, 1)).ok());
+  ASSERT_EQ(::kill(d.pid(), SIGSTOP), 0);  // the next call is in flight when the daemon dies
+  std::vector<std::byte> out(4096);
+  CmdResult r{};
+  Clock::time_point done;
+  std::thread caller([&] {
+    r = c->get(k, std::span<std::byte>(out));
+    done = Clock::now();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const auto killed = Clock::now();
+  ASSERT_EQ(::kill(d.pid(), SIGKILL), 0);
+  caller.join();
+  EXPECT_EQ(r.status, Status::kAbortRequested);
+  EXPECT_EQ(c->failure(), gdkv::ClientFailure::kPeerGone);
+  EXPECT_LT(done - killed, std::chrono::seconds(2));
+  const auto t0 = Clock::now();
+  EXPECT_EQ(c->exists(k).status, Status::kAbortRequested);
+  EXPECT_EQ(c->put(k, pattern(10, 2)).status, Status::kAbortRequested);
+  EXPECT_LT(Clock::now() - t0, std::chrono::milliseconds(100));
+  c.reset();
+  dev.reset();
+}
+
+// A gdkvd that stops answering (frozen) fails the call after the I/O timeout.
+TEST(GdkvdProcess, FrozenDaemonTimesOut) {
+  TempDir dir("procfreeze");
+  Daemon d(dir.path(), {"--backend", "memory"});
+  ASSERT_TRUE(d.wait_ready()) << d.log();
+  gdkv::VfioUserClientOptions o;
+  o.timeout_ms = 500;
+  o.io_timeout_ms = 300;
+  auto dev = gdkv::VfioUserDevice::open(d.socket_dir(), o);
+  auto c = dev->make_client();
+  const Key k = *Key::from_string("k");
+  ASSERT_TRUE(c->put(k, pattern(100, 1)).ok());
+  ASSERT_EQ(::kill(d.pid(), SIGSTOP), 0);
+  const auto t0 = Clock::now();
+  EXPECT_EQ(c->exists(k).status, Status::kAbortRequested);
+  const auto waited = Clock::now() - t0;
+  EXPECT_GE(waited, std::chrono::milliseconds(300));
+  EXPECT_LT(waited, std::chrono::seconds(3));
+  EXPECT_EQ(c->failure(), gdkv::ClientFailure::kTimeout);
+  ASSERT_EQ(::kill(d.pid(), SIGCONT), 0);
+  // The daemon is back, but this Client stays failed; a new one works.
+  EXPECT_EQ(c->exists(k).status, Status::kAbortRequested);
+  auto c2 = dev->make_client();
+  EXPECT_TRUE(c2->exists(k).ok());
+  c.reset();
+  c2.reset();
+  dev.reset();
+  EXPECT_EQ(d.stop(), 0) << d.log();
+}
+
 TEST(GdkvdProcess, FourClientProcessesAtOnce) {
   TempDir dir("proc4");
   Daemon d(dir.path(), {"--backend", "memory", "--reactors", "1"});
@@ -288,7 +354,7 @@ TEST(GdkvdProcess, ClientKilledMidIo) {
       std::vector<uint16_t> cids;
       for (int i = 0; i < 32; ++i) {
         cids.push_back(
-            c->start(gdkv::cmd::retrieve(k.bytes, k.len, buf + size_t{kSize} * i, kSize)));
+            c->start(gdkv::cmd::retrieve(k.bytes, k.len, buf + size_t{kSize} * i, kSize)).value());
       }
       if (!told) {
         (void)!::write(ready[1], "x", 1);

@@ -1,0 +1,120 @@
+"""gdkv: a KV-cache store for LLM inference, from Python.
+
+Store a prompt's KV-cache blocks under chain keys and find the longest stored prefix of another
+prompt, with values moved in place between gdkv and numpy arrays or torch tensors::
+
+    import gdkv
+    with gdkv.connect("/run/gdkvd") as c:                  # or gdkv.open(backend="local")
+        keys = gdkv.chain_keys(token_ids, 64, salt="my-model")
+        n = c.lookup_prefix(keys)                          # leading blocks stored
+        buf = c.empty((n, block_bytes), "uint8")           # memory gdkvd writes in place
+        c.get_many_into(keys[:n], list(buf))
+
+Entry points: :func:`open`, :func:`connect`, :class:`Client`, :func:`chain_keys`,
+:func:`hash128`; the exceptions in :mod:`gdkv.errors` (all under :class:`Error`). The model demo:
+``python -m gdkv.demo --help``. docs/python.md has the whole API and its memory rules.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from . import _core, errors
+from .client import Client
+from .errors import (CapacityError, ClosedError, ConnectionError, Error, InvalidKeyError,
+                     KeyExistsError, KeyNotFoundError, NotReadyError, TimeoutError, ValueSizeError)
+
+_core._set_error_factory(errors._make)
+
+__all__ = [
+    "open", "connect", "Client", "chain_keys", "hash128", "backends", "cuda_build",
+    "Error", "KeyNotFoundError", "KeyExistsError", "InvalidKeyError", "ValueSizeError",
+    "CapacityError", "NotReadyError", "TimeoutError", "ConnectionError", "ClosedError",
+]
+__version__ = "0.1.0"
+
+#: Whether this build has CUDA copy engines (nvcc was found when it was built).
+cuda_build: bool = _core.cuda_build
+
+
+def backends() -> list[str]:
+    """The backends this build has: ``['memory', 'local', 'rados']`` (rados with librados)."""
+    return _core.backends()
+
+
+def open(backend: str = "local", *, store: Optional[str] = None, capacity: int = 0,
+         pool: str = "gdkv-rep3", ceph_conf: str = "", ceph_client: str = "client.admin",
+         ceph_keyring: str = "", ceph_timeout_ms: int = 5000, cache_bytes: int = 0,
+         cache_policy: str = "adaptive", prefetch_depth: int = 8, reactors: int = 1,
+         nsid: int = 1, max_value_bytes: int = 64 << 20, queue_depth: int = 1024,
+         cuda_device: Optional[int] = None) -> Client:
+    """A client with a controller in this process, over ``backend`` (the CLI's options).
+
+    - ``"local"``: the embedded local store in directory ``store`` (default ``$GDKV_STORE``,
+      else ``~/.local/share/gdkv``), ``capacity`` bytes (0: 8 GiB). One process at a time.
+    - ``"memory"``: values in this process's memory.
+    - ``"rados"``: the Ceph pool ``pool`` (``ceph_conf``, ``ceph_client``, ``ceph_keyring``;
+      a dead cluster fails calls with NotReadyError after ``ceph_timeout_ms``).
+
+    ``cache_bytes`` > 0 puts a host cache in front (``cache_policy``, ``prefetch_depth``).
+    ``cuda_device``: CUDA copy engines for CUDA tensors (CUDA builds). Raises gdkv.Error with the
+    reason when the backend cannot be opened.
+
+    >>> c = gdkv.open("memory")
+    """
+    o = _core.OpenOptions()
+    o.backend = backend
+    o.store = store or ""
+    o.capacity = capacity
+    o.pool = pool
+    o.ceph_conf = ceph_conf
+    o.ceph_client = ceph_client
+    o.ceph_keyring = ceph_keyring
+    o.ceph_timeout_ms = ceph_timeout_ms
+    o.cache_bytes = cache_bytes
+    o.cache_policy = cache_policy
+    o.prefetch_depth = prefetch_depth
+    o.reactors = reactors
+    o.namespaces = nsid
+    o.max_value_bytes = max_value_bytes
+    o.queue_depth = queue_depth
+    o.cuda_device = -1 if cuda_device is None else cuda_device
+    return Client(_core.open(o, nsid))
+
+
+def connect(socket_dir: str, *, nsid: int = 1, queue_depth: int = 1024,
+            shared_memory_bytes: int = 1 << 30, timeout_ms: int = 30000) -> Client:
+    """A client of the gdkvd serving ``socket_dir`` (its socket is ``socket_dir/cntrl``).
+
+    ``shared_memory_bytes`` of memory are shared with gdkvd (committed only when used): queues,
+    :meth:`Client.empty` arrays and staged buffers. A command gdkvd does not complete within
+    ``timeout_ms`` raises gdkv.TimeoutError; a gdkvd that exits or dies raises
+    gdkv.ConnectionError within about 10 ms. Either way the client stays unusable: connect again.
+
+    >>> c = gdkv.connect("/run/gdkvd")
+    """
+    o = _core.ConnectOptions()
+    o.queue_depth = queue_depth
+    o.shared_memory_bytes = shared_memory_bytes
+    o.timeout_ms = timeout_ms
+    return Client(_core.connect(socket_dir, o, nsid))
+
+
+def chain_keys(token_ids: Iterable[int], block_tokens: int, salt: str | bytes = "",
+               parent: Optional[bytes] = None) -> list[bytes]:
+    """The 16-byte key of every full block of ``token_ids`` (a trailing partial block has none).
+
+    Block i's key hashes block i-1's key, the block's token ids and ``salt`` (name the model and
+    KV layout there, so different models never share keys); equal to the C++ gdkv::chain_keys.
+    ``parent`` continues a chain from the key of the block before ``token_ids[0]``.
+
+    >>> gdkv.chain_keys(range(32), 16, "m")     # two keys
+    [b'...', b'...']
+    """
+    ids = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
+    return _core.chain_keys(ids, block_tokens, salt, parent)
+
+
+def hash128(data) -> bytes:
+    """128-bit XXH3 of a bytes-like object, as 16 bytes (gdkv's key hash)."""
+    return _core.hash128(data)

@@ -1,0 +1,223 @@
+"""The gdkv client: NVMe-KV commands from Python, values passed by address.
+
+Open one with :func:`gdkv.open` (a controller in this process over a backend) or
+:func:`gdkv.connect` (a running gdkvd, over vfio-user)::
+
+    with gdkv.open(backend="memory") as c:
+        c.put(b"block-0", b"...")
+        c.get(b"block-0")                     # b'...'
+        out = c.empty(3, "uint8")              # memory the controller writes in place
+        c.get_into(b"block-0", out)            # 3
+
+Zero copy: ``put`` reads the caller's buffer and ``get_into`` writes it where it is (bytes-like
+objects, numpy arrays, torch tensors). In-process, any host buffer is reached in place. Through
+gdkvd, only memory shared with gdkvd is: allocate it with :meth:`Client.empty`; other buffers are
+staged (copied) through shared memory, and :meth:`Client.copies` counts those copies.
+
+A client is safe to use from several threads; every call releases the GIL while it waits. The
+``a``-prefixed methods are awaitable forms for asyncio (each runs in the client's thread pool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import math
+from typing import Any, Iterable, Optional, Sequence
+
+from . import _core
+
+Key = bytes | bytearray | str
+#: A buffer: anything with the buffer protocol (bytes, bytearray, memoryview, numpy) or DLPack
+#: (torch tensors, CPU or CUDA).
+Buffer = Any
+
+
+class Client:
+    """A queue pair to a gdkv controller. Use :func:`gdkv.open` or :func:`gdkv.connect`."""
+
+    def __init__(self, core: _core.Core, async_threads: int = 4):
+        self._core = core
+        self._async_threads = async_threads
+        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+    # ---- life cycle ----
+    def close(self) -> None:
+        """Waits for calls in flight, then closes. Later calls raise gdkv.ClosedError."""
+        self._core.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    @property
+    def closed(self) -> bool:
+        return self._core.closed
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"nsid {self._core.nsid}"
+        return f"<gdkv.Client {self._core.where}, {state}>"
+
+    @property
+    def remote(self) -> bool:
+        """True for a client of gdkvd (connect), False for an in-process controller (open)."""
+        return self._core.remote
+
+    # ---- single keys ----
+    def put(self, key: Key, value: Buffer, *, must_exist: bool = False,
+            must_not_exist: bool = False) -> None:
+        """Stores ``value`` (read in place) under ``key``.
+
+        ``must_exist``: only replace (else KeyNotFoundError); ``must_not_exist``: only create
+        (else KeyExistsError).
+        """
+        self._core.put(key, value, must_exist, must_not_exist)
+
+    def get(self, key: Key, *, size_hint: int = 65536) -> bytes:
+        """The whole value as bytes (a copy; see get_into for none). KeyError if missing."""
+        return self._core.get(key, size_hint)
+
+    def get_into(self, key: Key, out: Buffer | Sequence[Buffer], *, partial: bool = False) -> int:
+        """Writes the value into ``out`` in place and returns its length in bytes.
+
+        ``out`` is one writable contiguous buffer, or a list of them that the value fills in order
+        (one Scatter Retrieve: e.g. a block's K and V for every layer straight into each layer's
+        cache tensor). A value longer than ``out`` raises ValueSizeError after its first bytes were
+        written, unless ``partial``. KeyError if the key does not exist.
+        """
+        return self._core.get_into(key, out, partial)
+
+    def exists(self, key: Key) -> bool:
+        return self._core.exists(key)
+
+    def delete(self, key: Key, *, missing_ok: bool = False) -> bool:
+        """Deletes the key: True; a missing key raises KeyError, or returns False if missing_ok."""
+        return self._core.delete(key, missing_ok)
+
+    def list(self, prefix: Optional[Key] = None) -> list[bytes]:
+        """Every key (of this namespace) in byte order, or those starting with ``prefix``."""
+        return self._core.list(prefix)
+
+    # ---- batches: one submission round ----
+    def exists_many(self, keys: Iterable[Key]) -> list[bool]:
+        return self._core.exists_many(list(keys))
+
+    def lookup_prefix(self, keys: Iterable[Key]) -> int:
+        """How many leading keys exist: the reusable prefix of a prompt's chain keys.
+
+        >>> c.lookup_prefix(gdkv.chain_keys(tokens, 16, salt))   # 12: blocks 0..11 are stored
+        """
+        return self._core.lookup_prefix(list(keys))
+
+    def put_many(self, items: Iterable[tuple[Key, Buffer]]) -> None:
+        """Stores every (key, value); raises for the first that failed (others may be stored)."""
+        pairs = list(items)
+        self._core.put_many([k for k, _ in pairs], [v for _, v in pairs])
+
+    def get_many(self, keys: Iterable[Key], *, size_hint: int = 65536) -> list[Optional[bytes]]:
+        """Each key's value, None where it does not exist."""
+        return self._core.get_many(list(keys), size_hint)
+
+    def get_many_into(self, keys: Iterable[Key], outs: Iterable[Buffer | Sequence[Buffer]], *,
+                      partial: bool = False) -> list[Optional[int]]:
+        """Writes each key's value into its out (as get_into); its length, None where missing."""
+        return self._core.get_many_into(list(keys), list(outs), partial)
+
+    # ---- memory ----
+    def alloc(self, nbytes: int):
+        """``nbytes`` of memory the controller reaches in place, as a numpy uint8 array."""
+        return self._core.alloc(nbytes)
+
+    def empty(self, shape: int | Sequence[int], dtype: Any = "uint8"):
+        """An uninitialised array in memory the controller reaches in place (zero copy).
+
+        ``dtype`` is a numpy dtype (or its name): a numpy array; a torch dtype: a torch tensor.
+
+        >>> k = c.empty((layers, 2, heads, tokens, dim), torch.float16)
+        """
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        count = math.prod(shape)
+        if _is_torch_dtype(dtype):
+            import torch
+
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            raw = self._core.alloc(max(count * itemsize, 1))
+            return torch.from_numpy(raw[: count * itemsize]).view(dtype).view(shape)
+        import numpy as np
+
+        dt = np.dtype(dtype)
+        raw = self._core.alloc(max(count * dt.itemsize, 1))
+        return raw[: count * dt.itemsize].view(dt).reshape(shape)
+
+    def reaches(self, buffer: Buffer) -> bool:
+        """Whether the controller reads and writes this buffer in place (no staging copy)."""
+        return self._core.reaches(buffer)
+
+    def register(self, tensor: Buffer) -> None:
+        """Registers a CUDA tensor's memory with the controller's copy engines (in-process
+        clients opened with cuda_device=N); unregister() before freeing it."""
+        self._core.register(tensor)
+
+    def unregister(self, tensor: Buffer) -> None:
+        self._core.unregister(tensor)
+
+    def copies(self) -> tuple[int, int]:
+        """(buffers, bytes) this client had to copy through staging memory: (0, 0) when every
+        buffer was reached in place."""
+        return self._core.copies()
+
+    def metrics(self) -> dict[str, float]:
+        """The controller's metrics (in-process) and the client's copy counters, by name with
+        labels: ``{"client_staged_copies_total": 0.0, 'reactor_ops_total{op="retrieve"}': ...}``.
+        """
+        out: dict[str, float] = {}
+        for name, labels, value in self._core.metrics():
+            if labels:
+                name += "{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}"
+            out[name] = value
+        return out
+
+    # ---- asyncio ----
+    async def _run(self, fn, *args, **kwargs):
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                self._async_threads, thread_name_prefix="gdkv")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    async def aput(self, key: Key, value: Buffer, **kw) -> None:
+        return await self._run(self.put, key, value, **kw)
+
+    async def aget(self, key: Key, **kw) -> bytes:
+        return await self._run(self.get, key, **kw)
+
+    async def aget_into(self, key: Key, out: Buffer | Sequence[Buffer], **kw) -> int:
+        return await self._run(self.get_into, key, out, **kw)
+
+    async def aexists(self, key: Key) -> bool:
+        return await self._run(self.exists, key)
+
+    async def adelete(self, key: Key, **kw) -> bool:
+        return await self._run(self.delete, key, **kw)
+
+    async def aput_many(self, items: Iterable[tuple[Key, Buffer]]) -> None:
+        return await self._run(self.put_many, list(items))
+
+    async def aget_many(self, keys: Iterable[Key], **kw) -> list[Optional[bytes]]:
+        return await self._run(self.get_many, list(keys), **kw)
+
+    async def aget_many_into(self, keys: Iterable[Key], outs: Iterable[Any], **kw):
+        return await self._run(self.get_many_into, list(keys), list(outs), **kw)
+
+    async def alookup_prefix(self, keys: Iterable[Key]) -> int:
+        return await self._run(self.lookup_prefix, list(keys))
+
+
+def _is_torch_dtype(dtype: Any) -> bool:
+    return type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype"

@@ -1,0 +1,825 @@
+// gdkv._core: the Python binding of gdkv::Client (nanobind). The public API is python/gdkv/,
+// which wraps this module; see docs/python.md.
+//
+// Buffers: bytes-like objects (buffer protocol: bytes, bytearray, memoryview, numpy arrays) and
+// DLPack objects (torch tensors, CPU or CUDA) are passed to the controller by address, never
+// copied here. Through gdkvd the controller reaches only the memory shared with it (alloc()); a
+// buffer elsewhere is staged by the C++ client and counted in copies().
+//
+// Threads: every call releases the GIL while it waits; close() waits for calls in flight.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <shared_mutex>
+#include <string>
+#include <vector>
+
+#include "gdkv/backend_factory.h"
+#include "gdkv/cache.h"
+#include "gdkv/client.h"
+#include "gdkv/commands.h"
+#include "gdkv/key.h"
+#include "gdkv/vfio_user.h"
+#ifdef GDKV_HAVE_CUDA
+#include "gpu/runtime.h"
+#endif
+
+namespace nb = nanobind;
+using gdkv::BatchItem;
+using gdkv::CmdResult;
+using gdkv::Key;
+using gdkv::nvme::Status;
+
+namespace {
+
+// gdkv.errors._make(op, key, status, failure, message) -> exception instance; set at import.
+nb::object g_make_error;
+
+[[noreturn]] void raise_error(const char* op, const Key* key, int status, const char* failure,
+                              const std::string& message) {
+  nb::object key_obj = nb::none();
+  if (key != nullptr) key_obj = nb::bytes(key->bytes, key->len);
+  nb::object e = g_make_error(op, key_obj, status, failure, message);
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(e.ptr())), e.ptr());
+  throw nb::python_error();
+}
+
+[[noreturn]] void raise_type(const std::string& message) {
+  PyErr_SetString(PyExc_TypeError, message.c_str());
+  throw nb::python_error();
+}
+
+[[noreturn]] void raise_value(const std::string& message) {
+  PyErr_SetString(PyExc_ValueError, message.c_str());
+  throw nb::python_error();
+}
+
+std::string py_type_name(nb::handle h) { return nb::type_name(h.type()).c_str(); }
+
+// bytes, bytearray or str (UTF-8) of 1..16 bytes.
+Key to_key(nb::handle h) {
+  const char* data = nullptr;
+  Py_ssize_t n = 0;
+  if (PyBytes_Check(h.ptr())) {
+    data = PyBytes_AS_STRING(h.ptr());
+    n = PyBytes_GET_SIZE(h.ptr());
+  } else if (PyByteArray_Check(h.ptr())) {
+    data = PyByteArray_AS_STRING(h.ptr());
+    n = PyByteArray_GET_SIZE(h.ptr());
+  } else if (PyUnicode_Check(h.ptr())) {
+    data = PyUnicode_AsUTF8AndSize(h.ptr(), &n);
+    if (data == nullptr) throw nb::python_error();
+  } else {
+    raise_type("a key is bytes or str, not " + py_type_name(h));
+  }
+  if (n < 1 || n > static_cast<Py_ssize_t>(gdkv::nvme::kMaxKeyLength)) {
+    raise_error("key", nullptr, static_cast<int>(Status::kInvalidKeySize), "",
+                "a key has 1 to 16 bytes, this one " + std::to_string(n));
+  }
+  return Key::from_bytes(data, static_cast<size_t>(n));
+}
+
+std::vector<Key> to_keys(nb::handle seq) {
+  std::vector<Key> keys;
+  for (nb::handle h : seq) keys.push_back(to_key(h));
+  return keys;
+}
+
+// A caller's buffer, held (exported) for the duration of one call. Destroy with the GIL held.
+struct Buffer {
+  std::byte* ptr = nullptr;
+  size_t len = 0;
+  bool cuda = false;  // device memory (DLPack device type CUDA)
+  Py_buffer view{};
+  bool has_view = false;
+  nb::object keep;  // the DLPack import, kept alive
+
+  Buffer() = default;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  Buffer(Buffer&& o) noexcept
+      : ptr(o.ptr), len(o.len), cuda(o.cuda), view(o.view), has_view(o.has_view),
+        keep(std::move(o.keep)) {
+    o.has_view = false;
+  }
+  ~Buffer() {
+    if (has_view) PyBuffer_Release(&view);
+  }
+};
+
+bool c_contiguous(const nb::ndarray<>& a) {
+  int64_t expect = 1;
+  for (size_t i = a.ndim(); i-- > 0;) {
+    if (a.shape(i) != 1 && a.stride(i) != expect) return false;
+    expect *= static_cast<int64_t>(a.shape(i));
+  }
+  return true;
+}
+
+// `what` names the argument in messages ("value", "out").
+Buffer get_buffer(nb::handle obj, bool writable, const char* what) {
+  Buffer b;
+  if (PyObject_CheckBuffer(obj.ptr())) {
+    const int flags = PyBUF_STRIDES | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj.ptr(), &b.view, flags) != 0) {
+      PyErr_Clear();
+      if (writable && PyObject_GetBuffer(obj.ptr(), &b.view, PyBUF_STRIDES) == 0) {
+        PyBuffer_Release(&b.view);
+        raise_type(std::string(what) + " must be writable; this " + py_type_name(obj) +
+                   " is read-only");
+      }
+      PyErr_Clear();
+      raise_type(std::string(what) + ": " + py_type_name(obj) + " does not export its memory");
+    }
+    b.has_view = true;
+    if (!PyBuffer_IsContiguous(&b.view, 'C')) {
+      raise_value(std::string(what) + " must be C-contiguous (its bytes are read or written in " +
+                  "place); pass a contiguous copy");
+    }
+    b.ptr = static_cast<std::byte*>(b.view.buf);
+    b.len = static_cast<size_t>(b.view.len);
+    return b;
+  }
+  if (PyObject_HasAttrString(obj.ptr(), "__dlpack__")) {
+    nb::ndarray<> a;
+    if (!nb::try_cast(obj, a, /*convert=*/false)) {
+      raise_type(std::string(what) + ": this " + py_type_name(obj) +
+                 " cannot be exported through DLPack (a tensor that requires grad needs .detach())");
+    }
+    if (!c_contiguous(a)) {
+      raise_value(std::string(what) + " must be contiguous (its bytes are read or written in " +
+                  "place); pass .contiguous()");
+    }
+    const int dev = a.device_type();
+    if (dev != nb::device::cpu::value && dev != nb::device::cuda::value &&
+        dev != nb::device::cuda_host::value) {
+      raise_value(std::string(what) + ": memory of DLPack device type " + std::to_string(dev) +
+                  " is not supported (CPU and CUDA are)");
+    }
+    b.cuda = dev == nb::device::cuda::value;
+    b.ptr = static_cast<std::byte*>(a.data());
+    b.len = a.nbytes();
+    b.keep = nb::cast(a);
+    return b;
+  }
+  raise_type(std::string(what) + " must be a bytes-like object, a numpy array or a tensor, not " +
+             py_type_name(obj));
+}
+
+// One buffer or a list/tuple of buffers (a value laid out across them in order).
+std::vector<Buffer> get_buffers(nb::handle obj, bool writable, const char* what) {
+  std::vector<Buffer> out;
+  if (PyList_Check(obj.ptr()) || PyTuple_Check(obj.ptr())) {
+    for (nb::handle h : obj) out.push_back(get_buffer(h, writable, what));
+    if (out.empty()) raise_value(std::string(what) + ": an empty list of buffers");
+  } else {
+    out.push_back(get_buffer(obj, writable, what));
+  }
+  return out;
+}
+
+struct OpenOptions {
+  std::string backend = "local";
+  std::string store;  // local: directory (default: as the CLI)
+  uint64_t capacity = 0;
+  std::string pool = "gdkv-rep3";
+  std::string ceph_conf, ceph_client = "client.admin", ceph_keyring;
+  uint32_t ceph_timeout_ms = 5000;
+  uint64_t cache_bytes = 0;
+  std::string cache_policy = "adaptive";
+  uint32_t prefetch_depth = 8;
+  uint32_t reactors = 1;
+  uint32_t namespaces = 1;
+  uint64_t max_value_bytes = uint64_t{64} << 20;
+  uint32_t queue_depth = 1024;
+  int cuda_device = -1;  // >= 0: CUDA copy engines and pinned memory (CUDA builds)
+};
+
+struct ConnectOptions {
+  uint32_t queue_depth = 1024;
+  uint64_t shared_memory_bytes = uint64_t{1} << 30;
+  uint32_t timeout_ms = 30000;  // one I/O command; admin commands: 10 s
+};
+
+// Memory from alloc(): freed when the last array viewing it goes.
+struct Allocation {
+  std::shared_ptr<gdkv::VfioUserDevice> device;  // null: heap memory
+  void* p = nullptr;
+  ~Allocation() {
+    if (device) {
+      device->free(p);
+    } else {
+      std::free(p);
+    }
+  }
+};
+
+class PyClient {
+ public:
+  PyClient(std::unique_ptr<gdkv::Client> client, std::shared_ptr<gdkv::VfioUserDevice> device,
+           uint32_t nsid, std::string where, bool cuda)
+      : client_(std::move(client)), device_(std::move(device)), nsid_(nsid),
+        where_(std::move(where)), cuda_(cuda) {}
+
+  // ---- single commands ----
+  void put(nb::handle key, nb::handle value, bool must_exist, bool must_not_exist) {
+    const Key k = to_key(key);
+    if (must_exist && must_not_exist) raise_value("must_exist and must_not_exist exclude each other");
+    Buffer v = get_buffer(value, false, "value");
+    check_cuda(v);
+    uint8_t opts = 0;
+    if (must_exist) opts |= gdkv::nvme::kStoreMustExist;
+    if (must_not_exist) opts |= gdkv::nvme::kStoreMustNotExist;
+    CmdResult r = run([&](gdkv::Client& c) { return c.put(k, {v.ptr, v.len}, opts, nsid_); });
+    check("put", &k, r);
+  }
+
+  nb::bytes get(nb::handle key, size_t size_hint) {
+    const Key k = to_key(key);
+    std::vector<std::byte> out;
+    CmdResult r = run([&](gdkv::Client& c) { return c.get(k, out, nsid_, size_hint); });
+    check("get", &k, r);
+    return nb::bytes(out.data(), out.size());
+  }
+
+  uint32_t get_into(nb::handle key, nb::handle out, bool partial) {
+    const Key k = to_key(key);
+    std::vector<Buffer> bufs = get_buffers(out, true, "out");
+    for (auto& b : bufs) check_cuda(b);
+    CmdResult r;
+    if (bufs.size() == 1) {
+      r = run([&](gdkv::Client& c) { return c.get(k, {bufs[0].ptr, bufs[0].len}, nsid_); });
+    } else {
+      std::vector<gdkv::nvme::ScatterEntry> pieces = scatter_pieces(bufs);
+      r = run([&](gdkv::Client& c) { return c.scatter_get(k, pieces, nsid_); });
+    }
+    check("get_into", &k, r);
+    check_fits(k, r.dw0, bufs, partial);
+    return r.dw0;
+  }
+
+  bool exists(nb::handle key) {
+    const Key k = to_key(key);
+    CmdResult r = run([&](gdkv::Client& c) { return c.exists(k, nsid_); });
+    if (r.status == Status::kKeyNotExist) return false;
+    check("exists", &k, r);
+    return true;
+  }
+
+  bool remove(nb::handle key, bool missing_ok) {
+    const Key k = to_key(key);
+    CmdResult r = run([&](gdkv::Client& c) { return c.del(k, nsid_); });
+    if (r.status == Status::kKeyNotExist && missing_ok) return false;
+    check("delete", &k, r);
+    return true;
+  }
+
+  std::vector<nb::bytes> list(nb::handle prefix) {
+    std::string pre;
+    if (!prefix.is_none()) {
+      if (PyBytes_Check(prefix.ptr())) {
+        pre.assign(PyBytes_AS_STRING(prefix.ptr()), PyBytes_GET_SIZE(prefix.ptr()));
+      } else if (PyUnicode_Check(prefix.ptr())) {
+        pre = nb::cast<std::string>(prefix);
+      } else {
+        raise_type("prefix is bytes or str, not " + py_type_name(prefix));
+      }
+    }
+    std::vector<Key> keys;
+    CmdResult r = run([&](gdkv::Client& c) { return c.list_all(keys, nsid_); });
+    check("list", nullptr, r);
+    std::vector<nb::bytes> out;
+    for (const Key& k : keys) {
+      if (k.view().substr(0, pre.size()) == pre) out.emplace_back(k.bytes, k.len);
+    }
+    return out;
+  }
+
+  // ---- batches: one submission round for many keys ----
+  std::vector<bool> exists_many(nb::handle keys_obj) {
+    std::vector<Key> keys = to_keys(keys_obj);
+    std::vector<BatchItem> items(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      items[i].sqe = gdkv::cmd::exist(keys[i].bytes, keys[i].len, nsid_);
+    }
+    run_batch(items);
+    std::vector<bool> out(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (items[i].result.status == Status::kKeyNotExist) continue;
+      check("exists", &keys[i], items[i].result);
+      out[i] = true;
+    }
+    return out;
+  }
+
+  size_t lookup_prefix(nb::handle keys) {
+    std::vector<bool> found = exists_many(keys);
+    size_t n = 0;
+    while (n < found.size() && found[n]) ++n;
+    return n;
+  }
+
+  void put_many(nb::handle keys_obj, nb::handle values_obj) {
+    std::vector<Key> keys = to_keys(keys_obj);
+    std::vector<Buffer> values;
+    for (nb::handle h : values_obj) values.push_back(get_buffer(h, false, "value"));
+    if (values.size() != keys.size()) {
+      raise_value(std::to_string(keys.size()) + " keys but " + std::to_string(values.size()) +
+                  " values");
+    }
+    std::vector<BatchItem> items(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      check_cuda(values[i]);
+      items[i] = BatchItem{gdkv::cmd::store(keys[i].bytes, keys[i].len, values[i].ptr,
+                                            static_cast<uint32_t>(values[i].len), 0, nsid_),
+                           values[i].ptr, values[i].len, true, {}};
+    }
+    run_batch(items);
+    for (size_t i = 0; i < keys.size(); ++i) check("put_many", &keys[i], items[i].result);
+  }
+
+  std::vector<std::optional<nb::bytes>> get_many(nb::handle keys_obj, size_t size_hint) {
+    std::vector<Key> keys = to_keys(keys_obj);
+    std::vector<std::vector<std::byte>> bufs(keys.size(), std::vector<std::byte>(size_hint));
+    std::vector<BatchItem> items(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      items[i] = BatchItem{gdkv::cmd::retrieve(keys[i].bytes, keys[i].len, bufs[i].data(),
+                                               static_cast<uint32_t>(size_hint), nsid_),
+                           bufs[i].data(), size_hint, false, {}};
+    }
+    run_batch(items);
+    std::vector<std::optional<nb::bytes>> out(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      CmdResult r = items[i].result;
+      if (r.status == Status::kKeyNotExist) continue;
+      check("get_many", &keys[i], r);
+      if (r.dw0 > size_hint) {  // longer than the hint: read it whole
+        r = run([&](gdkv::Client& c) { return c.get(keys[i], bufs[i], nsid_, r.dw0); });
+        if (r.status == Status::kKeyNotExist) continue;
+        check("get_many", &keys[i], r);
+      }
+      out[i] = nb::bytes(bufs[i].data(), std::min<size_t>(r.dw0, bufs[i].size()));
+    }
+    return out;
+  }
+
+  std::vector<std::optional<uint32_t>> get_many_into(nb::handle keys_obj, nb::handle outs_obj,
+                                                     bool partial) {
+    std::vector<Key> keys = to_keys(keys_obj);
+    std::vector<std::vector<Buffer>> outs;
+    for (nb::handle h : outs_obj) outs.push_back(get_buffers(h, true, "out"));
+    if (outs.size() != keys.size()) {
+      raise_value(std::to_string(keys.size()) + " keys but " + std::to_string(outs.size()) +
+                  " outputs");
+    }
+    std::vector<std::vector<std::byte>> descs(keys.size());
+    std::vector<BatchItem> items(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      for (auto& b : outs[i]) check_cuda(b);
+      const Key& k = keys[i];
+      if (outs[i].size() == 1) {
+        Buffer& b = outs[i][0];
+        items[i] = BatchItem{
+            gdkv::cmd::retrieve(k.bytes, k.len, b.ptr, static_cast<uint32_t>(b.len), nsid_), b.ptr,
+            b.len, false, {}};
+      } else {
+        descs[i] = scatter_descriptor(scatter_pieces(outs[i]));
+        items[i] = BatchItem{gdkv::cmd::scatter_retrieve(k.bytes, k.len, descs[i].data(),
+                                                         static_cast<uint32_t>(descs[i].size()),
+                                                         nsid_),
+                             descs[i].data(), descs[i].size(), true, {}};
+      }
+    }
+    run_batch(items);
+    std::vector<std::optional<uint32_t>> out(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const CmdResult r = items[i].result;
+      if (r.status == Status::kKeyNotExist) continue;
+      check("get_many_into", &keys[i], r);
+      check_fits(keys[i], r.dw0, outs[i], partial);
+      out[i] = r.dw0;
+    }
+    return out;
+  }
+
+  // ---- memory ----
+  // `nbytes` of memory the controller reaches in place, as a numpy uint8 array.
+  nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>> alloc(size_t nbytes) {
+    if (nbytes == 0) raise_value("alloc of 0 bytes");
+    auto a = std::make_unique<Allocation>();
+    std::shared_lock lk(mu_);
+    if (!client_) raise_closed();
+    if (device_) {
+      a->device = device_;
+      a->p = device_->alloc(nbytes, 4096);
+      if (a->p == nullptr) {
+        raise_error("alloc", nullptr, static_cast<int>(Status::kCapacityExceeded), "",
+                    "the memory shared with gdkvd has no " + std::to_string(nbytes) +
+                        " bytes left (connect(shared_memory_bytes=...) sets its size)");
+      }
+    } else {
+      a->p = std::aligned_alloc(4096, (nbytes + 4095) & ~size_t{4095});
+      if (a->p == nullptr) throw std::bad_alloc();
+    }
+    void* p = a->p;
+    nb::capsule owner(a.release(), [](void* x) noexcept { delete static_cast<Allocation*>(x); });
+    return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(p, {nbytes}, owner);
+  }
+
+  // Makes a CUDA tensor's memory reachable by the controller's copy engines, until unregister().
+  void register_memory(nb::handle obj) {
+    Buffer b = get_buffer(obj, true, "tensor");
+    if (!b.cuda) raise_value("register() takes CUDA memory; host memory needs no registration");
+    if (!cuda_) check_cuda(b);
+    std::shared_lock lk(mu_);
+    if (!client_) raise_closed();
+    if (client_->controller() == nullptr) {
+      raise_value("CUDA memory through gdkvd is not supported yet: open the store in-process "
+                  "(gdkv.open(..., cuda_device=N))");
+    }
+    if (!client_->controller()->register_memory(b.ptr, b.len, gdkv::MemKind::kDevice)) {
+      raise_value("this memory overlaps memory registered before");
+    }
+    std::lock_guard rl(reg_mu_);
+    registered_[reinterpret_cast<uintptr_t>(b.ptr)] = b.len;
+  }
+  void unregister_memory(nb::handle obj) {
+    Buffer b = get_buffer(obj, false, "tensor");
+    std::shared_lock lk(mu_);
+    if (!client_) raise_closed();
+    std::lock_guard rl(reg_mu_);
+    if (registered_.erase(reinterpret_cast<uintptr_t>(b.ptr)) == 0) {
+      raise_value("this memory was not registered");
+    }
+    (void)client_->controller()->unregister_memory(b.ptr);
+  }
+
+  // Whether the controller reads and writes `obj`'s memory in place (no staging copy).
+  bool reaches(nb::handle obj) {
+    Buffer b = get_buffer(obj, false, "buffer");
+    if (b.cuda) return cuda_;
+    return device_ == nullptr || device_->contains(b.ptr, b.len);
+  }
+
+  std::tuple<uint64_t, uint64_t> copies() {
+    std::shared_lock lk(mu_);
+    if (!client_) return {closed_copies_.copies, closed_copies_.bytes};
+    const gdkv::CopyCounters c = client_->copies();
+    return {c.copies, c.bytes};
+  }
+
+  std::vector<std::tuple<std::string, std::vector<std::tuple<std::string, std::string>>, double>>
+  metrics() {
+    gdkv::MetricList m;
+    {
+      std::shared_lock lk(mu_);
+      if (!client_) raise_closed();
+      if (client_->controller() != nullptr) client_->controller()->collect(m);
+      const gdkv::CopyCounters c = client_->copies();
+      m.push_back({"client_staged_copies_total", "", gdkv::MetricType::kCounter, {},
+                   static_cast<double>(c.copies)});
+      m.push_back({"client_staged_bytes_total", "", gdkv::MetricType::kCounter, {},
+                   static_cast<double>(c.bytes)});
+    }
+    std::vector<std::tuple<std::string, std::vector<std::tuple<std::string, std::string>>, double>>
+        out;
+    for (const auto& x : m) {
+      std::vector<std::tuple<std::string, std::string>> labels(x.labels.begin(), x.labels.end());
+      out.emplace_back(x.name, std::move(labels), x.value);
+    }
+    return out;
+  }
+
+  void close() {
+    std::unique_ptr<gdkv::Client> c;
+    {
+      nb::gil_scoped_release nogil;
+      std::unique_lock lk(mu_);  // waits for calls in flight
+      if (client_) closed_copies_ = client_->copies();
+      c = std::move(client_);
+      c.reset();
+      device_.reset();
+    }
+  }
+  bool closed() {
+    std::shared_lock lk(mu_);
+    return client_ == nullptr;
+  }
+  const std::string& where() const { return where_; }
+  uint32_t nsid() const { return nsid_; }
+  bool remote() const { return device_ != nullptr; }
+
+ private:
+  [[noreturn]] void raise_closed() {
+    raise_error("call", nullptr, -1, "closed", "this client is closed (" + where_ + ")");
+  }
+
+  // Runs f(client) without the GIL; raises if the client is closed.
+  template <class F>
+  CmdResult run(F&& f) {
+    bool closed = false;
+    CmdResult r{};
+    {
+      nb::gil_scoped_release nogil;
+      std::shared_lock lk(mu_);
+      if (client_) {
+        r = f(*client_);
+      } else {
+        closed = true;
+      }
+    }
+    if (closed) raise_closed();
+    return r;
+  }
+
+  void run_batch(std::vector<BatchItem>& items) {
+    (void)run([&](gdkv::Client& c) {
+      c.execute_batch(items);
+      return CmdResult{};
+    });
+  }
+
+  void check(const char* op, const Key* k, const CmdResult& r) {
+    if (r.ok()) return;
+    const char* failure = "";
+    std::string msg;
+    if (r.status == Status::kAbortRequested) {
+      std::shared_lock lk(mu_);
+      if (client_) failure = gdkv::failure_name(client_->failure());
+    }
+    if (*failure != '\0') {
+      msg = where_ + ": " + failure;
+    } else {
+      msg = gdkv::describe(r);
+    }
+    if (k != nullptr) msg = "key " + k->hex() + ": " + msg;
+    raise_error(op, k, static_cast<int>(r.status), failure, msg);
+  }
+
+  void check_fits(const Key& k, uint32_t value_len, const std::vector<Buffer>& bufs,
+                  bool partial) {
+    size_t total = 0;
+    for (const auto& b : bufs) total += b.len;
+    if (!partial && value_len > total) {
+      raise_error("get_into", &k, static_cast<int>(Status::kInvalidValueSize), "",
+                  "key " + k.hex() + ": the value has " + std::to_string(value_len) +
+                      " bytes, the buffer " + std::to_string(total) +
+                      " (only its first bytes were written; partial=True accepts that)");
+    }
+  }
+
+  // CUDA memory needs a client whose controller has CUDA copy engines, and registration (the
+  // controller must know device memory as such; it would take an unknown address for host memory).
+  void check_cuda(const Buffer& b) {
+    if (!b.cuda) return;
+    if (!cuda_) {
+      raise_value("a CUDA tensor needs a client with CUDA copy engines: gdkv.open(..., "
+                  "cuda_device=N) in a CUDA build");
+    }
+    std::lock_guard lk(reg_mu_);
+    auto it = registered_.upper_bound(reinterpret_cast<uintptr_t>(b.ptr));
+    if (it == registered_.begin() ||
+        reinterpret_cast<uintptr_t>(b.ptr) + b.len > std::prev(it)->first + std::prev(it)->second) {
+      raise_value("CUDA memory must be registered first: client.register(tensor)");
+    }
+  }
+
+  // Pieces of a value laid out across `bufs` in order. Through gdkvd they must be shared memory.
+  std::vector<gdkv::nvme::ScatterEntry> scatter_pieces(const std::vector<Buffer>& bufs) {
+    if (bufs.size() > gdkv::nvme::kMaxScatterEntries) {
+      raise_value("at most " + std::to_string(gdkv::nvme::kMaxScatterEntries) +
+                  " buffers take one value");
+    }
+    std::vector<gdkv::nvme::ScatterEntry> pieces;
+    uint64_t off = 0;
+    for (const auto& b : bufs) {
+      if (device_ && !b.cuda && !device_->contains(b.ptr, b.len)) {
+        raise_value("through gdkvd, a value spread over several buffers lands in place only: "
+                    "each buffer must come from client.empty()/alloc()");
+      }
+      if (b.len > UINT32_MAX || off > UINT32_MAX) raise_value("a piece past 4 GiB");
+      pieces.push_back({reinterpret_cast<uint64_t>(b.ptr), static_cast<uint32_t>(off),
+                        static_cast<uint32_t>(b.len)});
+      off += b.len;
+    }
+    return pieces;
+  }
+
+  static std::vector<std::byte> scatter_descriptor(
+      const std::vector<gdkv::nvme::ScatterEntry>& pieces) {
+    std::vector<std::byte> d(sizeof(gdkv::nvme::ScatterHeader) +
+                             pieces.size() * sizeof(gdkv::nvme::ScatterEntry));
+    const gdkv::nvme::ScatterHeader h{static_cast<uint32_t>(pieces.size()), 0};
+    std::memcpy(d.data(), &h, sizeof(h));
+    std::memcpy(d.data() + sizeof(h), pieces.data(),
+                pieces.size() * sizeof(gdkv::nvme::ScatterEntry));
+    return d;
+  }
+
+  std::shared_mutex mu_;
+  std::unique_ptr<gdkv::Client> client_;
+  std::shared_ptr<gdkv::VfioUserDevice> device_;
+  uint32_t nsid_;
+  std::string where_;
+  bool cuda_;
+  gdkv::CopyCounters closed_copies_;
+  std::mutex reg_mu_;
+  std::map<uintptr_t, size_t> registered_;  // CUDA memory: address -> bytes
+};
+
+std::unique_ptr<PyClient> open_in_process(const OpenOptions& o, uint32_t nsid) {
+  gdkv::BackendConfig bc;
+  bc.kind = o.backend;
+  bc.local.path = o.store;
+  if (o.capacity > 0) bc.local.capacity_bytes = o.capacity;
+  bc.rados.pool = o.pool;
+  bc.rados.ceph_conf = o.ceph_conf;
+  bc.rados.client_name = o.ceph_client;
+  bc.rados.keyring = o.ceph_keyring;
+  bc.rados.op_timeout_ms = o.ceph_timeout_ms;
+  gdkv::ClientOptions co;
+  co.controller.reactors = o.reactors;
+  co.controller.namespaces = std::max(o.namespaces, nsid);
+  co.controller.max_value_bytes = o.max_value_bytes;
+  co.queue.depth = o.queue_depth;
+  gdkv::CacheOptions cache;
+  cache.capacity_bytes = o.cache_bytes;
+  cache.policy = o.cache_policy;
+  cache.prefetch_depth = o.prefetch_depth;
+  const bool cuda = o.cuda_device >= 0;
+  if (cuda) {
+#ifdef GDKV_HAVE_CUDA
+    gdkv::gpu::GpuOptions g;
+    g.device = o.cuda_device;
+    co.controller = gdkv::gpu::controller_options(co.controller, g);
+    cache = gdkv::gpu::cache_options(cache);
+#else
+    raise_value("cuda_device: this gdkv was built without CUDA (nvcc not found at build time)");
+#endif
+  }
+  std::string where = o.backend == "local"
+                          ? "local store at " + (o.store.empty() ? gdkv::default_store_dir() : o.store)
+                          : o.backend + " backend";
+  std::unique_ptr<gdkv::Client> c;
+  std::string error;
+  {
+    nb::gil_scoped_release nogil;
+    try {
+      std::shared_ptr<gdkv::Backend> backend = gdkv::open_backend(bc);
+      if (o.cache_bytes > 0) backend = gdkv::make_cached_backend(backend, cache);
+      c = gdkv::Client::open(backend, co);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  if (!c) raise_error("open", nullptr, -1, "open", error);
+  return std::make_unique<PyClient>(std::move(c), nullptr, nsid, where, cuda);
+}
+
+std::unique_ptr<PyClient> connect(const std::string& socket_dir, const ConnectOptions& o,
+                                  uint32_t nsid) {
+  gdkv::VfioUserClientOptions vo;
+  vo.queue_depth = o.queue_depth;
+  vo.shared_memory_bytes = o.shared_memory_bytes;
+  vo.io_timeout_ms = o.timeout_ms;
+  std::shared_ptr<gdkv::VfioUserDevice> dev;
+  std::unique_ptr<gdkv::Client> c;
+  std::string error;
+  {
+    nb::gil_scoped_release nogil;
+    try {
+      dev = gdkv::VfioUserDevice::open(socket_dir, vo);
+      c = dev->make_client();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  if (!c) raise_error("connect", nullptr, -1, "connect", error);
+  return std::make_unique<PyClient>(std::move(c), std::move(dev), nsid, "gdkvd at " + socket_dir,
+                                    false);
+}
+
+std::vector<uint32_t> to_tokens(nb::handle tokens) {
+  std::vector<uint32_t> out;
+  for (nb::handle h : tokens) {
+    long long v = PyLong_AsLongLong(h.ptr());
+    if (v == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      raise_type("token ids are ints, not " + py_type_name(h));
+    }
+    if (v < 0 || v > static_cast<long long>(UINT32_MAX)) {
+      raise_value("a token id is in [0, 2**32), not " + std::to_string(v));
+    }
+    out.push_back(static_cast<uint32_t>(v));
+  }
+  return out;
+}
+
+}  // namespace
+
+NB_MODULE(_core, m) {
+  m.doc() = "gdkv's C++ client (use the gdkv package, not this module)";
+  m.def("_set_error_factory", [](nb::object f) { g_make_error = std::move(f); });
+  m.attr("max_key_bytes") = gdkv::nvme::kMaxKeyLength;
+#ifdef GDKV_HAVE_CUDA
+  m.attr("cuda_build") = true;
+#else
+  m.attr("cuda_build") = false;
+#endif
+  m.def("backends", &gdkv::available_backends);
+
+  nb::class_<OpenOptions>(m, "OpenOptions")
+      .def(nb::init<>())
+      .def_rw("backend", &OpenOptions::backend)
+      .def_rw("store", &OpenOptions::store)
+      .def_rw("capacity", &OpenOptions::capacity)
+      .def_rw("pool", &OpenOptions::pool)
+      .def_rw("ceph_conf", &OpenOptions::ceph_conf)
+      .def_rw("ceph_client", &OpenOptions::ceph_client)
+      .def_rw("ceph_keyring", &OpenOptions::ceph_keyring)
+      .def_rw("ceph_timeout_ms", &OpenOptions::ceph_timeout_ms)
+      .def_rw("cache_bytes", &OpenOptions::cache_bytes)
+      .def_rw("cache_policy", &OpenOptions::cache_policy)
+      .def_rw("prefetch_depth", &OpenOptions::prefetch_depth)
+      .def_rw("reactors", &OpenOptions::reactors)
+      .def_rw("namespaces", &OpenOptions::namespaces)
+      .def_rw("max_value_bytes", &OpenOptions::max_value_bytes)
+      .def_rw("queue_depth", &OpenOptions::queue_depth)
+      .def_rw("cuda_device", &OpenOptions::cuda_device);
+  nb::class_<ConnectOptions>(m, "ConnectOptions")
+      .def(nb::init<>())
+      .def_rw("queue_depth", &ConnectOptions::queue_depth)
+      .def_rw("shared_memory_bytes", &ConnectOptions::shared_memory_bytes)
+      .def_rw("timeout_ms", &ConnectOptions::timeout_ms);
+
+  nb::class_<PyClient>(m, "Core")
+      .def("put", &PyClient::put, nb::arg("key"), nb::arg("value"), nb::arg("must_exist"),
+           nb::arg("must_not_exist"))
+      .def("get", &PyClient::get, nb::arg("key"), nb::arg("size_hint"))
+      .def("get_into", &PyClient::get_into, nb::arg("key"), nb::arg("out"), nb::arg("partial"))
+      .def("exists", &PyClient::exists, nb::arg("key"))
+      .def("delete", &PyClient::remove, nb::arg("key"), nb::arg("missing_ok"))
+      .def("list", &PyClient::list, nb::arg("prefix").none())
+      .def("exists_many", &PyClient::exists_many, nb::arg("keys"))
+      .def("lookup_prefix", &PyClient::lookup_prefix, nb::arg("keys"))
+      .def("put_many", &PyClient::put_many, nb::arg("keys"), nb::arg("values"))
+      .def("get_many", &PyClient::get_many, nb::arg("keys"), nb::arg("size_hint"))
+      .def("get_many_into", &PyClient::get_many_into, nb::arg("keys"), nb::arg("outs"),
+           nb::arg("partial"))
+      .def("alloc", &PyClient::alloc, nb::arg("nbytes"))
+      .def("reaches", &PyClient::reaches, nb::arg("buffer"))
+      .def("register", &PyClient::register_memory, nb::arg("tensor"))
+      .def("unregister", &PyClient::unregister_memory, nb::arg("tensor"))
+      .def("copies", &PyClient::copies)
+      .def("metrics", &PyClient::metrics)
+      .def("close", &PyClient::close)
+      .def_prop_ro("closed", &PyClient::closed)
+      .def_prop_ro("where", &PyClient::where)
+      .def_prop_ro("nsid", &PyClient::nsid)
+      .def_prop_ro("remote", &PyClient::remote);
+
+  m.def("open", &open_in_process, nb::arg("options"), nb::arg("nsid"));
+  m.def("connect", &connect, nb::arg("socket_dir"), nb::arg("options"), nb::arg("nsid"));
+  m.def(
+      "chain_keys",
+      [](nb::handle tokens, size_t block_tokens, nb::handle salt, nb::handle parent) {
+        if (block_tokens == 0) raise_value("block_tokens must be > 0");
+        std::vector<uint32_t> t = to_tokens(tokens);
+        std::string s;
+        if (PyBytes_Check(salt.ptr())) {
+          s.assign(PyBytes_AS_STRING(salt.ptr()), PyBytes_GET_SIZE(salt.ptr()));
+        } else if (PyUnicode_Check(salt.ptr())) {
+          s = nb::cast<std::string>(salt);
+        } else {
+          raise_type("salt is bytes or str, not " + py_type_name(salt));
+        }
+        std::optional<Key> p;
+        if (!parent.is_none()) p = to_key(parent);
+        std::vector<Key> keys = gdkv::chain_keys(t, block_tokens, s, p ? &*p : nullptr);
+        std::vector<nb::bytes> out;
+        out.reserve(keys.size());
+        for (const Key& k : keys) out.emplace_back(k.bytes, k.len);
+        return out;
+      },
+      nb::arg("tokens"), nb::arg("block_tokens"), nb::arg("salt"), nb::arg("parent").none());
+  m.def(
+      "hash128",
+      [](nb::handle data) {
+        Buffer b = get_buffer(data, false, "data");
+        if (b.cuda) raise_value("hash128 reads host memory");
+        const Key k = gdkv::hash128(b.ptr, b.len);
+        return nb::bytes(k.bytes, k.len);
+      },
+      nb::arg("data"));
+}
