@@ -58,10 +58,12 @@ struct BatchItem {
   size_t len = 0;
   bool to_controller = false;  // Store: the controller reads the buffer
   CmdResult result{};
+  bool metadata = false;  // a descriptor or key list, not value bytes: not counted in copies()
 };
 
-// Buffers the synchronous calls had to copy through a stager (not counted: buffers used in
-// place). Zero-copy callers assert both stay 0.
+// Value buffers the calls had to copy through a stager (not counted: buffers used in place, and
+// command metadata such as List results, key lists and scatter descriptors). Zero-copy callers
+// assert both stay 0.
 struct CopyCounters {
   uint64_t copies = 0;
   uint64_t bytes = 0;
@@ -137,9 +139,10 @@ class Client {
 
  private:
   // A command whose data buffer is [p, p+len): staged through stager_ when there is one.
-  CmdResult execute_data(nvme::Sqe sqe, const void* p, size_t len, bool to_controller);
+  CmdResult execute_data(nvme::Sqe sqe, const void* p, size_t len, bool to_controller,
+                         bool metadata = false);
   // Staging of one buffer: false when no stand-in could be had.
-  bool stage(nvme::Sqe& sqe, const void* p, size_t len, bool to_controller);
+  bool stage(nvme::Sqe& sqe, const void* p, size_t len, bool to_controller, bool metadata);
   void unstage(const nvme::Sqe& sqe, const void* p, size_t len, bool to_controller);
   CmdResult wait_slow(uint16_t cid);
   // Marks the Client failed (the first reason stays) and returns what every call then gets: 07h.

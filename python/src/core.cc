@@ -44,7 +44,9 @@ using gdkv::nvme::Status;
 namespace {
 
 // gdkv.errors._make(op, key, status, failure, message) -> exception instance; set at import.
-nb::object g_make_error;
+// A handle that is never released: a static nb::object would be released after the interpreter
+// finalized.
+nb::handle g_make_error;
 
 [[noreturn]] void raise_error(const char* op, const Key* key, int status, const char* failure,
                               const std::string& message) {
@@ -155,7 +157,7 @@ Buffer get_buffer(nb::handle obj, bool writable, const char* what) {
     nb::ndarray<> a;
     if (!nb::try_cast(obj, a, /*convert=*/false)) {
       raise_type(std::string(what) + ": this " + py_type_name(obj) +
-                 " cannot be exported through DLPack (a tensor that requires grad needs .detach())");
+                 " cannot be exported through DLPack");
     }
     if (!c_contiguous(a)) {
       raise_value(std::string(what) + " must be contiguous (its bytes are read or written in " +
@@ -398,7 +400,7 @@ class PyClient {
         items[i] = BatchItem{gdkv::cmd::scatter_retrieve(k.bytes, k.len, descs[i].data(),
                                                          static_cast<uint32_t>(descs[i].size()),
                                                          nsid_),
-                             descs[i].data(), descs[i].size(), true, {}};
+                             descs[i].data(), descs[i].size(), true, {}, /*metadata=*/true};
       }
     }
     run_batch(items);
@@ -730,7 +732,7 @@ std::vector<uint32_t> to_tokens(nb::handle tokens) {
 
 NB_MODULE(_core, m) {
   m.doc() = "gdkv's C++ client (use the gdkv package, not this module)";
-  m.def("_set_error_factory", [](nb::object f) { g_make_error = std::move(f); });
+  m.def("_set_error_factory", [](nb::object f) { g_make_error = f.release(); });
   m.attr("max_key_bytes") = gdkv::nvme::kMaxKeyLength;
 #ifdef GDKV_HAVE_CUDA
   m.attr("cuda_build") = true;

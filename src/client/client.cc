@@ -104,11 +104,12 @@ CmdResult Client::execute(nvme::Sqe sqe) {
   return wait(*cid);
 }
 
-bool Client::stage(nvme::Sqe& sqe, const void* p, size_t len, bool to_controller) {
+bool Client::stage(nvme::Sqe& sqe, const void* p, size_t len, bool to_controller,
+                   bool metadata) {
   if (stager_ == nullptr || len == 0) return true;
   const uint64_t addr = stager_->acquire(p, len, to_controller);
   if (addr == 0) return false;
-  if (addr != reinterpret_cast<uint64_t>(p)) {
+  if (!metadata && addr != reinterpret_cast<uint64_t>(p)) {
     copies_.fetch_add(1, std::memory_order_relaxed);
     copy_bytes_.fetch_add(len, std::memory_order_relaxed);
   }
@@ -123,8 +124,9 @@ void Client::unstage(const nvme::Sqe& sqe, const void* p, size_t len, bool to_co
   stager_->release(sqe.dptr.prp.prp1, const_cast<void*>(p), len, to_controller);
 }
 
-CmdResult Client::execute_data(nvme::Sqe sqe, const void* p, size_t len, bool to_controller) {
-  if (!stage(sqe, p, len, to_controller)) {
+CmdResult Client::execute_data(nvme::Sqe sqe, const void* p, size_t len, bool to_controller,
+                               bool metadata) {
+  if (!stage(sqe, p, len, to_controller, metadata)) {
     return CmdResult{nvme::Status::kDataTransferError, nvme::kSctGeneric, 0};
   }
   CmdResult r = execute(sqe);
@@ -140,7 +142,7 @@ void Client::execute_batch(std::span<BatchItem> items) {
   staged.reserve(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
     BatchItem& it = items[i];
-    if (!stage(it.sqe, it.data, it.len, it.to_controller)) {
+    if (!stage(it.sqe, it.data, it.len, it.to_controller, it.metadata)) {
       it.result = CmdResult{nvme::Status::kDataTransferError, nvme::kSctGeneric, 0};
       continue;
     }
@@ -229,7 +231,7 @@ CmdResult Client::exists(const Key& key, uint32_t nsid) {
 CmdResult Client::list(const Key& start, std::vector<Key>& out, uint32_t buf_bytes, uint32_t nsid) {
   std::vector<std::byte> buf(buf_bytes);
   CmdResult r = execute_data(cmd::list(start.bytes, start.len, buf.data(), buf_bytes, nsid),
-                             buf.data(), buf.size(), false);
+                             buf.data(), buf.size(), false, true);
   if (!r.ok()) return r;
   uint32_t count;
   std::memcpy(&count, buf.data(), sizeof(count));
@@ -274,7 +276,7 @@ CmdResult Client::prefetch(std::span<const Key> keys, uint32_t nsid) {
     off += nvme::key_list_entry_size(k.len);
   }
   return execute_data(cmd::prefetch(buf.data(), static_cast<uint32_t>(bytes), nsid), buf.data(),
-                      buf.size(), true);
+                      buf.size(), true, true);
 }
 
 CmdResult Client::scatter_get(const Key& key, std::span<const nvme::ScatterEntry> pieces,
@@ -286,7 +288,7 @@ CmdResult Client::scatter_get(const Key& key, std::span<const nvme::ScatterEntry
   // The descriptor is staged; the destinations it names must be reachable by the controller.
   return execute_data(cmd::scatter_retrieve(key.bytes, key.len, desc.data(),
                                             static_cast<uint32_t>(desc.size()), nsid),
-                      desc.data(), desc.size(), true);
+                      desc.data(), desc.size(), true, true);
 }
 
 const char* failure_name(ClientFailure f) {

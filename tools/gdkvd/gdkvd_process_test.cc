@@ -271,6 +271,7 @@ TEST(GdkvdProcess, FrozenDaemonTimesOut) {
   const Key k = *Key::from_string("k");
   ASSERT_TRUE(c->put(k, pattern(100, 1)).ok());
   ASSERT_EQ(::kill(d.pid(), SIGSTOP), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // delivered asynchronously
   const auto t0 = Clock::now();
   EXPECT_EQ(c->exists(k).status, Status::kAbortRequested);
   const auto waited = Clock::now() - t0;

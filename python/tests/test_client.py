@@ -1,0 +1,247 @@
+"""Every call of gdkv.Client, good and bad input, on each kind of client (in-process memory and
+local store, and through a real gdkvd)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import gdkv
+
+
+def test_roundtrip(client):
+    client.put(b"alpha", b"one")
+    client.put("beta", bytearray(b"two"))
+    client.put(b"\x00\xff", memoryview(b"three"))
+    assert client.get(b"alpha") == b"one"
+    assert client.get("beta") == b"two"
+    assert client.exists(b"\x00\xff")
+    assert not client.exists(b"gamma")
+    assert client.list() == [b"\x00\xff", b"alpha", b"beta"]
+    assert client.list(prefix=b"al") == [b"alpha"]
+    assert client.delete(b"alpha") is True
+    assert client.delete(b"alpha", missing_ok=True) is False
+    with pytest.raises(KeyError) as e:
+        client.delete(b"alpha")
+    assert e.value.status == 0x87 and e.value.key == b"alpha"
+    with pytest.raises(gdkv.KeyNotFoundError):
+        client.get(b"alpha")
+    # Values larger than the size hint, and empty values.
+    big = np.random.default_rng(1).integers(0, 255, 3 << 20, dtype=np.uint8)
+    client.put(b"big", big)
+    assert client.get(b"big") == big.tobytes()
+    client.put(b"empty", b"")
+    assert client.get(b"empty") == b""
+
+
+def test_store_options(client):
+    client.put(b"k", b"1", must_not_exist=True)
+    with pytest.raises(gdkv.KeyExistsError):
+        client.put(b"k", b"2", must_not_exist=True)
+    client.put(b"k", b"3", must_exist=True)
+    with pytest.raises(gdkv.KeyNotFoundError):
+        client.put(b"other", b"4", must_exist=True)
+    assert client.get(b"k") == b"3"
+    with pytest.raises(ValueError):
+        client.put(b"k", b"5", must_exist=True, must_not_exist=True)
+
+
+@pytest.mark.parametrize("key", [b"", b"x" * 17, "", "é" * 9])
+def test_bad_key_sizes(client, key):
+    for call in (lambda: client.put(key, b"v"), lambda: client.get(key),
+                 lambda: client.exists(key), lambda: client.delete(key),
+                 lambda: client.get_into(key, bytearray(4)), lambda: client.lookup_prefix([key])):
+        with pytest.raises(gdkv.InvalidKeyError) as e:
+            call()
+        assert isinstance(e.value, ValueError) and e.value.status == 0x86
+
+
+@pytest.mark.parametrize("key", [None, 5, 1.5, ["k"], object()])
+def test_bad_key_types(client, key):
+    with pytest.raises(TypeError):
+        client.put(key, b"v")
+    with pytest.raises(TypeError):
+        client.exists_many([b"ok", key])
+
+
+def test_bad_buffers(client):
+    client.put(b"k", b"0123456789")
+    with pytest.raises(TypeError, match="read-only"):
+        client.get_into(b"k", b"0123456789")
+    with pytest.raises(TypeError, match="read-only"):
+        ro = np.zeros(10, np.uint8)
+        ro.flags.writeable = False
+        client.get_into(b"k", ro)
+    with pytest.raises(TypeError):
+        client.get_into(b"k", 42)
+    with pytest.raises(TypeError):
+        client.put(b"k", 42)
+    with pytest.raises(TypeError):
+        client.put(b"k", "text is not bytes")
+    with pytest.raises(ValueError, match="contiguous"):
+        client.get_into(b"k", np.zeros(20, np.uint8)[::2])
+    with pytest.raises(ValueError, match="contiguous"):
+        client.get_into(b"k", torch.zeros(20, dtype=torch.uint8)[::2])
+    with pytest.raises(ValueError, match="contiguous"):
+        client.put(b"k", torch.zeros((4, 4)).t())
+    # Too small: an error, unless partial, which gets the first bytes and the full length.
+    small = bytearray(4)
+    with pytest.raises(gdkv.ValueSizeError) as e:
+        client.get_into(b"k", small)
+    assert isinstance(e.value, ValueError)
+    assert client.get_into(b"k", small, partial=True) == 10
+    assert small == b"0123"
+    assert client.get(b"k") == b"0123456789"  # nothing was lost
+
+
+def test_get_into_numpy_torch_and_scatter(client):
+    value = np.arange(1024, dtype=np.float32)
+    client.put(b"v", value)
+    out = np.zeros(1024, np.float32)
+    assert client.get_into(b"v", out) == 4096
+    assert np.array_equal(out, value)
+    t = torch.zeros(1024, dtype=torch.float32)
+    client.get_into(b"v", t)
+    assert torch.equal(t, torch.from_numpy(value))
+    # One value into several buffers, in order.
+    parts = [client.empty(100, np.float32), client.empty(900, np.float32),
+             client.empty(24, np.float32)]
+    assert client.get_into(b"v", parts) == 4096
+    assert np.array_equal(np.concatenate(parts), value)
+    with pytest.raises(ValueError):
+        client.get_into(b"v", [])
+
+
+def test_batches(client):
+    keys = gdkv.chain_keys(range(8 * 16), 16, "batch-test")
+    values = [np.full(1000 + i, i, np.uint8) for i in range(len(keys))]
+    client.put_many(zip(keys[:6], values[:6]))
+    assert client.exists_many(keys) == [True] * 6 + [False] * 2
+    assert client.lookup_prefix(keys) == 6
+    assert client.lookup_prefix([]) == 0
+    client.delete(keys[2])
+    assert client.lookup_prefix(keys) == 2  # the run ends at the first missing block
+    got = client.get_many(keys[:4], size_hint=512)  # shorter hint: read again whole
+    assert got[2] is None
+    assert [got[0], got[1], got[3]] == [values[i].tobytes() for i in (0, 1, 3)]
+    outs = [client.empty(2000, np.uint8) for _ in range(4)]
+    lens = client.get_many_into(keys[:4], outs)
+    assert lens == [1000, 1001, None, 1003]
+    assert all(np.all(outs[i][:lens[i]] == i) for i in (0, 1, 3))
+    with pytest.raises(gdkv.ValueSizeError):
+        client.get_many_into(keys[:1], [client.empty(10, np.uint8)])
+    with pytest.raises(ValueError):
+        client.put_many([(keys[0], b"x")] + [(b"", b"y")])
+    with pytest.raises(ValueError):
+        client.get_many_into(keys[:2], [bytearray(10)])
+
+
+def test_closed_client(client):
+    client.put(b"k", b"v")
+    with client:
+        pass
+    assert client.closed
+    for call in (lambda: client.get(b"k"), lambda: client.put(b"k", b"v"),
+                 lambda: client.lookup_prefix([b"k"]), lambda: client.alloc(10)):
+        with pytest.raises(gdkv.ClosedError):
+            call()
+    client.close()  # twice is fine
+
+
+def test_threads_share_a_client(client):
+    errors = []
+
+    def worker(t: int):
+        try:
+            out = np.zeros(4096, np.uint8)
+            for i in range(150):
+                k = f"t{t}-{i}".encode()
+                v = np.full(4096, (t * 31 + i) % 256, np.uint8)
+                client.put(k, v)
+                client.get_into(k, out)
+                assert np.array_equal(out, v)
+                assert client.lookup_prefix([k, b"missing"]) == 1
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(client.list(prefix=b"t")) == 8 * 150
+
+
+def test_asyncio_forms(client):
+    async def main():
+        await asyncio.gather(*(client.aput(f"a{i}", bytes([i]) * 100) for i in range(32)))
+        outs = [bytearray(100) for _ in range(32)]
+        lens = await asyncio.gather(*(client.aget_into(f"a{i}", outs[i]) for i in range(32)))
+        assert lens == [100] * 32 and all(o == bytes([i]) * 100 for i, o in enumerate(outs))
+        assert await client.aget("a3") == bytes([3]) * 100
+        assert await client.alookup_prefix([f"a{i}" for i in range(40)]) == 32
+        assert await client.aexists("a0") and not await client.aexists("zz")
+        await client.aput_many([(b"m1", b"1"), (b"m2", b"2")])
+        assert await client.aget_many([b"m1", b"m2", b"m3"]) == [b"1", b"2", None]
+        assert await client.aget_many_into([b"m1"], [bytearray(1)]) == [1]
+        assert await client.adelete(b"m1")
+        with pytest.raises(KeyError):
+            await client.aget(b"m1")
+
+    asyncio.run(main())
+
+
+def test_empty_gives_numpy_and_torch(client):
+    a = client.empty((3, 4), "float16")
+    assert a.shape == (3, 4) and a.dtype == np.float16 and a.flags.c_contiguous
+    t = client.empty((2, 5), torch.bfloat16)
+    assert t.shape == (2, 5) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert client.reaches(a) and client.reaches(t)
+    with pytest.raises(ValueError):
+        client.alloc(0)
+
+
+def test_open_errors(tmp_path):
+    with pytest.raises(gdkv.Error, match="nosuch"):
+        gdkv.open("nosuch")
+    with gdkv.open("local", store=str(tmp_path / "s"), capacity=64 << 20):
+        with pytest.raises(gdkv.Error, match="(?i)lock|in use|open"):
+            gdkv.open("local", store=str(tmp_path / "s"), capacity=64 << 20)
+    with pytest.raises(gdkv.ConnectionError):
+        gdkv.connect(str(tmp_path / "no-daemon"))
+    if gdkv.cuda_build:
+        with gdkv.open("memory") as c, pytest.raises(ValueError, match="register|CUDA"):
+            c.register(np.zeros(4))
+
+
+def test_local_store_persists_across_opens(tmp_path):
+    with gdkv.open("local", store=str(tmp_path / "s"), capacity=64 << 20) as c:
+        c.put(b"durable", b"value")
+    with gdkv.open("local", store=str(tmp_path / "s"), capacity=64 << 20) as c:
+        assert c.get(b"durable") == b"value"
+
+
+def test_gil_is_released_while_waiting(gdkvd):
+    """A call waiting on a frozen gdkvd leaves other Python threads running."""
+    import signal
+
+    with gdkv.connect(gdkvd.dir, timeout_ms=5000) as c:
+        c.put(b"k", b"v")
+        gdkvd.signal(signal.SIGSTOP)
+        time.sleep(0.1)  # the signal is delivered asynchronously
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (c.exists(b"k"), done.set()))
+        t.start()
+        n, end = 0, time.monotonic() + 0.3
+        while time.monotonic() < end:
+            n += 1
+        gdkvd.signal(signal.SIGCONT)
+        t.join(5)
+        assert done.is_set()
+        assert n > 100_000  # the spinning main thread was never blocked on the GIL

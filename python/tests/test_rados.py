@@ -1,0 +1,33 @@
+"""The package on the real Ceph cluster scripts/test starts (in-process RADOS backend)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gdkv
+from conftest import require_ceph
+
+
+def test_rados_roundtrip_and_batches():
+    conf = require_ceph()
+    with gdkv.open("rados", pool="gdkv-rep3", ceph_conf=conf) as c:
+        keys = gdkv.chain_keys(np.arange(64 * 4), 64, "pytest-rados")
+        for k in keys:
+            c.delete(k, missing_ok=True)
+        vals = [np.full(8192, i, np.uint8) for i in range(4)]
+        c.put_many(zip(keys[:3], vals[:3]))
+        assert c.lookup_prefix(keys) == 3
+        outs = [c.empty(8192, np.uint8) for _ in range(4)]
+        assert c.get_many_into(keys, outs) == [8192, 8192, 8192, None]
+        assert all(np.array_equal(outs[i], vals[i]) for i in range(3))
+        with pytest.raises(KeyError):
+            c.get(keys[3])
+        for k in keys[:3]:
+            assert c.delete(k)
+
+
+def test_rados_unreachable_is_an_error():
+    require_ceph()
+    with pytest.raises(gdkv.Error):
+        gdkv.open("rados", pool="gdkv-no-such-pool", ceph_conf=require_ceph())

@@ -1,0 +1,118 @@
+"""Zero copy asserted (the copy counter and the destination's own memory), and a gdkvd that dies
+or freezes mid-call (an exception within the timeout, never a hang or a crash)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import gdkv
+
+
+def test_in_process_reaches_any_host_buffer():
+    with gdkv.open("memory") as c:
+        v = torch.arange(4096, dtype=torch.int32)
+        c.put(b"k", v)
+        out = torch.zeros(4096, dtype=torch.int32)
+        ptr = out.data_ptr()
+        assert c.get_into(b"k", out) == 4 * 4096
+        assert out.data_ptr() == ptr and torch.equal(out, v)  # written where it is
+        arr = np.zeros(4096, np.int32)
+        c.get_into(b"k", arr)
+        assert np.array_equal(arr, v.numpy())
+        assert c.reaches(arr) and c.copies() == (0, 0)
+        assert c.metrics()["client_staged_copies_total"] == 0
+
+
+def test_through_gdkvd_shared_memory_is_zero_copy(gdkvd):
+    with gdkv.connect(gdkvd.dir) as c:
+        src = c.empty(1 << 20, torch.uint8)
+        src.copy_(torch.randint(0, 255, (1 << 20,), dtype=torch.uint8))
+        c.put(b"big", src)
+        dst = c.empty((1024, 1024), torch.uint8)
+        dst.fill_(7)
+        ptr = dst.data_ptr()
+        assert c.get_into(b"big", dst) == 1 << 20
+        assert dst.data_ptr() == ptr and torch.equal(dst.flatten(), src)
+        parts = [c.empty(1 << 19, np.uint8), c.empty(1 << 19, np.uint8)]
+        c.get_into(b"big", parts)
+        assert np.array_equal(np.concatenate(parts), src.numpy())
+        c.get_many_into([b"big"], [dst])
+        assert c.copies() == (0, 0)
+        # A buffer outside shared memory is staged: it works, and is counted.
+        plain = bytearray(1 << 20)
+        assert not c.reaches(plain)
+        c.get_into(b"big", plain)
+        assert plain == src.numpy().tobytes()
+        assert c.copies() == (1, 1 << 20)
+        # Spreading a value over plain buffers cannot be done in place: a clear error.
+        with pytest.raises(ValueError, match="empty"):
+            c.get_into(b"big", [bytearray(10), bytearray(10)])
+
+
+def test_empty_memory_outlives_the_client(gdkvd):
+    c = gdkv.connect(gdkvd.dir)
+    a = c.empty(4096, np.uint8)
+    c.put(b"k", b"x" * 4096)
+    c.get_into(b"k", a)
+    c.close()
+    assert bytes(a[:4]) == b"xxxx"  # still mapped while the array lives
+    del a
+
+
+def test_daemon_killed_mid_call_raises_in_bounded_time(gdkvd):
+    c = gdkv.connect(gdkvd.dir, timeout_ms=60000)
+    c.put(b"k", b"v" * 4096)
+    gdkvd.signal(signal.SIGSTOP)  # the next call is in flight when gdkvd dies
+    result = {}
+
+    def call():
+        t0 = time.monotonic()
+        try:
+            c.get(b"k")
+        except Exception as e:  # noqa: BLE001 - checked below
+            result["error"] = e
+        result["done"] = time.monotonic()
+        result["start"] = t0
+
+    t = threading.Thread(target=call)
+    t.start()
+    time.sleep(0.2)
+    killed = time.monotonic()
+    gdkvd.signal(signal.SIGKILL)
+    t.join(10)
+    assert not t.is_alive()
+    assert isinstance(result["error"], gdkv.ConnectionError)
+    assert isinstance(result["error"], ConnectionError)
+    assert result["done"] - killed < 2.0
+    t0 = time.monotonic()
+    with pytest.raises(gdkv.ConnectionError):
+        c.exists(b"k")
+    with pytest.raises(gdkv.ConnectionError):
+        c.lookup_prefix([b"k", b"j"])
+    assert time.monotonic() - t0 < 0.5
+    c.close()
+
+
+def test_frozen_daemon_times_out(gdkvd):
+    c = gdkv.connect(gdkvd.dir, timeout_ms=300)
+    c.put(b"k", b"v")
+    gdkvd.signal(signal.SIGSTOP)
+    time.sleep(0.1)  # the signal is delivered asynchronously
+    t0 = time.monotonic()
+    with pytest.raises(gdkv.TimeoutError) as e:
+        c.get_many([b"k", b"k2"])
+    waited = time.monotonic() - t0
+    assert isinstance(e.value, TimeoutError)
+    assert 0.3 <= waited < 3.0
+    gdkvd.signal(signal.SIGCONT)
+    with pytest.raises(gdkv.TimeoutError):  # the client stays failed
+        c.exists(b"k")
+    c.close()
+    with gdkv.connect(gdkvd.dir) as c2:  # a new connection works
+        assert c2.get(b"k") == b"v"
