@@ -8,21 +8,25 @@ gdkv's storage.
     >>> path = build_model("/tmp/gdkv-model")            # random weights from seed 0, saved once
     >>> model = load_model(path)
     >>> logits, cache = prefill(model, prompt_a)           # prompt_a: list[int] of 3072 ids
-    >>> kv = [(k[:, :, :2560].contiguous(), v[:, :, :2560].contiguous()) for k, v in layer_kv(cache)]
+    >>> kv = [(k[:, :, :2560].contiguous(), v[:, :, :2560].contiguous())
+    ...       for k, v in layer_kv(cache)]
     >>> logits, cache = prefill(model, prompt_b[2560:], past=kv)
     >>> tokens, step_logits = greedy(model, cache, logits, 16)
 
-The default model (6 layers, hidden 768, 12 query heads sharing 4 KV heads, head_dim 64, MLP 2048,
-vocab 8192; 50.3 M parameters, 12288 KV bytes per token in fp32) prefills 3072 tokens in fp32 in
-2.8 to 5.7 s on the 2-core development VM (torch 2.14.0, transformers 5.20.2; the VM's timings
-vary by about 2x between runs), and prefilling the 512 tokens left after a 2560-token cached
-prefix takes 0.4 to 1.0 s.
+The default model (10 layers, hidden 768, 12 query heads sharing 4 KV heads, head_dim 64, MLP 2048,
+vocab 8192; 75.5 M parameters, 302 MB of safetensors, 20480 KV bytes per token in fp32) prefills
+3072 tokens in fp32 in 3.4 s on the 2-core development VM (AMD EPYC, AVX-512, torch 2.14.0 on
+CPU, 2 threads; 3.39 to 3.55 s over 5 runs on an otherwise idle VM), and the 512 tokens left after a
+2560-token cached prefix in 0.7 s. The first forward in a process is slower (allocations, weights
+paged in from the mmapped safetensors file); under load from other processes the VM's timings
+vary by 2 to 3x.
 
-Reuse is exact up to float rounding: B prefilled on A's first 2560 tokens of K/V gives logits
-within 2e-5 of a full recompute of B (max abs, fp32, logits of magnitude about 5) and the same
-greedy tokens; the difference comes from the two paths calling SDPA differently (a full prefill
-has no mask and uses `is_causal`, a prefill after cached tokens passes an explicit mask), not from
-the reused K/V, which are bitwise equal to what the full recompute computes.
+Reuse is exact: with SDPA attention in fp32 on that CPU, B prefilled on A's first 2560 tokens of
+K/V gives bitwise the same logits, K/V and greedy tokens as a full recompute of B (also for 2500,
+2561, 3000, 1 and 16 cached tokens). The one exception seen is a remainder of a single token
+(3071 cached): a one-row forward takes other matmul and attention kernels, and the logits (of
+magnitude about 6) differ by up to 3e-5. Compare with atol 1e-4: a single cached K row that is
+off by 1e-2 in one layer already moves the logits by 6e-4, a one-token position shift by 5.
 """
 
 import hashlib
@@ -37,12 +41,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+# Reuse is bitwise exact with both "sdpa" and "eager"; eager materializes every layer's
+# [heads, T, T] attention weights (450 MB at 3072 tokens) and is slower.
 ATTN_IMPLEMENTATION = "sdpa"
 
 # Written into the model folder after the weights, so its presence means a complete build.
 _BUILD_FILE = "gdkv-build.json"
 
-# Config entries that name where or how a model was saved or loaded, not what it computes.
+# Config entries that say where, by which transformers version and as what a model was saved or
+# loaded ("architectures" is None until saved), not what it computes.
 _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "architectures", "dtype")
 
 
@@ -63,7 +70,8 @@ def build_model(
 
     Does nothing if `path` already holds a model built with the same arguments. The weights are
     drawn with std `init_std` (transformers' default is 0.02): with 0.02 the untrained model's
-    greedy output settles on one repeated token; with 0.05 16 greedy steps give 16 distinct ones.
+    greedy output falls into a loop of 2 tokens after 3 steps; with 0.05 16 greedy steps after a
+    3072-token prompt give 16 distinct tokens.
 
         >>> build_model("/tmp/gdkv-model")
         '/tmp/gdkv-model'
@@ -110,7 +118,7 @@ def load_model(path, *, device="cpu", dtype=torch.float32):
 
         >>> model = load_model("/tmp/gdkv-model")
         >>> model.config.num_hidden_layers, model.dtype
-        (6, torch.float32)
+        (10, torch.float32)
     """
     model = LlamaForCausalLM.from_pretrained(
         path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True
@@ -124,12 +132,13 @@ def load_model(path, *, device="cpu", dtype=torch.float32):
 def model_identity(model):
     """A name for the model's KV cache contents, to salt cache keys with.
 
-    It is a sha256 over the config (less the entries that name where it was saved) and every
-    weight's name, dtype, shape and bytes, so it is equal in every process that loads the same
-    folder with the same dtype, and differs for another seed, config or dtype.
+    It is a sha256 over the config, less the entries that differ between a built and a loaded
+    model (_VOLATILE_CONFIG_KEYS; the dtype is in the weights), and every weight's name, dtype,
+    shape and bytes. So it is equal in every process that loads the same folder with the same
+    dtype, and differs for another seed, config or dtype. It takes 0.2 s for the default model.
 
         >>> model_identity(load_model("/tmp/gdkv-model"))
-        'llama-sha256:5f0c...'   # 64 hex digits
+        'llama-sha256:5a1a9422f3d27f6d37f5e53579d6da1264a5149ce413df8c5f7b3b81580dc3a4'
     """
     config = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
@@ -143,7 +152,8 @@ def kv_layout(model):
     """The shape of the model's KV cache; bytes_per_token counts K and V of all layers.
 
         >>> kv_layout(load_model("/tmp/gdkv-model"))
-        {'layers': 6, 'kv_heads': 4, 'head_dim': 64, 'dtype': torch.float32, 'bytes_per_token': 12288}
+        {'layers': 10, 'kv_heads': 4, 'head_dim': 64, 'dtype': torch.float32,
+         'bytes_per_token': 20480}
     """
     config = model.config
     layers = config.num_hidden_layers
@@ -177,7 +187,8 @@ def _cache_from(model, past):
     shape = (1, layout["kv_heads"], length, layout["head_dim"])
     for keys, values in past:
         for tensor in (keys, values):
-            if tuple(tensor.shape) != shape or tensor.dtype != layout["dtype"] or tensor.device != model.device:
+            expected = (shape, layout["dtype"], model.device)
+            if (tuple(tensor.shape), tensor.dtype, tensor.device) != expected:
                 raise ValueError(
                     f"past tensor {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}, "
                     f"expected {shape} {layout['dtype']} on {model.device}"
