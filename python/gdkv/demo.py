@@ -51,8 +51,8 @@ def _args(argv):
     p.add_argument("--steps", type=int, default=16, help="greedy tokens B generates (16)")
     p.add_argument("--seed", type=int, default=1, help="seed of the prompts' token ids (1)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
-    p.add_argument("--tolerance", type=float, default=1e-3,
-                   help="largest |logit difference| accepted between reuse and recompute (1e-3)")
+    p.add_argument("--tolerance", type=float, default=1e-4,
+                   help="largest |logit difference| accepted between reuse and recompute (1e-4)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("--phase", choices=["store", "reuse"], help=argparse.SUPPRESS)
     a = p.parse_args(argv)
