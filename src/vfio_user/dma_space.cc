@@ -131,6 +131,16 @@ int DmaSpace::unmap(uint64_t iova, uint64_t size) {
   return 0;
 }
 
+std::vector<const DmaMap*> DmaSpace::queue_maps(uint64_t iova, uint64_t size, bool all) const {
+  std::shared_lock lk(mu_);
+  std::vector<const DmaMap*> out;
+  for (const auto& [at, m] : maps_) {
+    if (m->queue_refs.load() == 0) continue;
+    if (all || (at == iova && m->size == size)) out.push_back(m.get());
+  }
+  return out;
+}
+
 int DmaSpace::detach_all(std::vector<std::unique_ptr<DmaMap>>& out) {
   std::unique_lock lk(mu_);
   for (const auto& [at, m] : maps_) {

@@ -87,6 +87,9 @@ class DmaSpace {
   // Removes every map (DMA_UNMAP with the ALL flag, disconnect). EBUSY if a queue lives in one.
   int unmap_all();
   // unmap_all() without the wait: the caller waits for each map's commands, then destroys it.
+  // The maps a DMA_UNMAP of [iova, iova + size) (all: every map) would remove that queues live in.
+  // The pointers stay valid until the caller (the thread that unmaps) detaches them.
+  std::vector<const DmaMap*> queue_maps(uint64_t iova, uint64_t size, bool all) const;
   int detach_all(std::vector<std::unique_ptr<DmaMap>>& out);
 
   // Resolves [iova, iova+len) into segments (spanning adjacent maps), pinning each map in `refs`.

@@ -42,6 +42,13 @@ uint32_t cdw11(const nvme::Sqe& s) {
          (static_cast<uint32_t>(s.cdw11_reserved) << 16);
 }
 
+// CDW14 as a number (the KV layout of nvme::Sqe names its bytes as key bytes 8–11).
+uint32_t bytes_of_cdw14(const nvme::Sqe& s) {
+  uint32_t v;
+  std::memcpy(&v, s.key_hi, sizeof(v));
+  return v;
+}
+
 void pad_copy(char* dst, size_t n, const std::string& s) {
   std::memset(dst, ' ', n);
   std::memcpy(dst, s.data(), std::min(n, s.size()));
@@ -391,6 +398,7 @@ bool NvmeController::bar0_write(uint64_t offset, std::span<const std::byte> in) 
 
 bool NvmeController::poll() {
   bool busy = process_dma();
+  if (drop_pending_.load(std::memory_order_acquire)) busy |= continue_drop();
   if (cc_dirty_.load(std::memory_order_relaxed) &&
       cc_dirty_.exchange(false, std::memory_order_acq_rel)) {
     handle_cc();
@@ -516,6 +524,52 @@ bool NvmeController::continue_reset() {
   return true;
 }
 
+bool NvmeController::drop_queues_in(const DmaMap* map, std::chrono::milliseconds timeout) {
+  std::unique_lock lk(drop_mu_);
+  drop_map_ = map;
+  drop_pending_.store(true, std::memory_order_release);
+  if (drop_cv_.wait_for(lk, timeout, [&] { return drop_map_ == nullptr; })) return true;
+  drop_map_ = nullptr;  // given up: the reactor forgets the request
+  drop_pending_.store(false, std::memory_order_release);
+  return false;
+}
+
+bool NvmeController::continue_drop() {
+  std::lock_guard lk(drop_mu_);
+  const DmaMap* m = drop_map_;
+  if (m == nullptr) return false;
+  const auto doomed = [&](const Sq& sq) {
+    return sq.active && (sq.map == m || cqs_[sq.cqid].map == m);
+  };
+  // Fetch nothing more from them; commands in flight still post their completions, into memory
+  // that stays mapped until this returns.
+  bool waiting = false;
+  for (Sq& sq : sqs_) {
+    if (!doomed(sq)) continue;
+    sq.deleting = true;
+    if (sq.inflight != 0) waiting = true;
+  }
+  if (waiting) return false;
+  signal_irqs();  // completions posted since the last poll still get their interrupt
+  const bool live = enabled_ && (csts_.load() & kCstsShstMask) != kCstsShstComplete;
+  bool lost = false;
+  for (Sq& sq : sqs_) {
+    if (!doomed(sq)) continue;
+    lost = true;
+    destroy_sq(sq);
+  }
+  for (Cq& cq : cqs_) {
+    if (!cq.active || cq.map != m) continue;
+    lost = true;
+    destroy_cq(cq);
+  }
+  if (live && lost) csts_.fetch_or(kCstsCfs, std::memory_order_acq_rel);
+  drop_map_ = nullptr;
+  drop_pending_.store(false, std::memory_order_release);
+  drop_cv_.notify_all();
+  return true;
+}
+
 void NvmeController::teardown_queues() {
   for (uint16_t q = kMaxQueues; q-- > 0;) {
     if (sqs_[q].active) destroy_sq(sqs_[q]);
@@ -584,6 +638,7 @@ bool NvmeController::post(Cq& cq, const PendingCqe& e) {
 }
 
 void NvmeController::post_or_queue(Cq& cq, const PendingCqe& e) {
+  if (!cq.active) return;  // dropped with its memory (drop_queues_in): nowhere to post
   if (!cq.overflow.empty() || !post(cq, e)) cq.overflow.push_back(e);
 }
 
@@ -809,8 +864,10 @@ void NvmeController::complete_io(IoCmd* c, uint16_t status, uint32_t dw0) {
   if (status != 0) {
     stats_.io_errors.fetch_add(1, std::memory_order_relaxed);
   } else if (sqe.opcode == static_cast<uint8_t>(nvme::Opcode::kStore)) {
+    stats_.write_commands.fetch_add(1, std::memory_order_relaxed);
     stats_.bytes_written.fetch_add(sqe.cdw10, std::memory_order_relaxed);
   } else if (sqe.opcode == static_cast<uint8_t>(nvme::Opcode::kRetrieve)) {
+    stats_.read_commands.fetch_add(1, std::memory_order_relaxed);
     stats_.bytes_read.fetch_add(std::min(sqe.cdw10, dw0), std::memory_order_relaxed);
   }
   const PendingCqe e{sqe.cid, sq.id, 0, status, dw0};
@@ -829,6 +886,7 @@ void NvmeController::complete_io(IoCmd* c, uint16_t status, uint32_t dw0) {
 bool NvmeController::process_admin() {
   Sq& s = sqs_[0];
   Cq& c = cqs_[0];
+  if (!s.active || s.deleting || !c.active) return false;  // its memory was unmapped
   const uint32_t tail = load_db(sq_doorbell(0));
   if (tail >= s.size) {
     if (tail != s.head) stats_.bad_doorbells.fetch_add(1, std::memory_order_relaxed);
@@ -1039,8 +1097,9 @@ uint16_t NvmeController::identify(const nvme::Sqe& sqe) {
       id->acl = 3;
       id->aerl = kAerLimit - 1;
       id->frmw = 0x03;  // slot 1 read-only, one slot
-      id->wctemp = 0x0157;
-      id->cctemp = 0x0175;
+      // No temperature sensor: the thresholds are 0 ("not reported") and so is the SMART
+      // temperature; a fixed figure would be made up.
+      id->lpa = kLpaCommandEffects;
       id->sqes = 0x66;
       id->cqes = 0x44;
       id->nn = max_nsid();
@@ -1143,17 +1202,19 @@ uint16_t NvmeController::get_log_page(const nvme::Sqe& sqe) {
       page.assign(64, 0);
       break;  // ELPE = 0: one entry, no errors logged
     case kLogSmart: {
+      // Only what this controller measured: value bytes moved and commands per direction.
       SmartLog s{};
-      s.temperature = 0x0136;  // 310 K
       s.avail_spare = 100;
       s.spare_thresh = 10;
       // 128-bit counters: data units are thousands of 512-byte units, rounded up.
       const uint64_t units_read = (stats_.bytes_read.load() + 511999) / 512000;
       const uint64_t units_written = (stats_.bytes_written.load() + 511999) / 512000;
-      const uint64_t cmds = stats_.io_commands.load();
+      const uint64_t reads = stats_.read_commands.load();
+      const uint64_t writes = stats_.write_commands.load();
       std::memcpy(s.data_units_read, &units_read, 8);
       std::memcpy(s.data_units_written, &units_written, 8);
-      std::memcpy(s.host_reads, &cmds, 8);
+      std::memcpy(s.host_reads, &reads, 8);
+      std::memcpy(s.host_writes, &writes, 8);
       const uint64_t one = 1;
       std::memcpy(s.power_cycles, &one, 8);
       page.resize(sizeof(s));
@@ -1164,6 +1225,30 @@ uint16_t NvmeController::get_log_page(const nvme::Sqe& sqe) {
       page.assign(512, 0);
       page[0] = 1;  // active slot 1
       pad_copy(reinterpret_cast<char*>(&page[8]), 8, config_.firmware);
+      break;
+    }
+    case kLogCommandEffects: {
+      const uint8_t csi = static_cast<uint8_t>(bytes_of_cdw14(sqe) >> 24);
+      if (csi != kCsiNvm && csi != kCsiKv) return sf(Status::kInvalidField);
+      CommandEffectsLog e{};
+      // Every admin command gdkvd implements; no command-submission effects are claimed.
+      for (AdminOp op : {AdminOp::kDeleteIoSq, AdminOp::kCreateIoSq, AdminOp::kGetLogPage,
+                         AdminOp::kDeleteIoCq, AdminOp::kCreateIoCq, AdminOp::kIdentify,
+                         AdminOp::kAbort, AdminOp::kSetFeatures, AdminOp::kGetFeatures,
+                         AdminOp::kAsyncEventRequest, AdminOp::kKeepAlive,
+                         AdminOp::kGdkvDeviceMemory}) {
+        e.admin[static_cast<uint8_t>(op)] = kEffectsCsupp;
+      }
+      // I/O commands: the KV command set's and gdkv's vendor ones; none of the NVM set.
+      if (csi == kCsiKv) {
+        for (nvme::Opcode op : {nvme::Opcode::kStore, nvme::Opcode::kRetrieve, nvme::Opcode::kList,
+                                nvme::Opcode::kDelete, nvme::Opcode::kExist,
+                                nvme::Opcode::kPrefetch, nvme::Opcode::kScatterRetrieve}) {
+          e.io[static_cast<uint8_t>(op)] = kEffectsCsupp;
+        }
+      }
+      page.resize(sizeof(e));
+      std::memcpy(page.data(), &e, sizeof(e));
       break;
     }
     default:

@@ -26,6 +26,8 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -106,6 +108,8 @@ struct NvmeStats {
   std::atomic<uint64_t> bad_doorbells{0};
   std::atomic<uint64_t> bytes_read{0};     // value bytes delivered to the host
   std::atomic<uint64_t> bytes_written{0};  // value bytes stored
+  std::atomic<uint64_t> read_commands{0};  // Retrieves that succeeded (SMART host reads)
+  std::atomic<uint64_t> write_commands{0};  // Stores that succeeded (SMART host writes)
   std::atomic<uint64_t> interrupts{0};
   std::atomic<uint64_t> bounced_commands{0};  // commands that used message-only DMA memory
 };
@@ -127,6 +131,11 @@ class NvmeController final : public Poller {
   // Fetch nothing more (teardown); in-flight commands still complete.
   void stop() { stopping_.store(true, std::memory_order_release); }
   uint64_t inflight() const { return inflight_.load(std::memory_order_acquire); }
+  // Before `map` is unmapped: the queues living in it (ring or completion queue there) stop
+  // fetching, their commands complete, then the reactor drops them; CSTS.CFS is set if the
+  // controller was enabled and not shut down (a live queue lost its memory). False if the reactor
+  // did not finish within `timeout` (commands stuck in a backend).
+  bool drop_queues_in(const DmaMap* map, std::chrono::milliseconds timeout);
 
   // ---- any thread ----
   // A transfer submitted to the channel has finished (x->ok says how).
@@ -196,6 +205,7 @@ class NvmeController final : public Poller {
   bool enable(uint32_t cc, uint32_t aqa, uint64_t asq, uint64_t acq);
   void begin_reset();
   bool continue_reset();
+  bool continue_drop();
   void teardown_queues();
   bool process_admin();
   bool process_deferred();
@@ -259,6 +269,11 @@ class NvmeController final : public Poller {
   std::atomic<bool> cc_dirty_{false};
   std::atomic<bool> stopping_{false};
   std::atomic<uint64_t> inflight_{0};
+  // drop_queues_in's request to the reactor.
+  std::mutex drop_mu_;
+  std::condition_variable drop_cv_;
+  const DmaMap* drop_map_ = nullptr;  // guarded by drop_mu_; null once done
+  std::atomic<bool> drop_pending_{false};
 
   // Reactor-owned state.
   bool enabled_ = false;

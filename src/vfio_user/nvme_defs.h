@@ -116,6 +116,17 @@ inline constexpr uint8_t kFeatIoCommandSetProfile = 0x19;
 inline constexpr uint8_t kLogErrorInfo = 0x01;
 inline constexpr uint8_t kLogSmart = 0x02;
 inline constexpr uint8_t kLogFirmwareSlot = 0x03;
+inline constexpr uint8_t kLogCommandEffects = 0x05;  // CSI in CDW14 bits 31:24
+// Identify Controller LPA bit 1: the Commands Supported and Effects log is supported.
+inline constexpr uint8_t kLpaCommandEffects = 1u << 1;
+// Commands Supported and Effects log (05h): 256 admin then 256 I/O command entries (dwords).
+struct CommandEffectsLog {
+  uint32_t admin[256];
+  uint32_t io[256];
+  uint8_t reserved[2048];
+};
+static_assert(sizeof(CommandEffectsLog) == 4096);
+inline constexpr uint32_t kEffectsCsupp = 1u << 0;  // the command is supported
 
 // Status codes of the command-specific type (SCT 1) that admin commands return.
 namespace sc {

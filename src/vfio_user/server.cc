@@ -205,6 +205,8 @@ void VfioUserServer::Impl::serve(Connection* c) {
   const auto send = [c](const vfio_user::Header& h, std::span<const std::byte> payload) {
     return vfio_user::write_message(c->sock.get(), h, payload);
   };
+  constexpr uint32_t kLoggedRefusals = 20;
+  uint32_t refusals = 0;
   for (;;) {
     // DMA_READ/DMA_WRITE requests for message-only memory go out from here too; the timeout
     // lets an overdue reply fail its transfer.
@@ -227,7 +229,16 @@ void VfioUserServer::Impl::serve(Connection* c) {
     }
     vfio_user::Reply r = session.handle(m);
     m.fds.clear();  // descriptors the handler did not keep
-    if (r.hdr.flags & vfio_user::kErrorFlag) message_errors.fetch_add(1, std::memory_order_relaxed);
+    if (r.hdr.flags & vfio_user::kErrorFlag) {
+      message_errors.fetch_add(1, std::memory_order_relaxed);
+      // The first refusals of a connection with their reasons: enough for an operator to see
+      // what a client got wrong, not a log a hostile client can flood.
+      if (++refusals <= kLoggedRefusals) {
+        log("client " + std::to_string(c->id) + ": refused " + vfio_user::cmd_name(m.hdr.command) +
+            ": " + errno_text(static_cast<int>(r.hdr.error)) + (r.why.empty() ? "" : ": " + r.why) +
+            (refusals == kLoggedRefusals ? " (later refusals of this client are not logged)" : ""));
+      }
+    }
     if (r.send && !vfio_user::write_message(c->sock.get(), r.hdr, r.payload, r.fds)) break;
     if (r.close_after) break;
   }

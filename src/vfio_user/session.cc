@@ -306,7 +306,9 @@ Reply DeviceSession::handle(Message& m) {
     stats_.errors.fetch_add(1, std::memory_order_relaxed);
     r.payload.clear();
     r.fds.clear();
+    r.why = std::move(refusal_);
   }
+  refusal_.clear();
   r.hdr = reply_header(m.hdr, static_cast<uint32_t>(r.payload.size()), err);
   return r;
 }
@@ -340,8 +342,18 @@ int DeviceSession::on_dma_map(Message& m) {
   if (!req || req->argsz < sizeof(DmaMapMsg) || m.fds.size() > 1) return EINVAL;
   UniqueFd fd = m.fds.empty() ? UniqueFd() : std::move(m.fds[0]);
   if (!fd.valid() && req->offset != 0) return EINVAL;
-  return dma_.map(req->addr, req->size, req->offset, req->flags, std::move(fd));
+  const int err = dma_.map(req->addr, req->size, req->offset, req->flags, std::move(fd));
+  if (err == EPERM) {
+    refusal_ = "its memory fd is not sealed against shrinking (F_SEAL_SHRINK), so the client could "
+               "make gdkvd fault; allow_unsealed_memory = true accepts such memory (SPDK's "
+               "hugetlbfs files, QEMU memory-backend-memfd without seal=on)";
+  }
+  return err;
 }
+
+// How long a DMA_UNMAP waits for the commands of queues in the memory (longer than a backend's
+// own op timeout, so only a stuck backend hits it).
+constexpr std::chrono::seconds kUnmapTimeout{30};
 
 int DeviceSession::on_dma_unmap(Message& m, Reply& r) {
   // SPDK sends the region's fd along with DMA_UNMAP; it is closed with the message.
@@ -350,14 +362,29 @@ int DeviceSession::on_dma_unmap(Message& m, Reply& r) {
   if (!req || req->argsz < sizeof(DmaUnmapMsg)) return EINVAL;
   if (req->flags & kDmaUnmapFlagGetDirtyBitmap) return ENOTSUP;
   if (req->flags & ~(kDmaUnmapFlagAll)) return EINVAL;
+  const bool all = req->flags & kDmaUnmapFlagAll;
+  if (all && (req->addr != 0 || req->size != 0)) return EINVAL;
+  // The spec leaves a server no way to refuse: queues living in the memory go first (SPDK unmaps
+  // the region of its admin queue after shutting the controller down). Their commands finish
+  // meanwhile; those waiting on DMA replies, which this thread would read, fail.
+  const std::vector<const DmaMap*> with_queues = dma_.queue_maps(req->addr, req->size, all);
+  if (!with_queues.empty()) {
+    dma_refuse(true);
+    for (const DmaMap* q : with_queues) {
+      if (!nvme_->drop_queues_in(q, kUnmapTimeout)) {
+        refusal_ = "commands on queues in this memory did not finish in time";
+      }
+    }
+    dma_refuse(false);
+  }
   int err = 0;
   std::vector<std::unique_ptr<DmaMap>> victims;
-  if (req->flags & kDmaUnmapFlagAll) {
-    if (req->addr != 0 || req->size != 0) return EINVAL;
+  if (all) {
     err = dma_.detach_all(victims);
   } else {
     victims.push_back(dma_.detach(req->addr, req->size, &err));
   }
+  if (err == EBUSY && refusal_.empty()) refusal_ = "a queue was created in this memory meanwhile";
   if (err != 0) return err;
   for (auto& m : victims) release_map(std::move(m));  // no reference is left when we reply
   append(r.payload, *req);                            // the reply echoes the unmapped entry
@@ -427,11 +454,8 @@ int DeviceSession::on_irq_info(const Message& m, Reply& r) {
   PayloadReader p(m.payload);
   auto req = p.get<IrqInfoMsg>();
   if (!req || req->argsz < sizeof(IrqInfoMsg) || req->index >= kNumIrqTypes) return EINVAL;
-  IrqInfoMsg out{sizeof(IrqInfoMsg), kIrqInfoEventfd, req->index, 0};
-  if (req->index == kIrqMsix) {
-    out.flags |= kIrqInfoNoresize;
-    out.count = config_.nvme.msix_vectors;
-  }
+  IrqInfoMsg out{sizeof(IrqInfoMsg), kIrqInfoEventfd, req->index, irq_count(req->index)};
+  if (req->index == kIrqMsix) out.flags |= kIrqInfoNoresize;
   append(r.payload, out);
   return 0;
 }
@@ -444,13 +468,13 @@ int DeviceSession::on_set_irqs(Message& m) {
   const uint32_t action = req->flags & kIrqSetActionMaskAll;
   if ((req->flags & ~(kIrqSetDataMask | kIrqSetActionMaskAll)) != 0) return EINVAL;
   if (std::popcount(data) != 1 || std::popcount(action) != 1) return EINVAL;
-  const uint32_t count = req->index == kIrqMsix ? config_.nvme.msix_vectors : 0;
+  const uint32_t count = irq_count(req->index);
   // DATA_NONE with start = count = 0 disables every interrupt of the index.
   if (data == kIrqSetDataNone && req->start == 0 && req->count == 0) {
     if (!m.fds.empty()) return EINVAL;
     if (action == kIrqSetActionTrigger) {
       std::lock_guard lk(irq_mu_);
-      for (uint32_t v = 0; v < count; ++v) msix_[v].reset();
+      for (uint32_t v = 0; v < count; ++v) irq_fd(req->index, v).reset();
     }
     return 0;
   }
@@ -461,7 +485,7 @@ int DeviceSession::on_set_irqs(Message& m) {
     std::lock_guard lk(irq_mu_);
     for (uint32_t i = 0; i < req->count; ++i) {
       // No descriptors: de-assign these vectors.
-      msix_[req->start + i] = m.fds.empty() ? UniqueFd() : std::move(m.fds[i]);
+      irq_fd(req->index, req->start + i) = m.fds.empty() ? UniqueFd() : std::move(m.fds[i]);
     }
     return 0;
   }
@@ -469,7 +493,7 @@ int DeviceSession::on_set_irqs(Message& m) {
   if (data == kIrqSetDataBool && p.size() < sizeof(IrqSetMsg) + req->count) return EINVAL;
   // The client triggers vectors itself (DATA_NONE / DATA_BOOL with TRIGGER); masking is the
   // client's business (QEMU emulates the MSI-X table), so MASK/UNMASK are accepted as no-ops.
-  if (action == kIrqSetActionTrigger) {
+  if (action == kIrqSetActionTrigger && req->index == kIrqMsix) {
     const std::span<const std::byte> bools = p.tail(sizeof(IrqSetMsg));
     for (uint32_t i = 0; i < req->count; ++i) {
       if (data == kIrqSetDataBool && bools[i] == std::byte{0}) continue;
@@ -477,6 +501,17 @@ int DeviceSession::on_set_irqs(Message& m) {
     }
   }
   return 0;
+}
+
+uint32_t DeviceSession::irq_count(uint32_t index) const {
+  // MSI-X vectors, and one ERR interrupt so QEMU enables error recovery. (gdkvd reports its
+  // errors through CSTS.CFS and completion statuses; it never signals ERR.)
+  if (index == kIrqMsix) return config_.nvme.msix_vectors;
+  return index == kIrqErr ? 1 : 0;
+}
+
+UniqueFd& DeviceSession::irq_fd(uint32_t index, uint32_t i) {
+  return index == kIrqErr ? err_irq_ : msix_[i];
 }
 
 int DeviceSession::region_access(uint32_t region, uint64_t offset, std::span<std::byte> read,

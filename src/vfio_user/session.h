@@ -61,6 +61,7 @@ struct Reply {
   std::vector<std::byte> payload;
   std::vector<int> fds;      // borrowed: sent, not closed
   bool close_after = false;  // the connection cannot continue (version mismatch)
+  std::string why;           // for an error reply: what was wrong, for the operator's log
 };
 
 // Counters of one session (relaxed).
@@ -110,6 +111,8 @@ class DeviceSession final : public IrqSink, public DmaChannel {
   int on_region_info(const Message& m, Reply& r);
   int on_irq_info(const Message& m, Reply& r);
   int on_set_irqs(Message& m);
+  uint32_t irq_count(uint32_t index) const;
+  UniqueFd& irq_fd(uint32_t index, uint32_t i);  // REQUIRES: irq_mu_ held, i < irq_count(index)
   int on_region_read(const Message& m, Reply& r);
   int on_region_write(const Message& m, Reply& r);
   int on_write_multi(const Message& m, Reply& r);
@@ -135,6 +138,8 @@ class DeviceSession final : public IrqSink, public DmaChannel {
   std::vector<uint8_t> msix_table_;  // BAR4 [0, 0x1000): the host's MSI-X table entries
   std::mutex irq_mu_;
   std::vector<UniqueFd> msix_;  // eventfd per vector
+  UniqueFd err_irq_;            // the ERR interrupt's eventfd (kept, never signalled)
+  std::string refusal_;         // why the message being handled is refused (Reply::why)
   std::unique_ptr<NvmeController> nvme_;
   bool registered_ = false;
   bool negotiated_ = false;
