@@ -9,8 +9,11 @@
 //
 // Failure: a Client on a remote controller (gdkvd) checks while it waits that the controller is
 // still there, and gives up after a timeout. Either way it fails for good: the call, and every
-// later one, returns 07h (aborted) at once, and failure() says why. The caller opens a new
-// connection. (A command may still be in flight then: its id and staged memory are never reused.)
+// later one, returns 07h (aborted) at once, and failure() says why; the transport hears of it
+// (set_on_failure: gdkv's vfio-user driver then closes the connection and hands out no more of
+// its shared memory). The caller opens a new connection. A command may still be in flight then:
+// its id and staged memory are never reused, and a buffer it named may still be read or written
+// until the controller notices the connection is gone, so the caller must not reuse that buffer.
 #pragma once
 
 #include <atomic>
@@ -37,10 +40,12 @@ class BufferStager {
  public:
   virtual ~BufferStager() = default;
   // An address the controller can reach for `len` bytes standing in for `p`; when `to_controller`
-  // the bytes are copied in now. Returns 0 when nothing can be had (the call then fails with 04h).
-  virtual uint64_t acquire(const void* p, size_t len, bool to_controller) = 0;
-  // After the command: copies `len` bytes back to `p` when !to_controller, and frees the stand-in.
-  virtual void release(uint64_t addr, void* p, size_t len, bool to_controller) = 0;
+  // the bytes are copied in now. Returns 0 when nothing can be had, at once or (`wait`) after a
+  // bounded wait for memory other calls hold; the call then fails with 81h.
+  virtual uint64_t acquire(const void* p, size_t len, bool to_controller, bool wait) = 0;
+  // After the command: copies the first `copy_back` bytes of the stand-in back to `p` (0 for data
+  // sent to the controller, and for commands that failed), and frees the stand-in.
+  virtual void release(uint64_t addr, void* p, size_t copy_back) = 0;
 };
 
 // Why a Client stopped working.
@@ -68,6 +73,10 @@ struct CopyCounters {
   uint64_t copies = 0;
   uint64_t bytes = 0;
 };
+
+// What a call returns when its buffer could not be staged (81h, "capacity exceeded"): the memory
+// shared with the controller is exhausted.
+inline constexpr nvme::Status kStagingExhausted = nvme::Status::kCapacityExceeded;
 
 struct ClientOptions {
   ControllerOptions controller;  // for Client::open
@@ -128,6 +137,8 @@ class Client {
   // never is). Set before the Client is shared between threads.
   void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
   void set_liveness(std::function<bool()> alive) { alive_ = std::move(alive); }
+  // Called once, on the thread that found the failure, when the Client fails.
+  void set_on_failure(std::function<void(ClientFailure)> f) { on_failure_ = std::move(f); }
   ClientFailure failure() const { return failure_.load(std::memory_order_acquire); }
   CopyCounters copies() const {
     return {copies_.load(std::memory_order_relaxed), copy_bytes_.load(std::memory_order_relaxed)};
@@ -141,10 +152,17 @@ class Client {
   // A command whose data buffer is [p, p+len): staged through stager_ when there is one.
   CmdResult execute_data(nvme::Sqe sqe, const void* p, size_t len, bool to_controller,
                          bool metadata = false);
-  // Staging of one buffer: false when no stand-in could be had.
-  bool stage(nvme::Sqe& sqe, const void* p, size_t len, bool to_controller, bool metadata);
-  void unstage(const nvme::Sqe& sqe, const void* p, size_t len, bool to_controller);
+  // Staging of one buffer: false when no stand-in could be had (now, or after waiting if `wait`).
+  bool stage(nvme::Sqe& sqe, const void* p, size_t len, bool to_controller, bool metadata,
+             bool wait = true);
+  // After the command: the bytes it delivered go back to the caller's buffer. A command that is
+  // still in flight (the Client failed) keeps its stand-in.
+  void unstage(const nvme::Sqe& sqe, const void* p, size_t len, bool to_controller,
+               const CmdResult& r);
   CmdResult wait_slow(uint16_t cid);
+  // A loop that cannot make progress (the queue is full) checks here every so often: fails the
+  // Client once the controller is gone or `since` (set on the first call) is a timeout ago.
+  bool stuck(std::chrono::steady_clock::time_point& since);
   // Marks the Client failed (the first reason stays) and returns what every call then gets: 07h.
   CmdResult fail(ClientFailure why);
   bool broken() const { return failure_.load(std::memory_order_relaxed) != ClientFailure::kNone; }
@@ -156,9 +174,13 @@ class Client {
   std::unique_ptr<Controller> owned_controller_;
   std::chrono::milliseconds timeout_{0};
   std::function<bool()> alive_;
+  std::function<void(ClientFailure)> on_failure_;
   std::atomic<ClientFailure> failure_{ClientFailure::kNone};
   std::atomic<uint64_t> copies_{0}, copy_bytes_{0};
 };
+
+// The data buffer of a Scatter Retrieve (82h): its header and `pieces`.
+std::vector<std::byte> scatter_descriptor(std::span<const nvme::ScatterEntry> pieces);
 
 // "timed out", "controller gone" or "" for kNone.
 const char* failure_name(ClientFailure f);

@@ -26,10 +26,12 @@ from .errors import (CapacityError, ClosedError, ConnectionError, Error, Invalid
 
 _core._set_error_factory(errors._make)
 
+# gdkv.TimeoutError and gdkv.ConnectionError are left out, so `from gdkv import *` does not
+# shadow the builtins (they subclass them: `except TimeoutError` still catches gdkv's).
 __all__ = [
     "open", "connect", "Client", "chain_keys", "hash128", "backends", "cuda_build",
     "Error", "KeyNotFoundError", "KeyExistsError", "InvalidKeyError", "ValueSizeError",
-    "CapacityError", "NotReadyError", "TimeoutError", "ConnectionError", "ClosedError",
+    "CapacityError", "NotReadyError", "ClosedError",
 ]
 __version__ = "0.1.0"
 

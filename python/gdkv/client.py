@@ -14,8 +14,8 @@ objects, numpy arrays, torch tensors). In-process, any host buffer is reached in
 gdkvd, only memory shared with gdkvd is: allocate it with :meth:`Client.empty`; other buffers are
 staged (copied) through shared memory, and :meth:`Client.copies` counts those copies.
 
-A client is safe to use from several threads; every call releases the GIL while it waits. The
-``a``-prefixed methods are awaitable forms for asyncio (each runs in the client's thread pool).
+A client is safe to use from several threads; every command releases the GIL while it waits, and
+close() waits for calls in flight. The ``a``-prefixed methods are awaitable forms for asyncio (each runs in the client's thread pool).
 """
 
 from __future__ import annotations
@@ -74,9 +74,12 @@ class Client:
             must_not_exist: bool = False) -> None:
         """Stores ``value`` (read in place) under ``key``.
 
+        >>> c.put(b"block-0", torch.zeros(1024))
+
         ``must_exist``: only replace (else KeyNotFoundError); ``must_not_exist``: only create
         (else KeyExistsError).
         """
+        _cuda_sync(value)
         self._core.put(key, value, must_exist, must_not_exist)
 
     def get(self, key: Key, *, size_hint: int = 65536) -> bytes:
@@ -90,7 +93,12 @@ class Client:
         (one Scatter Retrieve: e.g. a block's K and V for every layer straight into each layer's
         cache tensor). A value longer than ``out`` raises ValueSizeError after its first bytes were
         written, unless ``partial``. KeyError if the key does not exist.
+
+        >>> out = c.empty(4096, "uint8")
+        >>> c.get_into(b"block-0", out)         # 4096
+        >>> c.get_into(b"block-0", [k_layer0, v_layer0, k_layer1, v_layer1])
         """
+        _cuda_sync(out)
         return self._core.get_into(key, out, partial)
 
     def exists(self, key: Key) -> bool:
@@ -118,7 +126,9 @@ class Client:
     def put_many(self, items: Iterable[tuple[Key, Buffer]]) -> None:
         """Stores every (key, value); raises for the first that failed (others may be stored)."""
         pairs = list(items)
-        self._core.put_many([k for k, _ in pairs], [v for _, v in pairs])
+        values = [v for _, v in pairs]
+        _cuda_sync(*values)
+        self._core.put_many([k for k, _ in pairs], values)
 
     def get_many(self, keys: Iterable[Key], *, size_hint: int = 65536) -> list[Optional[bytes]]:
         """Each key's value, None where it does not exist."""
@@ -127,7 +137,9 @@ class Client:
     def get_many_into(self, keys: Iterable[Key], outs: Iterable[Buffer | Sequence[Buffer]], *,
                       partial: bool = False) -> list[Optional[int]]:
         """Writes each key's value into its out (as get_into); its length, None where missing."""
-        return self._core.get_many_into(list(keys), list(outs), partial)
+        outs = list(outs)
+        _cuda_sync(*outs)
+        return self._core.get_many_into(list(keys), outs, partial)
 
     # ---- memory ----
     def alloc(self, nbytes: int):
@@ -217,6 +229,18 @@ class Client:
 
     async def alookup_prefix(self, keys: Iterable[Key]) -> int:
         return await self._run(self.lookup_prefix, list(keys))
+
+
+def _cuda_sync(*buffers: Any) -> None:
+    """Work PyTorch queued on a CUDA tensor finishes before gdkv's copy engine touches it (the
+    copy engine runs on a stream of its own). A call returns once its copies have landed."""
+    for b in buffers:
+        if isinstance(b, (list, tuple)):
+            _cuda_sync(*b)
+        elif getattr(b, "is_cuda", False):
+            import torch
+
+            torch.cuda.current_stream(b.device).synchronize()
 
 
 def _is_torch_dtype(dtype: Any) -> bool:

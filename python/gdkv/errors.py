@@ -75,14 +75,19 @@ _BY_STATUS = {
 }
 
 
-def _make(op: str, key: bytes | None, status: int, failure: str, message: str) -> Error:
+# Why a call failed besides its status (the extension's FailureKind, python/src/core.cc).
+_TIMED_OUT, _PEER_GONE, _CLOSED, _OPEN_FAILED, _CONNECT_FAILED = 1, 2, 3, 4, 5
+
+
+def _make(op: str, key: bytes | None, status: int, failure: int, message: str) -> Error:
     """Builds the exception for a failed call (the extension calls this)."""
-    if failure == "timed out":
+    if failure == _TIMED_OUT:
         cls = TimeoutError
-    elif failure in ("controller gone", "connect"):
+    elif failure in (_PEER_GONE, _CONNECT_FAILED):
         cls = ConnectionError
-    elif failure == "closed":
+    elif failure == _CLOSED:
         cls = ClosedError
     else:
         cls = _BY_STATUS.get(status, Error)
-    return cls(f"{op}: {message}", status, key)
+    where = f"{op} {key!r}" if key is not None else op
+    return cls(f"{where}: {message}", status, key)

@@ -43,12 +43,22 @@ using gdkv::nvme::Status;
 
 namespace {
 
+// Why a call failed besides its NVMe status, for gdkv.errors._make (the same numbers there).
+enum FailureKind : int {
+  kNoFailure = 0,
+  kTimedOut = 1,     // ClientFailure::kTimeout
+  kPeerGone = 2,     // ClientFailure::kPeerGone
+  kClosed = 3,       // the client was closed
+  kOpenFailed = 4,   // gdkv.open could not open the backend
+  kConnectFailed = 5,  // gdkv.connect could not reach gdkvd
+};
+
 // gdkv.errors._make(op, key, status, failure, message) -> exception instance; set at import.
 // A handle that is never released: a static nb::object would be released after the interpreter
 // finalized.
 nb::handle g_make_error;
 
-[[noreturn]] void raise_error(const char* op, const Key* key, int status, const char* failure,
+[[noreturn]] void raise_error(const char* op, const Key* key, int status, int failure,
                               const std::string& message) {
   nb::object key_obj = nb::none();
   if (key != nullptr) key_obj = nb::bytes(key->bytes, key->len);
@@ -86,7 +96,7 @@ Key to_key(nb::handle h) {
     raise_type("a key is bytes or str, not " + py_type_name(h));
   }
   if (n < 1 || n > static_cast<Py_ssize_t>(gdkv::nvme::kMaxKeyLength)) {
-    raise_error("key", nullptr, static_cast<int>(Status::kInvalidKeySize), "",
+    raise_error("key", nullptr, static_cast<int>(Status::kInvalidKeySize), kNoFailure,
                 "a key has 1 to 16 bytes, this one " + std::to_string(n));
   }
   return Key::from_bytes(data, static_cast<size_t>(n));
@@ -130,7 +140,16 @@ bool c_contiguous(const nb::ndarray<>& a) {
 }
 
 // `what` names the argument in messages ("value", "out").
+Buffer get_buffer_any(nb::handle obj, bool writable, const char* what);
+
+// A buffer of at most 4 GiB - 1 (NVMe-KV sizes are 32-bit).
 Buffer get_buffer(nb::handle obj, bool writable, const char* what) {
+  Buffer b = get_buffer_any(obj, writable, what);
+  if (b.len > UINT32_MAX) raise_value(std::string(what) + " is larger than 4 GiB - 1 bytes");
+  return b;
+}
+
+Buffer get_buffer_any(nb::handle obj, bool writable, const char* what) {
   Buffer b;
   if (PyObject_CheckBuffer(obj.ptr())) {
     const int flags = PyBUF_STRIDES | (writable ? PyBUF_WRITABLE : 0);
@@ -230,9 +249,9 @@ struct Allocation {
 class PyClient {
  public:
   PyClient(std::unique_ptr<gdkv::Client> client, std::shared_ptr<gdkv::VfioUserDevice> device,
-           uint32_t nsid, std::string where, bool cuda)
-      : client_(std::move(client)), device_(std::move(device)), nsid_(nsid),
-        where_(std::move(where)), cuda_(cuda) {}
+           uint32_t nsid, std::string where, bool cuda, uint32_t timeout_ms = 0)
+      : client_(std::move(client)), device_(std::move(device)), remote_(device_ != nullptr),
+        nsid_(nsid), where_(std::move(where)), cuda_(cuda), timeout_ms_(timeout_ms) {}
 
   // ---- single commands ----
   void put(nb::handle key, nb::handle value, bool must_exist, bool must_not_exist) {
@@ -396,7 +415,7 @@ class PyClient {
             gdkv::cmd::retrieve(k.bytes, k.len, b.ptr, static_cast<uint32_t>(b.len), nsid_), b.ptr,
             b.len, false, {}};
       } else {
-        descs[i] = scatter_descriptor(scatter_pieces(outs[i]));
+        descs[i] = gdkv::scatter_descriptor(scatter_pieces(outs[i]));
         items[i] = BatchItem{gdkv::cmd::scatter_retrieve(k.bytes, k.len, descs[i].data(),
                                                          static_cast<uint32_t>(descs[i].size()),
                                                          nsid_),
@@ -422,11 +441,15 @@ class PyClient {
     auto a = std::make_unique<Allocation>();
     std::shared_lock lk(mu_);
     if (!client_) raise_closed();
+    if (client_->failure() != gdkv::ClientFailure::kNone) {
+      lk.unlock();
+      check("alloc", nullptr, CmdResult{Status::kAbortRequested, gdkv::nvme::kSctGeneric, 0});
+    }
     if (device_) {
       a->device = device_;
       a->p = device_->alloc(nbytes, 4096);
       if (a->p == nullptr) {
-        raise_error("alloc", nullptr, static_cast<int>(Status::kCapacityExceeded), "",
+        raise_error("alloc", nullptr, static_cast<int>(Status::kCapacityExceeded), kNoFailure,
                     "the memory shared with gdkvd has no " + std::to_string(nbytes) +
                         " bytes left (connect(shared_memory_bytes=...) sets its size)");
       }
@@ -443,7 +466,7 @@ class PyClient {
   void register_memory(nb::handle obj) {
     Buffer b = get_buffer(obj, true, "tensor");
     if (!b.cuda) raise_value("register() takes CUDA memory; host memory needs no registration");
-    if (!cuda_) check_cuda(b);
+    if (!cuda_) raise_value("register() needs a client opened with cuda_device=N (a CUDA build)");
     std::shared_lock lk(mu_);
     if (!client_) raise_closed();
     if (client_->controller() == nullptr) {
@@ -470,8 +493,9 @@ class PyClient {
   // Whether the controller reads and writes `obj`'s memory in place (no staging copy).
   bool reaches(nb::handle obj) {
     Buffer b = get_buffer(obj, false, "buffer");
-    if (b.cuda) return cuda_;
-    return device_ == nullptr || device_->contains(b.ptr, b.len);
+    if (b.cuda) return cuda_ && registered(b);
+    auto dev = device();
+    return !remote_ || (dev && dev->contains(b.ptr, b.len));
   }
 
   std::tuple<uint64_t, uint64_t> copies() {
@@ -520,11 +544,11 @@ class PyClient {
   }
   const std::string& where() const { return where_; }
   uint32_t nsid() const { return nsid_; }
-  bool remote() const { return device_ != nullptr; }
+  bool remote() const { return remote_; }
 
  private:
   [[noreturn]] void raise_closed() {
-    raise_error("call", nullptr, -1, "closed", "this client is closed (" + where_ + ")");
+    raise_error("call", nullptr, -1, kClosed, "this client is closed (" + where_ + ")");
   }
 
   // Runs f(client) without the GIL; raises if the client is closed.
@@ -554,19 +578,26 @@ class PyClient {
 
   void check(const char* op, const Key* k, const CmdResult& r) {
     if (r.ok()) return;
-    const char* failure = "";
-    std::string msg;
+    gdkv::ClientFailure f = gdkv::ClientFailure::kNone;
     if (r.status == Status::kAbortRequested) {
       std::shared_lock lk(mu_);
-      if (client_) failure = gdkv::failure_name(client_->failure());
+      if (client_) f = client_->failure();
     }
-    if (*failure != '\0') {
-      msg = where_ + ": " + failure;
-    } else {
-      msg = gdkv::describe(r);
+    if (f == gdkv::ClientFailure::kTimeout) {
+      raise_error(op, k, -1, kTimedOut,
+                  where_ + " did not complete the command within " + std::to_string(timeout_ms_) +
+                      " ms; this client is unusable, connect again");
     }
-    if (k != nullptr) msg = "key " + k->hex() + ": " + msg;
-    raise_error(op, k, static_cast<int>(r.status), failure, msg);
+    if (f == gdkv::ClientFailure::kPeerGone) {
+      raise_error(op, k, -1, kPeerGone,
+                  where_ + " closed the connection (exited or died); connect again");
+    }
+    std::string msg = gdkv::describe(r);
+    if (r.status == gdkv::kStagingExhausted && device()) {
+      msg += ": the store is full, or the memory shared with gdkvd has no room to stage this "
+             "buffer (connect(shared_memory_bytes=...), or use client.empty() buffers)";
+    }
+    raise_error(op, k, static_cast<int>(r.status), kNoFailure, msg);
   }
 
   void check_fits(const Key& k, uint32_t value_len, const std::vector<Buffer>& bufs,
@@ -574,8 +605,8 @@ class PyClient {
     size_t total = 0;
     for (const auto& b : bufs) total += b.len;
     if (!partial && value_len > total) {
-      raise_error("get_into", &k, static_cast<int>(Status::kInvalidValueSize), "",
-                  "key " + k.hex() + ": the value has " + std::to_string(value_len) +
+      raise_error("get_into", &k, static_cast<int>(Status::kInvalidValueSize), kNoFailure,
+                  "the value has " + std::to_string(value_len) +
                       " bytes, the buffer " + std::to_string(total) +
                       " (only its first bytes were written; partial=True accepts that)");
     }
@@ -589,12 +620,13 @@ class PyClient {
       raise_value("a CUDA tensor needs a client with CUDA copy engines: gdkv.open(..., "
                   "cuda_device=N) in a CUDA build");
     }
+    if (!registered(b)) raise_value("CUDA memory must be registered first: client.register(tensor)");
+  }
+  bool registered(const Buffer& b) {
     std::lock_guard lk(reg_mu_);
     auto it = registered_.upper_bound(reinterpret_cast<uintptr_t>(b.ptr));
-    if (it == registered_.begin() ||
-        reinterpret_cast<uintptr_t>(b.ptr) + b.len > std::prev(it)->first + std::prev(it)->second) {
-      raise_value("CUDA memory must be registered first: client.register(tensor)");
-    }
+    return it != registered_.begin() &&
+           reinterpret_cast<uintptr_t>(b.ptr) + b.len <= std::prev(it)->first + std::prev(it)->second;
   }
 
   // Pieces of a value laid out across `bufs` in order. Through gdkvd they must be shared memory.
@@ -605,8 +637,9 @@ class PyClient {
     }
     std::vector<gdkv::nvme::ScatterEntry> pieces;
     uint64_t off = 0;
+    auto dev = device();
     for (const auto& b : bufs) {
-      if (device_ && !b.cuda && !device_->contains(b.ptr, b.len)) {
+      if (dev && !b.cuda && !dev->contains(b.ptr, b.len)) {
         raise_value("through gdkvd, a value spread over several buffers lands in place only: "
                     "each buffer must come from client.empty()/alloc()");
       }
@@ -618,23 +651,21 @@ class PyClient {
     return pieces;
   }
 
-  static std::vector<std::byte> scatter_descriptor(
-      const std::vector<gdkv::nvme::ScatterEntry>& pieces) {
-    std::vector<std::byte> d(sizeof(gdkv::nvme::ScatterHeader) +
-                             pieces.size() * sizeof(gdkv::nvme::ScatterEntry));
-    const gdkv::nvme::ScatterHeader h{static_cast<uint32_t>(pieces.size()), 0};
-    std::memcpy(d.data(), &h, sizeof(h));
-    std::memcpy(d.data() + sizeof(h), pieces.data(),
-                pieces.size() * sizeof(gdkv::nvme::ScatterEntry));
-    return d;
+
+  // The connection, while open (close() drops it): read it through device().
+  std::shared_ptr<gdkv::VfioUserDevice> device() {
+    std::shared_lock lk(mu_);
+    return device_;
   }
 
   std::shared_mutex mu_;
   std::unique_ptr<gdkv::Client> client_;
   std::shared_ptr<gdkv::VfioUserDevice> device_;
+  bool remote_;
   uint32_t nsid_;
   std::string where_;
   bool cuda_;
+  uint32_t timeout_ms_;
   gdkv::CopyCounters closed_copies_;
   std::mutex reg_mu_;
   std::map<uintptr_t, size_t> registered_;  // CUDA memory: address -> bytes
@@ -685,7 +716,7 @@ std::unique_ptr<PyClient> open_in_process(const OpenOptions& o, uint32_t nsid) {
       error = e.what();
     }
   }
-  if (!c) raise_error("open", nullptr, -1, "open", error);
+  if (!c) raise_error("open", nullptr, -1, kOpenFailed, error);
   return std::make_unique<PyClient>(std::move(c), nullptr, nsid, where, cuda);
 }
 
@@ -707,9 +738,9 @@ std::unique_ptr<PyClient> connect(const std::string& socket_dir, const ConnectOp
       error = e.what();
     }
   }
-  if (!c) raise_error("connect", nullptr, -1, "connect", error);
+  if (!c) raise_error("connect", nullptr, -1, kConnectFailed, error);
   return std::make_unique<PyClient>(std::move(c), std::move(dev), nsid, "gdkvd at " + socket_dir,
-                                    false);
+                                    false, o.timeout_ms);
 }
 
 std::vector<uint32_t> to_tokens(nb::handle tokens) {

@@ -61,4 +61,6 @@ def test_errors_are_a_hierarchy():
     for e in (gdkv.KeyNotFoundError, gdkv.CapacityError, gdkv.TimeoutError, gdkv.ConnectionError,
               gdkv.NotReadyError, gdkv.ValueSizeError, gdkv.KeyExistsError, gdkv.ClosedError):
         assert issubclass(e, gdkv.Error)
-    assert "open" in gdkv.open.__doc__ or gdkv.open.__doc__
+    for f in (gdkv.open, gdkv.connect, gdkv.chain_keys, gdkv.Client.get_into,
+              gdkv.Client.lookup_prefix):
+        assert ">>>" in f.__doc__  # the docstrings show a call

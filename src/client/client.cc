@@ -37,17 +37,27 @@ std::optional<uint16_t> Client::try_start(nvme::Sqe sqe) {
 }
 
 std::optional<uint16_t> Client::start(nvme::Sqe sqe) {
+  std::chrono::steady_clock::time_point full_since{};
   for (uint32_t spins = 0;; ++spins) {
     if (broken()) return std::nullopt;
     if (auto cid = try_start(sqe)) return cid;
     // Full: completions we reap may free credits held by finished commands of other threads.
     queue::reap(queue_);
     atomic::pause();
-    // A full queue on a controller that died never drains: look every so often.
-    if ((spins & 0xffff) == 0xffff && alive_ && !alive_()) {
-      (void)fail(ClientFailure::kPeerGone);
-    }
+    // A full queue on a controller that died or froze never drains: look every so often.
+    if ((spins & 0xffff) == 0xffff && stuck(full_since)) return std::nullopt;
   }
+}
+
+bool Client::stuck(std::chrono::steady_clock::time_point& since) {
+  const auto now = std::chrono::steady_clock::now();
+  if (since == std::chrono::steady_clock::time_point{}) since = now;
+  if (alive_ && !alive_()) {
+    (void)fail(ClientFailure::kPeerGone);
+  } else if (timeout_.count() > 0 && now - since > timeout_) {
+    (void)fail(ClientFailure::kTimeout);
+  }
+  return broken();
 }
 
 CmdResult Client::finish(uint16_t cid) {
@@ -63,7 +73,9 @@ CmdResult aborted() { return CmdResult{nvme::Status::kAbortRequested, nvme::kSct
 
 CmdResult Client::fail(ClientFailure why) {
   ClientFailure none = ClientFailure::kNone;
-  failure_.compare_exchange_strong(none, why, std::memory_order_acq_rel);
+  if (failure_.compare_exchange_strong(none, why, std::memory_order_acq_rel) && on_failure_) {
+    on_failure_(why);
+  }
   return aborted();
 }
 
@@ -104,10 +116,10 @@ CmdResult Client::execute(nvme::Sqe sqe) {
   return wait(*cid);
 }
 
-bool Client::stage(nvme::Sqe& sqe, const void* p, size_t len, bool to_controller,
-                   bool metadata) {
+bool Client::stage(nvme::Sqe& sqe, const void* p, size_t len, bool to_controller, bool metadata,
+                   bool wait) {
   if (stager_ == nullptr || len == 0) return true;
-  const uint64_t addr = stager_->acquire(p, len, to_controller);
+  const uint64_t addr = stager_->acquire(p, len, to_controller, wait);
   if (addr == 0) return false;
   if (!metadata && addr != reinterpret_cast<uint64_t>(p)) {
     copies_.fetch_add(1, std::memory_order_relaxed);
@@ -117,49 +129,75 @@ bool Client::stage(nvme::Sqe& sqe, const void* p, size_t len, bool to_controller
   return true;
 }
 
-void Client::unstage(const nvme::Sqe& sqe, const void* p, size_t len, bool to_controller) {
+void Client::unstage(const nvme::Sqe& sqe, const void* p, size_t len, bool to_controller,
+                     const CmdResult& r) {
   if (stager_ == nullptr || len == 0) return;
-  // A failed Client's command may still be in flight: its stand-in is never handed out again.
-  if (broken()) return;
-  stager_->release(sqe.dptr.prp.prp1, const_cast<void*>(p), len, to_controller);
+  // Aborted because the Client failed: the command may still be in flight, so its stand-in is
+  // never handed out again.
+  if (r.status == nvme::Status::kAbortRequested && broken()) return;
+  size_t copy_back = 0;
+  if (!to_controller && r.ok()) {
+    // A Retrieve delivered min(value, buffer) bytes; the rest of the stand-in is not the caller's.
+    copy_back = sqe.opcode == static_cast<uint8_t>(nvme::Opcode::kRetrieve)
+                    ? std::min<size_t>(len, r.dw0)
+                    : len;
+  }
+  stager_->release(sqe.dptr.prp.prp1, const_cast<void*>(p), copy_back);
 }
+
+namespace {
+CmdResult staging_exhausted() { return CmdResult{kStagingExhausted, nvme::kSctGeneric, 0}; }
+}  // namespace
 
 CmdResult Client::execute_data(nvme::Sqe sqe, const void* p, size_t len, bool to_controller,
                                bool metadata) {
-  if (!stage(sqe, p, len, to_controller, metadata)) {
-    return CmdResult{nvme::Status::kDataTransferError, nvme::kSctGeneric, 0};
-  }
+  if (broken()) return aborted();
+  if (!stage(sqe, p, len, to_controller, metadata)) return staging_exhausted();
   CmdResult r = execute(sqe);
-  unstage(sqe, p, len, to_controller);
+  unstage(sqe, p, len, to_controller, r);
   return r;
 }
 
 void Client::execute_batch(std::span<BatchItem> items) {
   std::vector<nvme::Sqe> sqes;
   std::vector<CmdResult> results;
-  std::vector<size_t> staged;  // indices of the items that were staged and run
-  sqes.reserve(items.size());
-  staged.reserve(items.size());
-  for (size_t i = 0; i < items.size(); ++i) {
-    BatchItem& it = items[i];
-    if (!stage(it.sqe, it.data, it.len, it.to_controller, it.metadata)) {
-      it.result = CmdResult{nvme::Status::kDataTransferError, nvme::kSctGeneric, 0};
-      continue;
+  std::vector<size_t> group;  // items staged for the next submission round
+  size_t i = 0;
+  while (i < items.size()) {
+    if (broken()) {
+      for (; i < items.size(); ++i) items[i].result = aborted();
+      return;
     }
-    sqes.push_back(it.sqe);
-    staged.push_back(i);
-  }
-  results.resize(sqes.size());
-  run_batch(sqes, results);
-  for (size_t j = 0; j < staged.size(); ++j) {
-    BatchItem& it = items[staged[j]];
-    it.result = results[j];
-    unstage(it.sqe, it.data, it.len, it.to_controller);
+    // Stage what fits in the shared memory now; when the next item does not fit, run the group
+    // (its stand-ins come back) and go on. Only a group's first item may wait for memory, which
+    // then other calls hold.
+    group.clear();
+    sqes.clear();
+    while (i < items.size()) {
+      BatchItem& it = items[i];
+      if (!stage(it.sqe, it.data, it.len, it.to_controller, it.metadata, group.empty())) {
+        if (!group.empty()) break;
+        it.result = staging_exhausted();
+        ++i;
+        continue;
+      }
+      sqes.push_back(it.sqe);
+      group.push_back(i++);
+    }
+    results.assign(sqes.size(), CmdResult{});
+    run_batch(sqes, results);
+    for (size_t j = 0; j < group.size(); ++j) {
+      BatchItem& it = items[group[j]];
+      it.result = results[j];
+      unstage(it.sqe, it.data, it.len, it.to_controller, results[j]);
+    }
   }
 }
 
 void Client::run_batch(std::span<nvme::Sqe> sqes, std::span<CmdResult> results) {
   std::vector<uint16_t> cids(sqes.size());
+  std::chrono::steady_clock::time_point full_since{};
+  uint32_t spins = 0;
   size_t next = 0;
   size_t done = 0;
   while (done < sqes.size()) {
@@ -185,20 +223,28 @@ void Client::run_batch(std::span<nvme::Sqe> sqes, std::span<CmdResult> results) 
     if (done < next) {
       results[done] = wait(cids[done]);
       ++done;
+      full_since = {};
     } else {
+      // Other threads hold every credit: a controller that died or froze never returns them.
       queue::reap(queue_);
+      atomic::pause();
+      if ((++spins & 0xffff) == 0xffff) (void)stuck(full_since);
     }
   }
 }
 
 CmdResult Client::put(const Key& key, std::span<const std::byte> value, uint8_t options,
                       uint32_t nsid) {
+  if (value.size() > UINT32_MAX) {  // CDW10 holds the size
+    return CmdResult{nvme::Status::kInvalidValueSize, nvme::kSctGeneric, 0};
+  }
   return execute_data(cmd::store(key.bytes, key.len, value.data(),
                                  static_cast<uint32_t>(value.size()), options, nsid),
                       value.data(), value.size(), true);
 }
 
 CmdResult Client::get(const Key& key, std::span<std::byte> buf, uint32_t nsid) {
+  if (buf.size() > UINT32_MAX) buf = buf.first(UINT32_MAX);  // CDW10 holds the buffer size
   return execute_data(
       cmd::retrieve(key.bytes, key.len, buf.data(), static_cast<uint32_t>(buf.size()), nsid),
       buf.data(), buf.size(), false);
@@ -281,14 +327,19 @@ CmdResult Client::prefetch(std::span<const Key> keys, uint32_t nsid) {
 
 CmdResult Client::scatter_get(const Key& key, std::span<const nvme::ScatterEntry> pieces,
                               uint32_t nsid) {
-  std::vector<std::byte> desc(sizeof(nvme::ScatterHeader) + pieces.size_bytes());
-  nvme::ScatterHeader hdr{static_cast<uint32_t>(pieces.size()), 0};
-  std::memcpy(desc.data(), &hdr, sizeof(hdr));
-  if (!pieces.empty()) std::memcpy(desc.data() + sizeof(hdr), pieces.data(), pieces.size_bytes());
+  std::vector<std::byte> desc = scatter_descriptor(pieces);
   // The descriptor is staged; the destinations it names must be reachable by the controller.
   return execute_data(cmd::scatter_retrieve(key.bytes, key.len, desc.data(),
                                             static_cast<uint32_t>(desc.size()), nsid),
                       desc.data(), desc.size(), true, true);
+}
+
+std::vector<std::byte> scatter_descriptor(std::span<const nvme::ScatterEntry> pieces) {
+  std::vector<std::byte> desc(sizeof(nvme::ScatterHeader) + pieces.size_bytes());
+  const nvme::ScatterHeader hdr{static_cast<uint32_t>(pieces.size()), 0};
+  std::memcpy(desc.data(), &hdr, sizeof(hdr));
+  if (!pieces.empty()) std::memcpy(desc.data() + sizeof(hdr), pieces.data(), pieces.size_bytes());
+  return desc;
 }
 
 const char* failure_name(ClientFailure f) {

@@ -80,19 +80,30 @@ class ShmAllocator {
   }
   void* alloc(size_t bytes, size_t align) {
     std::lock_guard lk(mu_);
-    return alloc_locked(bytes, align);
+    return poisoned_ ? nullptr : alloc_locked(bytes, align);
   }
   void* alloc_wait(size_t bytes, size_t align, std::chrono::milliseconds timeout) {
     std::unique_lock lk(mu_);
     if (bytes > size_) return nullptr;
     void* p = nullptr;
-    cv_.wait_for(lk, timeout, [&] { return (p = alloc_locked(bytes, align)) != nullptr; });
+    cv_.wait_for(lk, timeout,
+                 [&] { return poisoned_ || (p = alloc_locked(bytes, align)) != nullptr; });
     return p;
+  }
+  // The connection failed: commands may still write into memory handed out, so none of it is
+  // handed out again (free is a no-op, alloc fails).
+  void poison() {
+    {
+      std::lock_guard lk(mu_);
+      poisoned_ = true;
+    }
+    cv_.notify_all();
   }
   void free(void* p) {
     if (p == nullptr) return;
     {
       std::lock_guard lk(mu_);
+      if (poisoned_) return;
       const size_t off = static_cast<size_t>(static_cast<std::byte*>(p) - base_);
       auto u = used_.find(off);
       if (u == used_.end()) return;
@@ -138,6 +149,7 @@ class ShmAllocator {
   size_t size_ = 0;
   std::mutex mu_;
   std::condition_variable cv_;
+  bool poisoned_ = false;
   std::map<size_t, size_t> free_;            // offset -> length
   std::unordered_map<size_t, size_t> used_;  // offset -> length
 };
@@ -147,17 +159,17 @@ class ShmAllocator {
 class ShmStager final : public BufferStager {
  public:
   explicit ShmStager(ShmAllocator& a) : a_(a) {}
-  uint64_t acquire(const void* p, size_t len, bool to_controller) override {
+  uint64_t acquire(const void* p, size_t len, bool to_controller, bool wait) override {
     if (a_.contains(p, len)) return reinterpret_cast<uint64_t>(p);
-    void* s = a_.alloc_wait(len, 64, std::chrono::seconds(10));
+    void* s = wait ? a_.alloc_wait(len, 64, std::chrono::seconds(10)) : a_.alloc(len, 64);
     if (s == nullptr) return 0;
     if (to_controller) std::memcpy(s, p, len);
     return reinterpret_cast<uint64_t>(s);
   }
-  void release(uint64_t addr, void* p, size_t len, bool to_controller) override {
+  void release(uint64_t addr, void* p, size_t copy_back) override {
     void* s = reinterpret_cast<void*>(addr);
     if (s == p) return;
-    if (!to_controller) std::memcpy(p, s, len);
+    if (copy_back > 0) std::memcpy(p, s, copy_back);
     a_.free(s);
   }
 
@@ -192,10 +204,20 @@ class Driver final : public VfioUserDevice {
   ~Driver() override {
     // Disable the controller so its admin queue stops; the server tears the rest down when the
     // socket closes.
+    if (failed_.load()) return;
     try {
       write_reg32(reg::kCc, 0);
     } catch (const std::exception&) {
     }
+  }
+
+  // A Client of this connection failed (gdkvd gone or not answering in time): the connection is
+  // closed, so gdkvd finishes its commands and lets go of the memory, and nothing of the shared
+  // memory is handed out again (a late command may still write into it).
+  void poison() {
+    if (failed_.exchange(true)) return;
+    alloc_.poison();
+    ::shutdown(sock_.get(), SHUT_RDWR);
   }
 
   std::unique_ptr<Client> make_client(uint32_t depth) override;
@@ -209,6 +231,7 @@ class Driver final : public VfioUserDevice {
   bool device_memory_supported() const override { return devmem_; }
 
   void release_queue(uint16_t qid, void* sq, void* cq) {
+    if (failed_.load()) return;  // the connection is gone: so are its queues on gdkvd's side
     nvme::Sqe s{};
     s.opcode = static_cast<uint8_t>(AdminOp::kDeleteIoSq);
     s.cdw10 = qid;
@@ -506,6 +529,7 @@ class Driver final : public VfioUserDevice {
   uint16_t max_qid_ = 0;
   uint32_t max_entries_ = 0;
   bool devmem_ = false;
+  std::atomic<bool> failed_{false};  // poison() was called
 };
 
 IoQueue::~IoQueue() {
@@ -514,6 +538,7 @@ IoQueue::~IoQueue() {
 }
 
 CmdResult Driver::admin(nvme::Sqe sqe, void* data, size_t len) {
+  if (failed_.load()) return CmdResult{nvme::Status::kAbortRequested, nvme::kSctGeneric, 0};
   void* buf = nullptr;
   void* list = nullptr;
   if (len > 0) {
@@ -658,6 +683,7 @@ std::unique_ptr<Client> Driver::make_client(uint32_t depth) {
   // The client's queue (its owner) keeps the driver alive, so the check may name it.
   Driver* self = this;
   client->set_liveness([self] { return !self->peer_gone(); });
+  client->set_on_failure([self](ClientFailure) { self->poison(); });
   return client;
 }
 
