@@ -46,10 +46,10 @@ namespace {
 // Why a call failed besides its NVMe status, for gdkv.errors._make (the same numbers there).
 enum FailureKind : int {
   kNoFailure = 0,
-  kTimedOut = 1,     // ClientFailure::kTimeout
-  kPeerGone = 2,     // ClientFailure::kPeerGone
-  kClosed = 3,       // the client was closed
-  kOpenFailed = 4,   // gdkv.open could not open the backend
+  kTimedOut = 1,       // ClientFailure::kTimeout
+  kPeerGone = 2,       // ClientFailure::kPeerGone
+  kClosed = 3,         // the client was closed
+  kOpenFailed = 4,     // gdkv.open could not open the backend
   kConnectFailed = 5,  // gdkv.connect could not reach gdkvd
 };
 
@@ -121,7 +121,11 @@ struct Buffer {
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
   Buffer(Buffer&& o) noexcept
-      : ptr(o.ptr), len(o.len), cuda(o.cuda), view(o.view), has_view(o.has_view),
+      : ptr(o.ptr),
+        len(o.len),
+        cuda(o.cuda),
+        view(o.view),
+        has_view(o.has_view),
         keep(std::move(o.keep)) {
     o.has_view = false;
   }
@@ -250,13 +254,19 @@ class PyClient {
  public:
   PyClient(std::unique_ptr<gdkv::Client> client, std::shared_ptr<gdkv::VfioUserDevice> device,
            uint32_t nsid, std::string where, bool cuda, uint32_t timeout_ms = 0)
-      : client_(std::move(client)), device_(std::move(device)), remote_(device_ != nullptr),
-        nsid_(nsid), where_(std::move(where)), cuda_(cuda), timeout_ms_(timeout_ms) {}
+      : client_(std::move(client)),
+        device_(std::move(device)),
+        remote_(device_ != nullptr),
+        nsid_(nsid),
+        where_(std::move(where)),
+        cuda_(cuda),
+        timeout_ms_(timeout_ms) {}
 
   // ---- single commands ----
   void put(nb::handle key, nb::handle value, bool must_exist, bool must_not_exist) {
     const Key k = to_key(key);
-    if (must_exist && must_not_exist) raise_value("must_exist and must_not_exist exclude each other");
+    if (must_exist && must_not_exist)
+      raise_value("must_exist and must_not_exist exclude each other");
     Buffer v = get_buffer(value, false, "value");
     check_cuda(v);
     uint8_t opts = 0;
@@ -364,7 +374,10 @@ class PyClient {
       check_cuda(values[i]);
       items[i] = BatchItem{gdkv::cmd::store(keys[i].bytes, keys[i].len, values[i].ptr,
                                             static_cast<uint32_t>(values[i].len), 0, nsid_),
-                           values[i].ptr, values[i].len, true, {}};
+                           values[i].ptr,
+                           values[i].len,
+                           true,
+                           {}};
     }
     run_batch(items);
     for (size_t i = 0; i < keys.size(); ++i) check("put_many", &keys[i], items[i].result);
@@ -377,7 +390,10 @@ class PyClient {
     for (size_t i = 0; i < keys.size(); ++i) {
       items[i] = BatchItem{gdkv::cmd::retrieve(keys[i].bytes, keys[i].len, bufs[i].data(),
                                                static_cast<uint32_t>(size_hint), nsid_),
-                           bufs[i].data(), size_hint, false, {}};
+                           bufs[i].data(),
+                           size_hint,
+                           false,
+                           {}};
     }
     run_batch(items);
     std::vector<std::optional<nb::bytes>> out(keys.size());
@@ -412,14 +428,21 @@ class PyClient {
       if (outs[i].size() == 1) {
         Buffer& b = outs[i][0];
         items[i] = BatchItem{
-            gdkv::cmd::retrieve(k.bytes, k.len, b.ptr, static_cast<uint32_t>(b.len), nsid_), b.ptr,
-            b.len, false, {}};
+            gdkv::cmd::retrieve(k.bytes, k.len, b.ptr, static_cast<uint32_t>(b.len), nsid_),
+            b.ptr,
+            b.len,
+            false,
+            {}};
       } else {
         descs[i] = gdkv::scatter_descriptor(scatter_pieces(outs[i]));
-        items[i] = BatchItem{gdkv::cmd::scatter_retrieve(k.bytes, k.len, descs[i].data(),
-                                                         static_cast<uint32_t>(descs[i].size()),
-                                                         nsid_),
-                             descs[i].data(), descs[i].size(), true, {}, /*metadata=*/true};
+        items[i] =
+            BatchItem{gdkv::cmd::scatter_retrieve(k.bytes, k.len, descs[i].data(),
+                                                  static_cast<uint32_t>(descs[i].size()), nsid_),
+                      descs[i].data(),
+                      descs[i].size(),
+                      true,
+                      {},
+                      /*metadata=*/true};
       }
     }
     run_batch(items);
@@ -470,8 +493,9 @@ class PyClient {
     std::shared_lock lk(mu_);
     if (!client_) raise_closed();
     if (client_->controller() == nullptr) {
-      raise_value("CUDA memory through gdkvd is not supported yet: open the store in-process "
-                  "(gdkv.open(..., cuda_device=N))");
+      raise_value(
+          "CUDA memory through gdkvd is not supported yet: open the store in-process "
+          "(gdkv.open(..., cuda_device=N))");
     }
     if (!client_->controller()->register_memory(b.ptr, b.len, gdkv::MemKind::kDevice)) {
       raise_value("this memory overlaps memory registered before");
@@ -513,9 +537,15 @@ class PyClient {
       if (!client_) raise_closed();
       if (client_->controller() != nullptr) client_->controller()->collect(m);
       const gdkv::CopyCounters c = client_->copies();
-      m.push_back({"client_staged_copies_total", "", gdkv::MetricType::kCounter, {},
+      m.push_back({"client_staged_copies_total",
+                   "",
+                   gdkv::MetricType::kCounter,
+                   {},
                    static_cast<double>(c.copies)});
-      m.push_back({"client_staged_bytes_total", "", gdkv::MetricType::kCounter, {},
+      m.push_back({"client_staged_bytes_total",
+                   "",
+                   gdkv::MetricType::kCounter,
+                   {},
                    static_cast<double>(c.bytes)});
     }
     std::vector<std::tuple<std::string, std::vector<std::tuple<std::string, std::string>>, double>>
@@ -594,20 +624,20 @@ class PyClient {
     }
     std::string msg = gdkv::describe(r);
     if (r.status == gdkv::kStagingExhausted && device()) {
-      msg += ": the store is full, or the memory shared with gdkvd has no room to stage this "
-             "buffer (connect(shared_memory_bytes=...), or use client.empty() buffers)";
+      msg +=
+          ": the store is full, or the memory shared with gdkvd has no room to stage this "
+          "buffer (connect(shared_memory_bytes=...), or use client.empty() buffers)";
     }
     raise_error(op, k, static_cast<int>(r.status), kNoFailure, msg);
   }
 
-  void check_fits(const Key& k, uint32_t value_len, const std::vector<Buffer>& bufs,
-                  bool partial) {
+  void check_fits(const Key& k, uint32_t value_len, const std::vector<Buffer>& bufs, bool partial) {
     size_t total = 0;
     for (const auto& b : bufs) total += b.len;
     if (!partial && value_len > total) {
       raise_error("get_into", &k, static_cast<int>(Status::kInvalidValueSize), kNoFailure,
-                  "the value has " + std::to_string(value_len) +
-                      " bytes, the buffer " + std::to_string(total) +
+                  "the value has " + std::to_string(value_len) + " bytes, the buffer " +
+                      std::to_string(total) +
                       " (only its first bytes were written; partial=True accepts that)");
     }
   }
@@ -617,16 +647,18 @@ class PyClient {
   void check_cuda(const Buffer& b) {
     if (!b.cuda) return;
     if (!cuda_) {
-      raise_value("a CUDA tensor needs a client with CUDA copy engines: gdkv.open(..., "
-                  "cuda_device=N) in a CUDA build");
+      raise_value(
+          "a CUDA tensor needs a client with CUDA copy engines: gdkv.open(..., "
+          "cuda_device=N) in a CUDA build");
     }
-    if (!registered(b)) raise_value("CUDA memory must be registered first: client.register(tensor)");
+    if (!registered(b))
+      raise_value("CUDA memory must be registered first: client.register(tensor)");
   }
   bool registered(const Buffer& b) {
     std::lock_guard lk(reg_mu_);
     auto it = registered_.upper_bound(reinterpret_cast<uintptr_t>(b.ptr));
-    return it != registered_.begin() &&
-           reinterpret_cast<uintptr_t>(b.ptr) + b.len <= std::prev(it)->first + std::prev(it)->second;
+    return it != registered_.begin() && reinterpret_cast<uintptr_t>(b.ptr) + b.len <=
+                                            std::prev(it)->first + std::prev(it)->second;
   }
 
   // Pieces of a value laid out across `bufs` in order. Through gdkvd they must be shared memory.
@@ -640,8 +672,9 @@ class PyClient {
     auto dev = device();
     for (const auto& b : bufs) {
       if (dev && !b.cuda && !dev->contains(b.ptr, b.len)) {
-        raise_value("through gdkvd, a value spread over several buffers lands in place only: "
-                    "each buffer must come from client.empty()/alloc()");
+        raise_value(
+            "through gdkvd, a value spread over several buffers lands in place only: "
+            "each buffer must come from client.empty()/alloc()");
       }
       if (b.len > UINT32_MAX || off > UINT32_MAX) raise_value("a piece past 4 GiB");
       pieces.push_back({reinterpret_cast<uint64_t>(b.ptr), static_cast<uint32_t>(off),
@@ -650,7 +683,6 @@ class PyClient {
     }
     return pieces;
   }
-
 
   // The connection, while open (close() drops it): read it through device().
   std::shared_ptr<gdkv::VfioUserDevice> device() {
@@ -701,9 +733,10 @@ std::unique_ptr<PyClient> open_in_process(const OpenOptions& o, uint32_t nsid) {
     raise_value("cuda_device: this gdkv was built without CUDA (nvcc not found at build time)");
 #endif
   }
-  std::string where = o.backend == "local"
-                          ? "local store at " + (o.store.empty() ? gdkv::default_store_dir() : o.store)
-                          : o.backend + " backend";
+  std::string where =
+      o.backend == "local"
+          ? "local store at " + (o.store.empty() ? gdkv::default_store_dir() : o.store)
+          : o.backend + " backend";
   std::unique_ptr<gdkv::Client> c;
   std::string error;
   {

@@ -128,7 +128,8 @@ TEST(Cache, SingleFlightThroughTheController) {
   std::vector<std::vector<std::byte>> bufs(16, std::vector<std::byte>(4096));
   std::vector<uint16_t> cids;
   const Key k = key("shared");
-  for (auto& b : bufs) cids.push_back(client->start(cmd::retrieve(k.bytes, k.len, b.data(), 4096)).value());
+  for (auto& b : bufs)
+    cids.push_back(client->start(cmd::retrieve(k.bytes, k.len, b.data(), 4096)).value());
   for (size_t i = 0; i < cids.size(); ++i) {
     CmdResult r = client->wait(cids[i]);
     ASSERT_TRUE(r.ok()) << describe(r);

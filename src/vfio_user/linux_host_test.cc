@@ -175,9 +175,9 @@ TEST_F(LinuxHost, EffectsLogBadFieldsAndSmartFigures) {
   ASSERT_TRUE(h.start());
   std::byte* data = h.mem() + 0x4000;
   const std::pair<uint8_t, uint8_t> invalid_field{static_cast<uint8_t>(Status::kInvalidField), 0};
-  EXPECT_EQ(admin(h, log_page(kLogCommandEffects, 4096, 0, 0x02)), invalid_field);  // ZNS: no
+  EXPECT_EQ(admin(h, log_page(kLogCommandEffects, 4096, 0, 0x02)), invalid_field);     // ZNS: no
   EXPECT_EQ(admin(h, log_page(kLogCommandEffects, 16, 4100, kCsiKv)), invalid_field);  // past it
-  EXPECT_EQ(admin(h, log_page(kLogCommandEffects, 16, 2, kCsiKv)), invalid_field);   // unaligned
+  EXPECT_EQ(admin(h, log_page(kLogCommandEffects, 16, 2, kCsiKv)), invalid_field);     // unaligned
   // A window: 16 bytes at 1024 + 4 * 0x14 (I/O entry of Exist), then zeros past the end.
   std::memset(data, 0xAA, 64);
   ASSERT_EQ(admin(h, log_page(kLogCommandEffects, 16, 1024 + 4 * 0x14, kCsiKv)), kOk);

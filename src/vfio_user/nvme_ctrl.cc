@@ -1232,11 +1232,11 @@ uint16_t NvmeController::get_log_page(const nvme::Sqe& sqe) {
       if (csi != kCsiNvm && csi != kCsiKv) return sf(Status::kInvalidField);
       CommandEffectsLog e{};
       // Every admin command gdkvd implements; no command-submission effects are claimed.
-      for (AdminOp op : {AdminOp::kDeleteIoSq, AdminOp::kCreateIoSq, AdminOp::kGetLogPage,
-                         AdminOp::kDeleteIoCq, AdminOp::kCreateIoCq, AdminOp::kIdentify,
-                         AdminOp::kAbort, AdminOp::kSetFeatures, AdminOp::kGetFeatures,
-                         AdminOp::kAsyncEventRequest, AdminOp::kKeepAlive,
-                         AdminOp::kGdkvDeviceMemory}) {
+      for (AdminOp op :
+           {AdminOp::kDeleteIoSq, AdminOp::kCreateIoSq, AdminOp::kGetLogPage, AdminOp::kDeleteIoCq,
+            AdminOp::kCreateIoCq, AdminOp::kIdentify, AdminOp::kAbort, AdminOp::kSetFeatures,
+            AdminOp::kGetFeatures, AdminOp::kAsyncEventRequest, AdminOp::kKeepAlive,
+            AdminOp::kGdkvDeviceMemory}) {
         e.admin[static_cast<uint8_t>(op)] = kEffectsCsupp;
       }
       // I/O commands: the KV command set's and gdkv's vendor ones; none of the NVM set.

@@ -106,9 +106,9 @@ struct NvmeStats {
   std::atomic<uint64_t> admin_commands{0};
   std::atomic<uint64_t> admin_errors{0};
   std::atomic<uint64_t> bad_doorbells{0};
-  std::atomic<uint64_t> bytes_read{0};     // value bytes delivered to the host
-  std::atomic<uint64_t> bytes_written{0};  // value bytes stored
-  std::atomic<uint64_t> read_commands{0};  // Retrieves that succeeded (SMART host reads)
+  std::atomic<uint64_t> bytes_read{0};      // value bytes delivered to the host
+  std::atomic<uint64_t> bytes_written{0};   // value bytes stored
+  std::atomic<uint64_t> read_commands{0};   // Retrieves that succeeded (SMART host reads)
   std::atomic<uint64_t> write_commands{0};  // Stores that succeeded (SMART host writes)
   std::atomic<uint64_t> interrupts{0};
   std::atomic<uint64_t> bounced_commands{0};  // commands that used message-only DMA memory

@@ -344,9 +344,10 @@ int DeviceSession::on_dma_map(Message& m) {
   if (!fd.valid() && req->offset != 0) return EINVAL;
   const int err = dma_.map(req->addr, req->size, req->offset, req->flags, std::move(fd));
   if (err == EPERM) {
-    refusal_ = "its memory fd is not sealed against shrinking (F_SEAL_SHRINK), so the client could "
-               "make gdkvd fault; allow_unsealed_memory = true accepts such memory (SPDK's "
-               "hugetlbfs files, QEMU memory-backend-memfd without seal=on)";
+    refusal_ =
+        "its memory fd is not sealed against shrinking (F_SEAL_SHRINK), so the client could "
+        "make gdkvd fault; allow_unsealed_memory = true accepts such memory (SPDK's "
+        "hugetlbfs files, QEMU memory-backend-memfd without seal=on)";
   }
   return err;
 }

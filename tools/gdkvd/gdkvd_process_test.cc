@@ -250,7 +250,7 @@ TEST(GdkvdProcess, DaemonKilledMidCallFailsTheClientInBoundedTime) {
   caller.join();
   EXPECT_EQ(r.status, Status::kAbortRequested);
   EXPECT_EQ(c->failure(), gdkv::ClientFailure::kPeerGone);
-  EXPECT_GE(done, killed);  // the call waited until the daemon died...
+  EXPECT_GE(done, killed);                            // the call waited until the daemon died...
   EXPECT_LT(done - killed, std::chrono::seconds(2));  // ...and not much longer
   const auto t0 = Clock::now();
   EXPECT_EQ(c->exists(k).status, Status::kAbortRequested);
