@@ -13,6 +13,7 @@
 #include <mutex>
 #include <thread>
 
+#include "gdkv/commands.h"
 #include "gdkv/controller.h"
 #include "gdkv/vfio_user.h"
 #include "vfio_user/nvme_defs.h"
@@ -28,6 +29,13 @@ using vfio_user::test::RawHost;
 using vfio_user::test::TempDir;
 
 constexpr uint64_t kData = RawHost::kIova + 0x4000;  // RawHost's data area
+void* const kDataPtr = reinterpret_cast<void*>(kData);
+
+// Exist of a key named by text, in namespace 1.
+nvme::Sqe exist(const char* name) {
+  const Key k = *Key::from_string(name);
+  return cmd::exist(k.bytes, k.len);
+}
 
 class LinuxHost : public ::testing::Test {
  protected:
@@ -193,22 +201,12 @@ TEST_F(LinuxHost, EffectsLogBadFieldsAndSmartFigures) {
   // SMART: only what was measured. 3 Stores of 1000 bytes, 2 Retrieves (one short buffer).
   const Key k = *Key::from_string("smart");
   for (int i = 0; i < 3; ++i) {
-    nvme::Sqe st{};
-    st.opcode = static_cast<uint8_t>(nvme::Opcode::kStore);
-    st.nsid = 1;
-    k.to_sqe(st);
-    st.cdw10 = 1000;
-    st.dptr.prp.prp1 = kData;
-    ASSERT_EQ(nvme::status_code(h.io(st).status), Status::kSuccess);
+    ASSERT_EQ(nvme::status_code(h.io(cmd::store(k.bytes, k.len, kDataPtr, 1000)).status),
+              Status::kSuccess);
   }
   for (uint32_t len : {1000u, 10u}) {
-    nvme::Sqe rt{};
-    rt.opcode = static_cast<uint8_t>(nvme::Opcode::kRetrieve);
-    rt.nsid = 1;
-    k.to_sqe(rt);
-    rt.cdw10 = len;
-    rt.dptr.prp.prp1 = kData;
-    ASSERT_EQ(nvme::status_code(h.io(rt).status), Status::kSuccess);
+    ASSERT_EQ(nvme::status_code(h.io(cmd::retrieve(k.bytes, k.len, kDataPtr, len)).status),
+              Status::kSuccess);
   }
   ASSERT_EQ(admin(h, log_page(kLogSmart, 512)), kOk);
   SmartLog s;
@@ -248,23 +246,15 @@ TEST_F(LinuxHost, ShutdownUnmapEverythingAndAttachAgain) {
   // A new host attaches right after and works.
   RawHost h2(dir_.path());
   ASSERT_TRUE(h2.start());
-  nvme::Sqe ex{};
-  ex.opcode = static_cast<uint8_t>(nvme::Opcode::kExist);
-  ex.nsid = 1;
-  Key::from_string("none")->to_sqe(ex);
-  EXPECT_EQ(nvme::status_code(h2.io(ex).status), Status::kKeyNotExist);
+  EXPECT_EQ(nvme::status_code(h2.io(exist("none")).status), Status::kKeyNotExist);
 }
 
 TEST_F(LinuxHost, UnmapWhileCommandsRunOnAQueueInThatMemory) {
   start(/*delay_us=*/300000);  // each backend op takes 300 ms
   RawHost h(dir_.path());
   ASSERT_TRUE(h.start());
-  nvme::Sqe st{};
-  st.opcode = static_cast<uint8_t>(nvme::Opcode::kStore);
-  st.nsid = 1;
-  Key::from_string("slow")->to_sqe(st);
-  st.cdw10 = 4096;
-  st.dptr.prp.prp1 = kData;
+  const Key slow = *Key::from_string("slow");
+  const nvme::Sqe st = cmd::store(slow.bytes, slow.len, kDataPtr, 4096);
   uint16_t status = 0xFFFF;
   std::thread io([&] { status = nvme::status_code(h.io(st).status) == Status::kSuccess ? 0 : 1; });
   std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the Store is in the backend
@@ -279,11 +269,7 @@ TEST_F(LinuxHost, UnmapWhileCommandsRunOnAQueueInThatMemory) {
   // Doorbells of the dropped queues reach nothing; the server keeps serving others.
   RawHost h2(dir_.path());
   ASSERT_TRUE(h2.start());
-  nvme::Sqe ex{};
-  ex.opcode = static_cast<uint8_t>(nvme::Opcode::kExist);
-  ex.nsid = 1;
-  Key::from_string("slow")->to_sqe(ex);
-  EXPECT_EQ(nvme::status_code(h2.io(ex).status), Status::kSuccess);
+  EXPECT_EQ(nvme::status_code(h2.io(exist("slow")).status), Status::kSuccess);
 }
 
 TEST_F(LinuxHost, RefusedMessagesAreLoggedWithTheirReason) {
