@@ -171,11 +171,11 @@ def test_close_waits_for_calls_in_flight(gdkvd):
     time.sleep(0.1)
     t = threading.Thread(target=call)
     t.start()
-    time.sleep(0.1)
-    threading.Timer(0.3, lambda: gdkvd.signal(signal.SIGCONT)).start()
+    time.sleep(0.3)  # the put is waiting inside the client
+    threading.Timer(0.5, lambda: gdkvd.signal(signal.SIGCONT)).start()
     t0 = time.monotonic()
     c.close()  # waits for the put, which completes once gdkvd runs again
-    assert time.monotonic() - t0 >= 0.2
+    assert time.monotonic() - t0 >= 0.4
     t.join()
     assert errors == []
     with pytest.raises(gdkv.ClosedError):
