@@ -90,8 +90,9 @@ def connect(socket_dir: str, *, nsid: int = 1, queue_depth: int = 1024,
 
     ``shared_memory_bytes`` of memory are shared with gdkvd (committed only when used): queues,
     :meth:`Client.empty` arrays and staged buffers. A command gdkvd does not complete within
-    ``timeout_ms`` raises gdkv.TimeoutError; a gdkvd that exits or dies raises
-    gdkv.ConnectionError within about 10 ms. Either way the client stays unusable: connect again.
+    ``timeout_ms`` raises gdkv.TimeoutError (connecting and closing wait as long, at most 10 s); a
+    gdkvd that exits or dies raises gdkv.ConnectionError within about 10 ms. Either way the client
+    stays unusable: connect again.
 
     >>> c = gdkv.connect("/run/gdkvd")
     """

@@ -759,6 +759,8 @@ std::unique_ptr<PyClient> connect(const std::string& socket_dir, const ConnectOp
   vo.queue_depth = o.queue_depth;
   vo.shared_memory_bytes = o.shared_memory_bytes;
   vo.io_timeout_ms = o.timeout_ms;
+  // Admin commands and register access (bring-up, teardown) wait as long, at most 10 s.
+  if (o.timeout_ms > 0) vo.timeout_ms = std::min<uint32_t>(o.timeout_ms, vo.timeout_ms);
   std::shared_ptr<gdkv::VfioUserDevice> dev;
   std::unique_ptr<gdkv::Client> c;
   std::string error;

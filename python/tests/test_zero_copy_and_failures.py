@@ -157,6 +157,18 @@ def test_close_while_gdkvd_is_frozen(gdkvd):
     gdkvd.signal(signal.SIGCONT)
 
 
+def test_close_of_an_idle_client_while_gdkvd_is_frozen(gdkvd):
+    """No call failed before: closing still must not wait for ever on the frozen daemon."""
+    c = gdkv.connect(gdkvd.dir, timeout_ms=300)
+    c.put(b"k", b"v")
+    gdkvd.signal(signal.SIGSTOP)
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    c.close()
+    assert time.monotonic() - t0 < 3
+    gdkvd.signal(signal.SIGCONT)
+
+
 def test_close_waits_for_calls_in_flight(gdkvd):
     c = gdkv.connect(gdkvd.dir)
     errors = []

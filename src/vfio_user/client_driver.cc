@@ -258,6 +258,13 @@ class Driver final : public VfioUserDevice {
     h.flags = kTypeCommand;
     if (!write_message(sock_.get(), h, payload, fds)) fail(where_ + ": connection lost");
     for (;;) {
+      // A gdkvd that stopped answering must not hang the caller (a destructor, say).
+      pollfd pf{sock_.get(), POLLIN, 0};
+      const int ready = ::poll(&pf, 1, static_cast<int>(options_.timeout_ms));
+      if (ready == 0)
+        fail(where_ + ": no reply within " + std::to_string(options_.timeout_ms) + " ms");
+      if (ready < 0 && errno != EINTR) fail(where_ + ": connection lost");
+      if (ready < 0) continue;
       Message m;
       if (read_message(sock_.get(), m) != ReadStatus::kOk) fail(where_ + ": connection lost");
       if ((m.hdr.flags & kTypeMask) == kTypeCommand) {
@@ -550,6 +557,7 @@ CmdResult Driver::admin(nvme::Sqe sqe, void* data, size_t len) {
     std::memcpy(buf, data, len);
   }
   CmdResult result{nvme::Status::kInternalError, nvme::kSctGeneric, 0};
+  bool timed_out = false;
   {
     std::lock_guard lk(admin_mu_);
     sqe.cid = next_cid_++;
@@ -577,10 +585,17 @@ CmdResult Driver::admin(nvme::Sqe sqe, void* data, size_t len) {
       }
       if (Clock::now() > deadline || ((++spins & 1023) == 0 && peer_gone())) {
         result = CmdResult{nvme::Status::kAbortRequested, nvme::kSctGeneric, 0};
+        timed_out = true;
         break;
       }
       if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
+  }
+  if (timed_out) {
+    // gdkvd is gone or not answering: the command may still run, so its memory stays out of the
+    // allocator, and nothing more is sent (a teardown then does not wait once per command).
+    poison();
+    return result;
   }
   if (buf != nullptr) {
     std::memcpy(data, buf, len);
