@@ -384,6 +384,7 @@ class PyClient {
   }
 
   std::vector<std::optional<nb::bytes>> get_many(nb::handle keys_obj, size_t size_hint) {
+    if (size_hint > UINT32_MAX) raise_value("size_hint is larger than 4 GiB - 1 bytes");
     std::vector<Key> keys = to_keys(keys_obj);
     std::vector<std::vector<std::byte>> bufs(keys.size(), std::vector<std::byte>(size_hint));
     std::vector<BatchItem> items(keys.size());
