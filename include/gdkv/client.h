@@ -160,9 +160,13 @@ class Client {
   void unstage(const nvme::Sqe& sqe, const void* p, size_t len, bool to_controller,
                const CmdResult& r);
   CmdResult wait_slow(uint16_t cid);
-  // A loop that cannot make progress (the queue is full) checks here every so often: fails the
-  // Client once the controller is gone or `since` (set on the first call) is a timeout ago.
-  bool stuck(std::chrono::steady_clock::time_point& since);
+  // A wait that makes no progress (a command not completing, a full queue) checks here every so
+  // often: fails the Client once the controller is gone (looked at every 10 ms) or the wait
+  // began a timeout ago. True once the Client failed. Reset with `w = {}` when progress is made.
+  struct Waiting {
+    std::chrono::steady_clock::time_point since{}, next_look{};
+  };
+  bool stuck(Waiting& w);
   // Marks the Client failed (the first reason stays) and returns what every call then gets: 07h.
   CmdResult fail(ClientFailure why);
   bool broken() const { return failure_.load(std::memory_order_relaxed) != ClientFailure::kNone; }

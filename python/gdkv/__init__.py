@@ -65,22 +65,14 @@ def open(backend: str = "local", *, store: Optional[str] = None, capacity: int =
     >>> c = gdkv.open("memory")
     """
     o = _core.OpenOptions()
-    o.backend = backend
-    o.store = store or ""
-    o.capacity = capacity
-    o.pool = pool
-    o.ceph_conf = ceph_conf
-    o.ceph_client = ceph_client
-    o.ceph_keyring = ceph_keyring
-    o.ceph_timeout_ms = ceph_timeout_ms
-    o.cache_bytes = cache_bytes
-    o.cache_policy = cache_policy
-    o.prefetch_depth = prefetch_depth
-    o.reactors = reactors
-    o.namespaces = nsid
-    o.max_value_bytes = max_value_bytes
-    o.queue_depth = queue_depth
-    o.cuda_device = -1 if cuda_device is None else cuda_device
+    settings = dict(backend=backend, store=store or "", capacity=capacity, pool=pool,
+                    ceph_conf=ceph_conf, ceph_client=ceph_client, ceph_keyring=ceph_keyring,
+                    ceph_timeout_ms=ceph_timeout_ms, cache_bytes=cache_bytes,
+                    cache_policy=cache_policy, prefetch_depth=prefetch_depth, reactors=reactors,
+                    namespaces=nsid, max_value_bytes=max_value_bytes, queue_depth=queue_depth,
+                    cuda_device=-1 if cuda_device is None else cuda_device)
+    for name, value in settings.items():
+        setattr(o, name, value)
     return Client(_core.open(o, nsid))
 
 

@@ -79,6 +79,14 @@ nb::handle g_make_error;
 
 std::string py_type_name(nb::handle h) { return nb::type_name(h.type()).c_str(); }
 
+// The bytes of a bytes object or a str (UTF-8); TypeError naming `what` otherwise.
+std::string bytes_or_str(nb::handle h, const char* what) {
+  if (PyBytes_Check(h.ptr()))
+    return {PyBytes_AS_STRING(h.ptr()), size_t(PyBytes_GET_SIZE(h.ptr()))};
+  if (PyUnicode_Check(h.ptr())) return nb::cast<std::string>(h);
+  raise_type(std::string(what) + " is bytes or str, not " + py_type_name(h));
+}
+
 // bytes, bytearray or str (UTF-8) of 1..16 bytes.
 Key to_key(nb::handle h) {
   const char* data = nullptr;
@@ -317,16 +325,7 @@ class PyClient {
   }
 
   std::vector<nb::bytes> list(nb::handle prefix) {
-    std::string pre;
-    if (!prefix.is_none()) {
-      if (PyBytes_Check(prefix.ptr())) {
-        pre.assign(PyBytes_AS_STRING(prefix.ptr()), PyBytes_GET_SIZE(prefix.ptr()));
-      } else if (PyUnicode_Check(prefix.ptr())) {
-        pre = nb::cast<std::string>(prefix);
-      } else {
-        raise_type("prefix is bytes or str, not " + py_type_name(prefix));
-      }
-    }
+    const std::string pre = prefix.is_none() ? std::string() : bytes_or_str(prefix, "prefix");
     std::vector<Key> keys;
     CmdResult r = run([&](gdkv::Client& c) { return c.list_all(keys, nsid_); });
     check("list", nullptr, r);
@@ -865,14 +864,7 @@ NB_MODULE(_core, m) {
       [](nb::handle tokens, size_t block_tokens, nb::handle salt, nb::handle parent) {
         if (block_tokens == 0) raise_value("block_tokens must be > 0");
         std::vector<uint32_t> t = to_tokens(tokens);
-        std::string s;
-        if (PyBytes_Check(salt.ptr())) {
-          s.assign(PyBytes_AS_STRING(salt.ptr()), PyBytes_GET_SIZE(salt.ptr()));
-        } else if (PyUnicode_Check(salt.ptr())) {
-          s = nb::cast<std::string>(salt);
-        } else {
-          raise_type("salt is bytes or str, not " + py_type_name(salt));
-        }
+        const std::string s = bytes_or_str(salt, "salt");
         std::optional<Key> p;
         if (!parent.is_none()) p = to_key(parent);
         std::vector<Key> keys = gdkv::chain_keys(t, block_tokens, s, p ? &*p : nullptr);

@@ -37,7 +37,7 @@ std::optional<uint16_t> Client::try_start(nvme::Sqe sqe) {
 }
 
 std::optional<uint16_t> Client::start(nvme::Sqe sqe) {
-  std::chrono::steady_clock::time_point full_since{};
+  Waiting full;
   for (uint32_t spins = 0;; ++spins) {
     if (broken()) return std::nullopt;
     if (auto cid = try_start(sqe)) return cid;
@@ -45,18 +45,19 @@ std::optional<uint16_t> Client::start(nvme::Sqe sqe) {
     queue::reap(queue_);
     atomic::pause();
     // A full queue on a controller that died or froze never drains: look every so often.
-    if ((spins & 0xffff) == 0xffff && stuck(full_since)) return std::nullopt;
+    if ((spins & 0xffff) == 0xffff && stuck(full)) return std::nullopt;
   }
 }
 
-bool Client::stuck(std::chrono::steady_clock::time_point& since) {
+bool Client::stuck(Waiting& w) {
+  constexpr auto kLivenessPeriod = std::chrono::milliseconds(10);
   const auto now = std::chrono::steady_clock::now();
-  if (since == std::chrono::steady_clock::time_point{}) since = now;
-  if (alive_ && !alive_()) {
-    (void)fail(ClientFailure::kPeerGone);
-  } else if (timeout_.count() > 0 && now - since > timeout_) {
-    (void)fail(ClientFailure::kTimeout);
+  if (w.since == std::chrono::steady_clock::time_point{}) w.since = w.next_look = now;
+  if (alive_ && now >= w.next_look) {
+    if (!alive_()) (void)fail(ClientFailure::kPeerGone);
+    w.next_look = now + kLivenessPeriod;
   }
+  if (timeout_.count() > 0 && now - w.since > timeout_) (void)fail(ClientFailure::kTimeout);
   return broken();
 }
 
@@ -69,6 +70,8 @@ CmdResult Client::finish(uint16_t cid) {
 namespace {
 // What every call of a failed Client returns.
 CmdResult aborted() { return CmdResult{nvme::Status::kAbortRequested, nvme::kSctGeneric, 0}; }
+// A buffer that could not be staged.
+CmdResult staging_exhausted() { return CmdResult{kStagingExhausted, nvme::kSctGeneric, 0}; }
 }  // namespace
 
 CmdResult Client::fail(ClientFailure why) {
@@ -89,22 +92,12 @@ CmdResult Client::wait(uint16_t cid) {
 }
 
 CmdResult Client::wait_slow(uint16_t cid) {
-  using Clock = std::chrono::steady_clock;
-  constexpr auto kLivenessPeriod = std::chrono::milliseconds(10);
-  const auto begin = Clock::now();
-  auto next_look = begin + kLivenessPeriod;
+  Waiting w;
+  (void)stuck(w);  // the timeout counts from here
   for (uint32_t n = 0;; ++n) {
     if (queue::poll(queue_, cid)) return finish(cid);
-    // Another thread found the controller gone: nothing completes any more. (The id stays taken.)
-    if (broken()) return aborted();
-    if ((n & 63) == 63) {
-      const auto now = Clock::now();
-      if (timeout_.count() > 0 && now - begin > timeout_) return fail(ClientFailure::kTimeout);
-      if (alive_ && now >= next_look) {
-        if (!alive_()) return fail(ClientFailure::kPeerGone);
-        next_look = now + kLivenessPeriod;
-      }
-    }
+    // Failed, here or on another thread: nothing completes any more. (The id stays taken.)
+    if (broken() || ((n & 63) == 63 && stuck(w))) return aborted();
     // Leave the core to the controller (on a small machine it may need this one).
     std::this_thread::yield();
   }
@@ -144,10 +137,6 @@ void Client::unstage(const nvme::Sqe& sqe, const void* p, size_t len, bool to_co
   }
   stager_->release(sqe.dptr.prp.prp1, const_cast<void*>(p), copy_back);
 }
-
-namespace {
-CmdResult staging_exhausted() { return CmdResult{kStagingExhausted, nvme::kSctGeneric, 0}; }
-}  // namespace
 
 CmdResult Client::execute_data(nvme::Sqe sqe, const void* p, size_t len, bool to_controller,
                                bool metadata) {
@@ -196,7 +185,7 @@ void Client::execute_batch(std::span<BatchItem> items) {
 
 void Client::run_batch(std::span<nvme::Sqe> sqes, std::span<CmdResult> results) {
   std::vector<uint16_t> cids(sqes.size());
-  std::chrono::steady_clock::time_point full_since{};
+  Waiting full;  // while other threads hold every credit
   uint32_t spins = 0;
   size_t next = 0;
   size_t done = 0;
@@ -223,12 +212,12 @@ void Client::run_batch(std::span<nvme::Sqe> sqes, std::span<CmdResult> results) 
     if (done < next) {
       results[done] = wait(cids[done]);
       ++done;
-      full_since = {};
+      full = {};
     } else {
       // Other threads hold every credit: a controller that died or froze never returns them.
       queue::reap(queue_);
       atomic::pause();
-      if ((++spins & 0xffff) == 0xffff) (void)stuck(full_since);
+      if ((++spins & 0xffff) == 0xffff) (void)stuck(full);
     }
   }
 }
