@@ -54,21 +54,35 @@ gdkv_build() {
   cmake --build "build/$dir" -j"$(nproc)" "${targets[@]}"
 }
 
-# The Python environment: a virtual environment outside the clone (so CI on this machine reuses
-# it) with python/requirements.txt's exact versions, reinstalled only when that file changes, and
-# the gdkv package built into it (incrementally, in build/python).
+# The Python environments: virtual environments outside the clone (so CI on this machine reuses
+# them) with a lock file's exact versions, reinstalled only when that file changes, and the gdkv
+# package built into each (incrementally, in build/python or build/python-NAME).
+#   gdkv_python_env          $GDKV_VENV from python/requirements.txt: gdkv, torch, transformers,
+#                            vLLM and LMCache (LMCache runs inside vLLM)
+#   gdkv_python_env sglang   $GDKV_VENV-sglang from python/requirements-sglang.txt: SGLang pins
+#                            other torch and flashinfer versions than vLLM, so it cannot share one
+# The default one is $GDKV_PYTHON; a named one sets $GDKV_PYTHON_NAME (GDKV_PYTHON_SGLANG).
 GDKV_VENV=${GDKV_VENV:-$HOME/.cache/gdkv/venv}
 GDKV_PYTHON=$GDKV_VENV/bin/python
 gdkv_python_env() {
-  [ -x "$GDKV_PYTHON" ] || /usr/bin/python3 -m venv "$GDKV_VENV"
-  local stamp=$GDKV_VENV/.gdkv-requirements want
-  want=$(sha256sum python/requirements.txt | cut -d' ' -f1)
+  local name=${1:-} venv=$GDKV_VENV lock=python/requirements.txt build=build/python
+  if [ -n "$name" ]; then
+    venv=$GDKV_VENV-$name lock=python/requirements-$name.txt build=build/python-$name
+  fi
+  local py=$venv/bin/python stamp=$venv/.gdkv-requirements want
+  [ -x "$py" ] || /usr/bin/python3 -m venv "$venv"
+  want=$(sha256sum "$lock" | cut -d' ' -f1)
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    gdkv_log "installing python/requirements.txt into $GDKV_VENV (the first time takes minutes: torch)"
-    "$GDKV_PYTHON" -m pip install -q --disable-pip-version-check -r python/requirements.txt
+    gdkv_log "installing $lock into $venv (the first time takes minutes: torch and the engines)"
+    "$py" -m pip install -q --disable-pip-version-check -r "$lock"
     echo "$want" >"$stamp"
   fi
-  gdkv_log "building the gdkv Python package (build/python)"
-  "$GDKV_PYTHON" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps \
-    ./python >build/python-install.log 2>&1 || { cat build/python-install.log; return 1; }
+  gdkv_log "building the gdkv Python package ($build)"
+  mkdir -p build
+  "$py" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps \
+    -C build-dir="$PWD/$build" ./python >"$build-install.log" 2>&1 ||
+    { cat "$build-install.log"; return 1; }
+  if [ -n "$name" ]; then
+    printf -v "GDKV_PYTHON_${name^^}" %s "$py"
+  fi
 }

@@ -1,0 +1,559 @@
+"""vLLM stores and loads its KV cache through gdkv: ``GdkvConnector``, a KVConnectorBase_V1.
+
+Turn it on with::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "GdkvConnector",
+        "kv_connector_module_path": "gdkv.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"socket_dir": "/run/gdkvd"}}'
+
+Extra config: gdkv.engine's keys (``socket_dir`` or ``backend``, ``nsid``, ``namespace``,
+``timeout_ms``, ``retry_interval_s``...) and
+
+    blocks_per_value   vLLM blocks stored under one gdkv key (default 1): fewer, larger values
+    model_id           names the model's weights in the keys (default: the model path and
+                       revision, and a digest of its HF config); set it when two deployments
+                       load different weights from one path
+    staging_bytes      host memory for one round of transfers (default 256 MiB)
+    save_queue_bytes   saves waiting for gdkv beyond this are dropped (default 1 GiB)
+
+How it works:
+
+- Keys: a gdkv value holds ``blocks_per_value`` consecutive vLLM blocks, every layer this worker
+  holds, as ``[block][layer][page bytes]``. Its key is gdkv.engine.KeySpace over vLLM's block
+  hash of the value's last block (a chain hash: it names the whole prefix), salted with the
+  model, the KV dtype, the cache layout and page size, the blocks per value and the worker's rank
+  (each tensor- or pipeline-parallel rank stores its own shard under its own keys).
+- Scheduler: for a new request, one ``lookup_prefix`` over the values past vLLM's own prefix
+  cache (every rank's keys, interleaved) gives the external tokens. The load (values and the
+  block ids vLLM allocated for them) and the saves (full values the request computed that gdkv
+  did not have) travel to the workers in :class:`GdkvMetadata`.
+- Worker: loads run on a background thread while the forward pass goes on (the request waits in
+  vLLM's WAITING_FOR_REMOTE_KVS and comes back through ``get_finished``). A value is written
+  straight into its blocks' pages (zero copy, one scatter list per value) when the controller
+  reaches vLLM's KV memory (an in-process gdkv over CPU tensors, or CUDA tensors registered with
+  it); otherwise it lands in a staging buffer gdkv reaches and is copied into the pages. Saves
+  gather the pages into a staging buffer in ``wait_for_save`` (so vLLM may reuse the blocks at
+  once) and are put by the background thread, skipping values gdkv already has.
+- Failure is never wrong KV: a value that is missing, of the wrong size, or not read because
+  gdkvd failed is reported through ``get_block_ids_with_load_errors`` and vLLM recomputes it; a
+  gdkvd that is down gives no external hits and drops saves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from contextlib import nullcontext
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                               KVConnectorMetadata,
+                                                               KVConnectorRole,
+                                                               KVConnectorTransferResults)
+from vllm.v1.kv_cache_interface import AttentionSpec, group_kernel_blocks
+
+from . import errors
+from .engine import UNAVAILABLE, EngineStore, KeySpace
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("gdkv.vllm")
+
+
+@dataclass
+class Transfer:
+    """Values of one request to load or save: the vLLM block hash naming each value, and each
+    value's block ids (``blocks_per_value`` of them; -1 marks a block a load skips because
+    vLLM's own prefix cache already holds it)."""
+
+    req_id: str
+    hashes: list[bytes] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
+class GdkvMetadata(KVConnectorMetadata):
+    loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)
+
+
+class _Plan:
+    """What both sides derive from the vLLM config: value geometry and the key salt."""
+
+    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig"):
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        self.extra = extra
+        groups = kv_cache_config.kv_cache_groups
+        self.usable = len(groups) == 1 and isinstance(groups[0].kv_cache_spec, AttentionSpec)
+        pc = vllm_config.parallel_config
+        if getattr(pc, "decode_context_parallel_size", 1) > 1 or getattr(
+                pc, "prefill_context_parallel_size", 1) > 1:
+            self.usable = False
+        if not self.usable:
+            log.warning("gdkv: only models with one full-attention KV cache group and no "
+                        "context parallelism are supported; running without gdkv")
+        spec = groups[0].kv_cache_spec if groups else None
+        self.layer_names = list(groups[0].layer_names) if groups else []
+        self.block_size = vllm_config.cache_config.block_size
+        self.hash_block_size = kv_cache_config.hash_block_size or self.block_size
+        self.blocks_per_value = int(extra.get("blocks_per_value", 1))
+        if self.blocks_per_value < 1:
+            raise ValueError("gdkv: blocks_per_value must be at least 1")
+        self.tokens_per_value = self.blocks_per_value * self.block_size
+        if self.tokens_per_value % self.hash_block_size:
+            self.usable = False
+        self.page_bytes = spec.page_size_bytes if spec is not None else 0
+        self.world = pc.tensor_parallel_size * pc.pipeline_parallel_size
+        mc = vllm_config.model_config
+        model_id = extra.get("model_id")
+        if not model_id:
+            hf = mc.hf_config.to_dict() if hasattr(mc.hf_config, "to_dict") else {}
+            digest = hashlib.sha256(json.dumps(hf, sort_keys=True, default=str).encode())
+            model_id = f"{mc.model}@{mc.revision or ''}#{digest.hexdigest()[:16]}"
+        self.model_id = str(model_id)
+        self.dtype = str(getattr(spec, "dtype", "")) + "/" + str(vllm_config.cache_config.cache_dtype)
+        self.layout = (f"{type(spec).__name__}/{kv_cache_config.kv_cache_layout}/"
+                       f"bs{self.block_size}/page{self.page_bytes}/g{self.blocks_per_value}")
+        self.namespace = str(extra.get("namespace", ""))
+
+    def keyspace(self, rank: int) -> KeySpace:
+        return KeySpace("vllm", self.model_id, self.dtype,
+                        f"{self.layout}/rank{rank}of{self.world}", self.namespace)
+
+    def value_hash(self, request: "Request", value: int) -> bytes:
+        """vLLM's hash of the last block of value ``value``: it names tokens [0, end)."""
+        end = (value + 1) * self.tokens_per_value
+        return request.block_hashes[end // self.hash_block_size - 1]
+
+    def hashed_values(self, request: "Request", tokens: int) -> int:
+        """Full values among the first ``tokens`` tokens that vLLM has hashed."""
+        hashed = len(request.block_hashes) * self.hash_block_size
+        return min(tokens, hashed) // self.tokens_per_value
+
+
+class _Request:
+    def __init__(self, request: "Request"):
+        self.request = request
+        self.local_tokens = 0      # vLLM's own prefix-cache hit, at the last lookup
+        self.present = 0           # leading values known to be in gdkv
+        self.planned = 0           # leading values saved or known present
+        self.load: Optional[Transfer] = None
+
+
+class _SchedulerSide:
+    def __init__(self, plan: _Plan, store: Optional[EngineStore]):
+        self.plan = plan
+        self.store = store
+        self.spaces = [plan.keyspace(r) for r in range(plan.world)]
+        self.requests: dict[str, _Request] = {}
+        self.manager = None
+
+    def state(self, request: "Request") -> _Request:
+        st = self.requests.get(request.request_id)
+        if st is None:
+            st = self.requests[request.request_id] = _Request(request)
+        return st
+
+    def matched_tokens(self, request: "Request", num_computed: int) -> tuple[int, bool]:
+        st = self.state(request)
+        st.local_tokens = num_computed
+        p = self.plan
+        if self.store is None or not p.usable:
+            return 0, False
+        # vLLM computes at least the prompt's last token itself.
+        last = p.hashed_values(request, request.num_prompt_tokens - 1)
+        first = num_computed // p.tokens_per_value
+        if first >= last:
+            return 0, False
+        hashes = [p.value_hash(request, v) for v in range(first, last)]
+        keys = [ks.key(h) for h in hashes for ks in self.spaces]
+        found = self.store.call(lambda c: c.lookup_prefix(keys), 0) // len(self.spaces)
+        st.present = max(st.present, first + found)
+        st.planned = max(st.planned, st.present)
+        external = (first + found) * p.tokens_per_value - num_computed
+        return (external, True) if external > 0 else (0, False)
+
+    def after_alloc(self, request: "Request", blocks: "KVCacheBlocks", external: int) -> None:
+        if external <= 0:
+            return
+        st = self.state(request)
+        p = self.plan
+        ids = blocks.get_block_ids()[0]
+        local_blocks = st.local_tokens // p.block_size
+        first = st.local_tokens // p.tokens_per_value
+        end = (st.local_tokens + external) // p.tokens_per_value
+        load = Transfer(request.request_id)
+        for v in range(first, end):
+            blocks_v = range(v * p.blocks_per_value, (v + 1) * p.blocks_per_value)
+            load.hashes.append(p.value_hash(request, v))
+            load.block_ids.append([ids[b] if b >= local_blocks else -1 for b in blocks_v])
+        st.load = load
+
+    def build_meta(self, out: "SchedulerOutput") -> GdkvMetadata:
+        meta = GdkvMetadata()
+        for st in self.requests.values():
+            if st.load is not None:
+                meta.loads.append(st.load)
+                st.load = None
+        if self.store is None or not self.plan.usable:
+            return meta
+        done: dict[str, int] = {}
+        for new in out.scheduled_new_reqs:
+            done[new.req_id] = new.num_computed_tokens + out.num_scheduled_tokens[new.req_id]
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            done[req_id] = cached.num_computed_tokens[i] + out.num_scheduled_tokens[req_id]
+        for req_id, tokens in done.items():
+            st = self.requests.get(req_id)
+            if st is not None:
+                save = self._save(st, tokens)
+                if save is not None:
+                    meta.saves.append(save)
+        return meta
+
+    def _save(self, st: _Request, tokens: int) -> Optional[Transfer]:
+        """The full values the request has computed (once this step ran) and gdkv lacks."""
+        p = self.plan
+        ready = p.hashed_values(st.request, tokens)
+        if ready <= st.planned or self.manager is None:
+            return None
+        ids = self.manager.get_blocks(st.request.request_id).get_block_ids()[0]
+        save = Transfer(st.request.request_id)
+        for v in range(st.planned, ready):
+            save.hashes.append(p.value_hash(st.request, v))
+            save.block_ids.append(
+                ids[v * p.blocks_per_value:(v + 1) * p.blocks_per_value])
+        st.planned = ready
+        return save
+
+    def finished(self, request: "Request") -> None:
+        self.requests.pop(request.request_id, None)
+
+
+class _WorkerSide:
+    """Moves values between gdkv and vLLM's paged KV cache on one background thread."""
+
+    def __init__(self, plan: _Plan, store: Optional[EngineStore], rank: int):
+        self.plan = plan
+        self.store = store
+        self.keys = plan.keyspace(rank)
+        self.staging_bytes = int(plan.extra.get("staging_bytes", 256 << 20))
+        self.save_queue_bytes = int(plan.extra.get("save_queue_bytes", 1 << 30))
+        self.pages: list[torch.Tensor] = []   # per layer: (num_blocks, page_bytes) uint8 views
+        self.value_bytes = 0
+        self.device = torch.device("cpu")
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="gdkv-vllm")
+        self.lock = threading.Lock()
+        self.finished_loads: set[str] = set()
+        self.load_errors: set[int] = set()
+        self.reported_errors: set[int] = set()
+        self.queued_save_bytes = 0
+        self.saved: OrderedDict[bytes, None] = OrderedDict()   # keys this worker put lately
+        self.stats = dict(loaded_values=0, failed_values=0, saved_values=0,
+                          skipped_present=0, dropped_saves=0, zero_copy_loads=0)
+        self._staging: Optional[tuple[Any, torch.Tensor]] = None   # (client, buffer)
+
+    # ---- set-up ----
+    def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        p = self.plan
+        if not p.usable:
+            return
+        pages = []
+        for name in p.layer_names:
+            ref = group_kernel_blocks(kv_caches[name], num_blocks)
+            block = ref[0]
+            # The block's bytes must be one dense run (its axes may be permuted: LBNHC and
+            # LBHNC are; LHBNC, heads outside blocks, is not).
+            span = 1 + sum((n - 1) * st for n, st in zip(block.shape, block.stride()))
+            if span != block.numel() or block.numel() * block.element_size() > p.page_bytes:
+                log.warning("gdkv: layer %s keeps a block's KV in more than one piece "
+                            "(layout %s); running without gdkv", name, tuple(ref.stride()))
+                p.usable = False
+                return
+            stride = ref.stride(0) * ref.element_size()
+            view = torch.empty(0, dtype=torch.uint8, device=ref.device)
+            view.set_(ref.untyped_storage(), ref.storage_offset() * ref.element_size(),
+                      (num_blocks, p.page_bytes), (stride, 1))
+            pages.append(view)
+        self.pages = pages
+        self.value_bytes = p.blocks_per_value * len(pages) * p.page_bytes
+        self.device = pages[0].device
+
+    # ---- loads ----
+    def start_loads(self, loads: list[Transfer]) -> None:
+        for t in loads:
+            self.pool.submit(self._load, t)
+
+    def _load(self, t: Transfer) -> None:
+        failed: list[int] = []
+        try:
+            failed = self._load_values(t)
+        except Exception:   # never leave vLLM waiting: the request is reported, its blocks fail
+            log.exception("gdkv: load of %s failed", t.req_id)
+            failed = list(range(len(t.hashes)))
+        with self.lock:
+            for v in failed:
+                self.load_errors.update(b for b in t.block_ids[v] if b >= 0)
+            self.stats["failed_values"] += len(failed)
+            self.stats["loaded_values"] += len(t.hashes) - len(failed)
+            self.finished_loads.add(t.req_id)
+
+    def _load_values(self, t: Transfer) -> list[int]:
+        """Loads t's values; returns the indices of those that did not arrive whole."""
+        client = self.store.client() if self.store else None
+        if client is None or not self.pages:
+            return list(range(len(t.hashes)))
+        keys = self.keys.keys(t.hashes)
+        failed: list[int] = []
+        try:
+            if self.device.type == "cpu" and client.reaches(self.pages[0][0]):
+                scratch = torch.empty(self.plan.page_bytes, dtype=torch.uint8)
+                outs = [[self.pages[l][b] if b >= 0 else scratch
+                         for b in ids for l in range(len(self.pages))] for ids in t.block_ids]
+                got = client.get_many_into(keys, outs, partial=True)
+                self.stats["zero_copy_loads"] += 1
+                return [v for v, n in enumerate(got) if n != self.value_bytes]
+            per_round = max(1, self.staging_bytes // self.value_bytes)
+            for start in range(0, len(keys), per_round):
+                end = min(start + per_round, len(keys))
+                stage = self._stage(client, end - start)
+                got = client.get_many_into(keys[start:end], list(stage), partial=True)
+                ok = [i for i, n in enumerate(got) if n == self.value_bytes]
+                failed += [start + i for i, n in enumerate(got) if n != self.value_bytes]
+                self._scatter(stage, ok, [t.block_ids[start + i] for i in ok])
+        except UNAVAILABLE as e:
+            self.store.fail(client, e)
+            return list(range(len(t.hashes)))
+        except errors.Error as e:
+            log.warning("gdkv: load of %s failed: %s", t.req_id, e)
+            return list(range(len(t.hashes)))
+        return failed
+
+    def _stage(self, client, n: int) -> torch.Tensor:
+        """n value-sized rows of staging memory gdkv reaches (kept while the client lives)."""
+        if self._staging is None or self._staging[0] is not client:
+            rows = max(1, self.staging_bytes // self.value_bytes)
+            buf = client.empty((rows, self.value_bytes), torch.uint8)
+            if self.device.type == "cuda":   # pinned, so host<->device copies are DMA
+                torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+            self._staging = (client, buf)
+        return self._staging[1][:n]
+
+    def _scatter(self, stage: torch.Tensor, rows: list[int], block_ids: list[list[int]]) -> None:
+        """Copies staged values into their blocks' pages, one indexed copy per layer."""
+        if not rows:
+            return
+        g, layers = self.plan.blocks_per_value, len(self.pages)
+        src = stage.view(len(stage), g, layers, self.plan.page_bytes)
+        pairs = [(r, j, b) for r, ids in zip(rows, block_ids) for j, b in enumerate(ids) if b >= 0]
+        flat = torch.tensor([r * g + j for r, j, _ in pairs])
+        dst = torch.tensor([b for _, _, b in pairs], device=self.device)
+        src = src.view(-1, layers, self.plan.page_bytes)[flat]
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            src = src.to(self.device, non_blocking=True)
+            for l, page in enumerate(self.pages):
+                page.index_copy_(0, dst, src[:, l])
+        if stream is not None:
+            stream.synchronize()
+
+    # ---- saves ----
+    def start_saves(self, saves: list[Transfer]) -> None:
+        """Gathers each save's pages into staging now (vLLM may reuse the blocks after this
+        step) and puts them on the background thread."""
+        client = self.store.client() if self.store else None
+        if client is None or not self.pages:
+            return
+        for t in saves:
+            size = len(t.hashes) * self.value_bytes
+            with self.lock:
+                if self.queued_save_bytes + size > self.save_queue_bytes:
+                    self.stats["dropped_saves"] += len(t.hashes)
+                    continue
+                self.queued_save_bytes += size
+            try:
+                buf = client.empty((len(t.hashes), self.value_bytes), torch.uint8)
+            except errors.Error as e:   # shared memory used up: a dropped save is a later miss
+                log.warning("gdkv: no staging memory for a save (%s)", e)
+                with self.lock:
+                    self.queued_save_bytes -= size
+                    self.stats["dropped_saves"] += len(t.hashes)
+                continue
+            ids = torch.tensor([b for v in t.block_ids for b in v], device=self.device)
+            rows = buf.view(-1, len(self.pages), self.plan.page_bytes)
+            if self.device.type == "cpu":
+                torch.stack([page[ids] for page in self.pages], dim=1, out=rows)
+                event = None
+            else:
+                rows.copy_(torch.stack([page[ids] for page in self.pages], dim=1),
+                           non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            self.pool.submit(self._save, client, t, buf, event, size)
+
+    def _save(self, client, t: Transfer, buf: torch.Tensor, event, size: int) -> None:
+        try:
+            if event is not None:
+                event.synchronize()
+            keys = self.keys.keys(t.hashes)
+            with self.lock:
+                fresh = [i for i, k in enumerate(keys) if k not in self.saved]
+            present = client.exists_many([keys[i] for i in fresh]) if fresh else []
+            todo = [i for i, there in zip(fresh, present) if not there]
+            if todo:
+                client.put_many([(keys[i], buf[i]) for i in todo])
+            with self.lock:
+                for k in keys:
+                    self.saved[k] = None
+                    self.saved.move_to_end(k)
+                while len(self.saved) > 65536:
+                    self.saved.popitem(last=False)
+                self.stats["saved_values"] += len(todo)
+                self.stats["skipped_present"] += len(keys) - len(todo)
+        except UNAVAILABLE as e:
+            self.store.fail(client, e)
+        except errors.Error as e:   # the store is full, say: a dropped save is a later miss
+            log.warning("gdkv: save of %s failed: %s", t.req_id, e)
+        finally:
+            with self.lock:
+                self.queued_save_bytes -= size
+
+    # ---- results ----
+    def results(self) -> KVConnectorTransferResults:
+        with self.lock:
+            done, self.finished_loads = self.finished_loads, set()
+            # Errors of these loads are reported in this same step, as vLLM requires.
+            self.reported_errors |= self.load_errors
+            self.load_errors = set()
+        return KVConnectorTransferResults(finished_recving=done)
+
+    def take_errors(self) -> set[int]:
+        with self.lock:
+            out, self.reported_errors = self.reported_errors, set()
+        return out
+
+    def drain(self) -> None:
+        """Waits for every queued load and save (tests; shutdown)."""
+        self.pool.submit(lambda: None).result()
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def _rank() -> int:
+    """This worker's rank among tensor x pipeline parallel ranks (0 without vLLM's groups)."""
+    try:
+        from vllm.distributed.parallel_state import (get_pp_group,
+                                                     get_tensor_model_parallel_rank,
+                                                     get_tensor_model_parallel_world_size)
+        return (get_pp_group().rank_in_group * get_tensor_model_parallel_world_size() +
+                get_tensor_model_parallel_rank())
+    except (AssertionError, AttributeError, RuntimeError):
+        return 0
+
+
+class GdkvConnector(KVConnectorBase_V1):
+    """vLLM's KV connector for gdkv (module docstring: configuration and behaviour)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.plan = _Plan(vllm_config, kv_cache_config)
+        extra = self.plan.extra
+        self.store = EngineStore(extra) if self.plan.usable else None
+        self.scheduler: Optional[_SchedulerSide] = None
+        self.worker: Optional[_WorkerSide] = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = _SchedulerSide(self.plan, self.store)
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                log.warning("gdkv: kv_load_failure_policy is %r: a request whose KV gdkv cannot "
+                            "deliver fails; set \"kv_load_failure_policy\": \"recompute\" to "
+                            "recompute it instead",
+                            self._kv_transfer_config.kv_load_failure_policy)
+        else:
+            self.worker = _WorkerSide(self.plan, self.store, _rank())
+
+    # ---- scheduler side ----
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.scheduler is not None:
+            self.scheduler.manager = kv_cache_manager
+
+    def on_new_request(self, request: "Request") -> None:
+        if self.scheduler is not None:
+            self.scheduler.state(request)
+
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        self.scheduler.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self.scheduler.build_meta(scheduler_output)
+
+    def request_finished(self, request: "Request",
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # Saves copied their pages out in wait_for_save: the blocks can be freed now.
+        self.scheduler.finished(request)
+        return False, None
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False   # a cache: a dropped save is a later miss
+
+    # ---- worker side ----
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register(kv_caches, self._kv_cache_config.num_blocks)
+        client = self.store.client() if self.store is not None else None
+        if client is not None and self.worker.device.type == "cuda" and not client.remote:
+            for page in self.worker.pages:   # in-process CUDA copy engines reach them
+                client.register(page)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, GdkvMetadata)
+        self.worker.start_loads(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return   # loads are asynchronous: requests wait in WAITING_FOR_REMOTE_KVS
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
+        return   # whole values (every layer) are saved in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, GdkvMetadata)
+        self.worker.start_saves(meta.saves)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self.worker.results()
+
+    def get_finished(self, finished_req_ids: set[str]):
+        r = self.worker.results()
+        return None, r.finished_recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_errors()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+        if self.store is not None:
+            self.store.close()
