@@ -1,12 +1,5 @@
-"""gdkv.vllm.GdkvConnector driven by vLLM's own scheduler, on CPU.
-
-vLLM's real Scheduler (configured through KVTransferConfig with the connector's module path),
-real Request objects with vLLM's block hasher, and the worker side's KV cache allocated by vLLM's
-own allocate_kv_cache on CPU. The model runner's part of a step (bind the metadata, start loads,
-run the forward pass, wait_for_save, collect the transfer results) is played by ``Instance.step``,
-and the forward pass by writing each computed block's KV: bytes that are a function of the
-block's prefix hash and the layer, so a block loaded from gdkv can be checked exactly.
-"""
+"""gdkv.vllm.GdkvConnector driven by vLLM's own scheduler, on CPU (vllm_instance.Instance:
+vLLM's Scheduler, Request objects and KV cache allocator; the model runner's part of a step)."""
 
 from __future__ import annotations
 
@@ -17,141 +10,18 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,  # noqa: E402
-                         SchedulerConfig, VllmConfig)
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1.core.kv_cache_planning import (get_global_kv_cache_groups,  # noqa: E402
-                                            get_kv_cache_configs)
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
-from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request, RequestStatus  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
-from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
 
 import gdkv  # noqa: E402
 from conftest import Gdkvd  # noqa: E402
-from gdkv.vllm import GdkvConnector  # noqa: E402
+from vllm_instance import BS, Instance, llama_dir  # noqa: E402
 
-BS = 16          # vLLM block size (tokens)
 LAYERS = 4
-HEADS = 2
-HEAD = 32
-init_none_hash(sha256)
-HASHER = get_request_block_hasher(BS, sha256)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """A tiny Llama config on disk: vLLM's ModelConfig reads it (no weights are loaded)."""
-    from transformers import LlamaConfig
-    d = tmp_path_factory.mktemp("llama")
-    LlamaConfig(hidden_size=HEADS * HEAD * 2, intermediate_size=128, num_hidden_layers=LAYERS,
-                num_attention_heads=HEADS * 2, num_key_value_heads=HEADS, vocab_size=1000,
-                max_position_embeddings=2048).save_pretrained(d)
-    return str(d)
-
-
-def kv_bytes(block_hash: bytes, layer: int, n: int) -> torch.Tensor:
-    """The 'forward pass': a block's KV in one layer, a function of its prefix hash."""
-    g = torch.Generator().manual_seed(int.from_bytes(block_hash[:7], "little") * 131 + layer)
-    return torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)
-
-
-class Instance:
-    """One vLLM instance: its scheduler, one worker's connector and KV cache (CPU)."""
-
-    def __init__(self, model_dir: str, extra: dict, layout: str = "LBNHC"):
-        mc = ModelConfig(model=model_dir, tokenizer=model_dir, skip_tokenizer_init=True,
-                         dtype="float32", max_model_len=1024, seed=0)
-        sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=1024,
-                             is_encoder_decoder=False)
-        cc = CacheConfig(block_size=BS, cache_dtype="auto", enable_prefix_caching=True)
-        cc.kv_cache_layout = layout
-        kt = KVTransferConfig(kv_connector="GdkvConnector", kv_connector_module_path="gdkv.vllm",
-                              kv_role="kv_both", kv_connector_extra_config=extra,
-                              kv_load_failure_policy="recompute")
-        vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc,
-                        kv_transfer_config=kt, device_config=DeviceConfig("cpu"))
-        specs = {f"model.layers.{i}.self_attn.attn":
-                 FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD,
-                                   dtype=torch.float32) for i in range(LAYERS)}
-        groups = get_global_kv_cache_groups(vc, [specs])
-        self.kcc = get_kv_cache_configs(vc, [specs], [8 << 20], groups)[0]
-        self.kcc.kv_cache_layout = layout
-        vc.cache_config.num_gpu_blocks = self.kcc.num_blocks
-        self.scheduler = Scheduler(vc, self.kcc, StructuredOutputManager(vc), block_size=BS)
-        self.connector = GdkvConnector(vc, KVConnectorRole.WORKER, self.kcc)
-        self.kv = allocate_kv_cache(self.kcc, torch.device("cpu"), KVCacheLayout[layout])
-        self.connector.register_kv_caches(self.kv)
-        self.worker = self.connector.worker
-        self.pages = self.worker.pages   # per layer (num_blocks, page bytes), over self.kv
-        self.page = self.pages[0].shape[1]
-        self.requests: dict[str, Request] = {}
-
-    def add(self, rid: str, tokens: list[int]) -> Request:
-        r = Request(rid, tokens, SamplingParams(max_tokens=3), None, block_hasher=HASHER)
-        self.requests[rid] = r
-        self.scheduler.add_request(r)
-        return r
-
-    def block_ids(self, rid: str) -> list[int]:
-        return self.scheduler.kv_cache_manager.get_blocks(rid).get_block_ids()[0]
-
-    def expected(self, rid: str, position: int, layer: int) -> torch.Tensor:
-        return kv_bytes(self.requests[rid].block_hashes[position], layer, self.page)
-
-    def step(self, check_load=None):
-        """One engine step, as vLLM's model runner does it; returns the scheduler output and
-        the block ids the connector reported as failed loads."""
-        out = self.scheduler.schedule()
-        c = self.connector
-        c.bind_connector_metadata(out.kv_connector_metadata)
-        c.start_load_kv(None)
-        if check_load is not None:
-            check_load(out)
-        # The forward pass: every full block this step computes gets its KV.
-        for new in out.scheduled_new_reqs:
-            self._compute(new.req_id, new.num_computed_tokens, out)
-        cached = out.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            self._compute(rid, cached.num_computed_tokens[i], out)
-        c.wait_for_save()
-        self.worker.drain()   # deterministic tests: the background transfers finish here
-        res = c.get_transfer_results(out.finished_req_ids)
-        failed = c.get_block_ids_with_load_errors()
-        c.clear_connector_metadata()
-        ids = list(out.num_scheduled_tokens)
-        mro = ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=[[7] for _ in ids],
-            kv_connector_output=KVConnectorOutput(finished_recving=res.finished_recving,
-                                                  invalid_block_ids=failed))
-        self.scheduler.update_from_output(out, mro)
-        return out, failed
-
-    def _compute(self, rid: str, computed: int, out) -> None:
-        r = self.requests[rid]
-        ids = self.block_ids(rid)
-        end = min(computed + out.num_scheduled_tokens[rid], len(r.block_hashes) * BS) // BS
-        for p in range(computed // BS, end):
-            for layer in range(LAYERS):
-                self.pages[layer][ids[p]] = self.expected(rid, p, layer)
-
-    def run(self, limit: int = 12) -> list:
-        outs = []
-        for _ in range(limit):
-            if not self.scheduler.has_requests():
-                break
-            outs.append(self.step())
-        return outs
-
-    def close(self):
-        self.connector.shutdown()
+    return llama_dir(tmp_path_factory.mktemp("llama"), layers=LAYERS, kv_heads=2, head_dim=32)
 
 
 PROMPT_A = list(range(100, 300))                    # 200 tokens: 12 full blocks

@@ -1,0 +1,148 @@
+"""A vLLM instance on CPU for the connector's tests and benchmark: vLLM's own Scheduler (the
+connector configured through KVTransferConfig with its module path), real Request objects with
+vLLM's block hasher, and one worker's KV cache from vLLM's allocate_kv_cache.
+
+``Instance.step`` plays the model runner's part of an engine step (bind the metadata, start the
+loads, the forward pass, wait_for_save, collect the transfer results, report them to the
+scheduler). The forward pass writes each computed block's KV as bytes that are a function of the
+block's prefix hash and the layer (:func:`kv_bytes`), so a block loaded from gdkv can be checked
+exactly against what a forward pass would have written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
+                         SchedulerConfig, VllmConfig)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from gdkv.vllm import GdkvConnector
+
+BS = 16   # vLLM's block size (tokens)
+init_none_hash(sha256)
+HASHER = get_request_block_hasher(BS, sha256)
+
+
+def llama_dir(path: Path, *, layers: int, kv_heads: int, head_dim: int) -> str:
+    """A Llama config on disk (no weights): what vLLM's ModelConfig reads."""
+    from transformers import LlamaConfig
+    LlamaConfig(hidden_size=kv_heads * 2 * head_dim, intermediate_size=128,
+                num_hidden_layers=layers, num_attention_heads=kv_heads * 2,
+                num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=1000,
+                max_position_embeddings=4096).save_pretrained(path)
+    return str(path)
+
+
+def kv_bytes(block_hash: bytes, layer: int, n: int) -> torch.Tensor:
+    """The 'forward pass': a block's KV in one layer, a function of its prefix hash."""
+    g = torch.Generator().manual_seed(int.from_bytes(block_hash[:7], "little") * 131 + layer)
+    return torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)
+
+
+class Instance:
+    """One vLLM instance: its scheduler, one worker's connector and KV cache (CPU)."""
+
+    def __init__(self, model_dir: str, extra: dict, layout: str = "LBNHC",
+                 dtype: torch.dtype = torch.float32, kv_bytes_total: int = 8 << 20,
+                 max_len: int = 1024):
+        mc = ModelConfig(model=model_dir, tokenizer=model_dir, skip_tokenizer_init=True,
+                         dtype=str(dtype).removeprefix("torch."), max_model_len=max_len, seed=0)
+        sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_len,
+                             max_model_len=max_len, is_encoder_decoder=False)
+        cc = CacheConfig(block_size=BS, cache_dtype="auto", enable_prefix_caching=True)
+        cc.kv_cache_layout = layout
+        kt = KVTransferConfig(kv_connector="GdkvConnector", kv_connector_module_path="gdkv.vllm",
+                              kv_role="kv_both", kv_connector_extra_config=extra,
+                              kv_load_failure_policy="recompute")
+        vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc,
+                        kv_transfer_config=kt, device_config=DeviceConfig("cpu"))
+        self.layers = mc.hf_config.num_hidden_layers
+        specs = {f"model.layers.{i}.self_attn.attn":
+                 FullAttentionSpec(block_size=BS, num_kv_heads=mc.hf_config.num_key_value_heads,
+                                   head_size=mc.get_head_size(), dtype=dtype)
+                 for i in range(self.layers)}
+        groups = get_global_kv_cache_groups(vc, [specs])
+        self.kcc = get_kv_cache_configs(vc, [specs], [kv_bytes_total], groups)[0]
+        self.kcc.kv_cache_layout = layout
+        vc.cache_config.num_gpu_blocks = self.kcc.num_blocks
+        self.scheduler = Scheduler(vc, self.kcc, StructuredOutputManager(vc), block_size=BS)
+        self.connector = GdkvConnector(vc, KVConnectorRole.WORKER, self.kcc)
+        self.kv = allocate_kv_cache(self.kcc, torch.device("cpu"), KVCacheLayout[layout])
+        self.connector.register_kv_caches(self.kv)
+        self.worker = self.connector.worker
+        self.pages = self.worker.pages   # per layer (num_blocks, page bytes), over self.kv
+        self.page = self.pages[0].shape[1]
+        self.requests: dict[str, Request] = {}
+
+    def add(self, rid: str, tokens: list[int]) -> Request:
+        r = Request(rid, tokens, SamplingParams(max_tokens=3), None, block_hasher=HASHER)
+        self.requests[rid] = r
+        self.scheduler.add_request(r)
+        return r
+
+    def block_ids(self, rid: str) -> list[int]:
+        return self.scheduler.kv_cache_manager.get_blocks(rid).get_block_ids()[0]
+
+    def expected(self, rid: str, position: int, layer: int) -> torch.Tensor:
+        return kv_bytes(self.requests[rid].block_hashes[position], layer, self.page)
+
+    def step(self, check_load=None):
+        """One engine step, as vLLM's model runner does it; returns the scheduler output and
+        the block ids the connector reported as failed loads."""
+        out = self.scheduler.schedule()
+        c = self.connector
+        c.bind_connector_metadata(out.kv_connector_metadata)
+        c.start_load_kv(None)
+        if check_load is not None:
+            check_load(out)
+        # The forward pass: every full block this step computes gets its KV.
+        for new in out.scheduled_new_reqs:
+            self._compute(new.req_id, new.num_computed_tokens, out)
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            self._compute(rid, cached.num_computed_tokens[i], out)
+        c.wait_for_save()
+        self.worker.drain()   # deterministic tests: the background transfers finish here
+        res = c.get_transfer_results(out.finished_req_ids)
+        failed = c.get_block_ids_with_load_errors()
+        c.clear_connector_metadata()
+        ids = list(out.num_scheduled_tokens)
+        mro = ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[7] for _ in ids],
+            kv_connector_output=KVConnectorOutput(finished_recving=res.finished_recving,
+                                                  invalid_block_ids=failed))
+        self.scheduler.update_from_output(out, mro)
+        return out, failed
+
+    def _compute(self, rid: str, computed: int, out) -> None:
+        r = self.requests[rid]
+        ids = self.block_ids(rid)
+        end = min(computed + out.num_scheduled_tokens[rid], len(r.block_hashes) * BS) // BS
+        for p in range(computed // BS, end):
+            for layer in range(self.layers):
+                self.pages[layer][ids[p]] = self.expected(rid, p, layer)
+
+    def run(self, limit: int = 12) -> list:
+        outs = []
+        for _ in range(limit):
+            if not self.scheduler.has_requests():
+                break
+            outs.append(self.step())
+        return outs
+
+    def close(self):
+        self.connector.shutdown()
