@@ -80,7 +80,7 @@ gdkv_python_env() {
   gdkv_log "building the gdkv Python package ($build)"
   mkdir -p build
   "$py" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps \
-    -C build-dir="$PWD/$build" ./python >"$build-install.log" 2>&1 ||
+    --config-settings=build-dir="$PWD/$build" ./python >"$build-install.log" 2>&1 ||
     { cat "$build-install.log"; return 1; }
   if [ -n "$name" ]; then
     printf -v "GDKV_PYTHON_${name^^}" %s "$py"

@@ -1,0 +1,502 @@
+"""gdkv as SGLang's HiCache storage (L3): ``gdkv.sglang.GdkvStorage``, an SGLang ``HiCacheStorage``.
+
+SGLang (0.5.23) loads it with ``--hicache-storage-backend dynamic`` and its extra config::
+
+    python -m sglang.launch_server --model-path meta-llama/Llama-3.1-8B-Instruct \\
+        --enable-hierarchical-cache --page-size 64 --hicache-mem-layout page_first \\
+        --hicache-storage-backend dynamic \\
+        --hicache-storage-backend-extra-config '{"backend_name": "gdkv",
+            "module_path": "gdkv.sglang", "class_name": "GdkvStorage", "interface_v1": 1,
+            "socket_dir": "/run/gdkvd", "nsid": 1, "namespace": ""}'
+
+``interface_v1: 1`` makes SGLang call :meth:`GdkvStorage.batch_get_v1` / :meth:`batch_set_v1`
+(pages moved straight between gdkv and SGLang's host memory pool); without it SGLang uses the
+copying ``batch_get``/``batch_set`` path, which works too (the same values, one more copy in
+SGLang). The other keys are :mod:`gdkv.engine`'s (``socket_dir`` or ``backend``, ``nsid``,
+``namespace``, ``timeout_ms``, ``shared_memory_bytes``, ``retry_interval_s``), plus
+``staging_bytes`` (the largest shared-memory buffer a layer_first batch is copied through,
+default 64 MiB).
+
+Keys: ``KeySpace("sglang", model, dtype, layout, namespace)`` over SGLang's page hash strings.
+``model`` is the model name SGLang hands its storage backends (``HiCacheStorageConfig.model_name``:
+``--served-model-name``, which defaults to ``--model-path``, with the host pool's storage format
+tag) and the rank's shard of the KV (``tp=rank/size``; MLA KV is the same on every TP rank, so
+MLA keys have none; ``pp``/``cp`` ranks when those are > 1). ``dtype`` is the host pool's dtype,
+``layout`` the host pool's layout (``--hicache-mem-layout``) with its class, page size, layer
+count and page bytes: two geometries never share a key, even under one served name.
+
+Values: one page of the host pool is a few contiguous runs of its memory (``get_data_page``'s
+view, in its C order: the bytes of SGLang's flat data page):
+
+- ``page_first``, ``page_first_direct``, ``page_head`` (MHA): 2 runs, the page's K and its V;
+  MLA ``page_first``/``page_first_direct``: 1 run. Each run is its own gdkv value (a page of 2
+  runs is 2 keys), read and written where it lies in the pool: zero copy in-process; through
+  gdkvd the package stages each run through shared memory (one copy, in ``client.copies()``).
+- ``layer_first``: 2 x layers runs (MLA: layers). The page is one value, scattered over the runs
+  by ``get_into(key, [runs])`` in-process (zero copy); a put gathers the runs into one buffer
+  (one copy). Through gdkvd both directions are copied through a ``client.empty()`` buffer (one
+  copy, counted in :meth:`GdkvStorage.copies`).
+
+A page's first value (key: the page hash's own) is stored after its other values and is the one
+``batch_exists`` looks up, one key per page in one ``lookup_prefix``; a load checks every value.
+
+Failures: a gdkvd that is down, killed or frozen means misses (``False``/``0``/``None``) and
+failed sets (``False``), never an exception to SGLang and never wrong bytes; the client is opened
+again after ``retry_interval_s`` (:class:`gdkv.engine.EngineStore`). A page is reported loaded
+only when every one of its values arrived whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
+
+import numpy as np
+import torch
+
+from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorageConfig,
+                                                  HiCacheStorageExtraInfo)
+
+from . import errors
+from .client import Client
+from .engine import UNAVAILABLE, EngineStore, KeySpace
+
+log = logging.getLogger("gdkv.sglang")
+T = TypeVar("T")
+
+#: A page of at most this many contiguous runs stores one value per run (zero copy both ways);
+#: more (layer_first) is one value spread over its runs.
+MAX_VALUES_PER_PAGE = 2
+
+
+def _runs(view: torch.Tensor) -> list[torch.Tensor]:
+    """``view``'s maximal C-contiguous sub-tensors along its leading dims, in C order."""
+    if view.is_contiguous():
+        return [view]
+    return [r for sub in view.unbind(0) for r in _runs(sub)]
+
+
+class _PageLayout:
+    """Where each page's bytes lie in the host pool, and how they map to gdkv values.
+
+    Found from the pool's own ``get_data_page(index, flat=False)`` views of three pages (first,
+    second, last): a page's runs move by one fixed stride from one page to the next, which is
+    checked, so any host pool whose data pages are views into one contiguous ``kv_buffer`` works
+    (MHA and MLA, every layout SGLang's CLI offers).
+    """
+
+    def __init__(self, pool: Any):
+        base = pool.kv_buffer
+        if not isinstance(base, torch.Tensor) or not base.is_contiguous() or base.is_cuda:
+            raise ValueError(f"gdkv: {type(pool).__name__} keeps no single contiguous host "
+                             "kv_buffer; its pages cannot be moved in place")
+        self.page_size = int(pool.page_size)
+        self.nbytes = base.numel() * base.element_size()
+        self.base_ptr = base.data_ptr()
+        # The whole pool as bytes: runs are slices of it (cheaper than torch views).
+        self.host = base.view(-1).view(torch.uint8).numpy()
+        first = self._page_runs(pool, 0)
+        self.sizes = [n for _, n in first]
+        self.offsets = [o for o, _ in first]
+        self.page_bytes = sum(self.sizes)
+        self.end = max(o + n for o, n in first)  # page 0's last byte + 1
+        page_num = int(pool.size) // self.page_size
+        if page_num < 2:
+            raise ValueError("gdkv: the host pool has fewer than 2 pages")
+        second = self._page_runs(pool, self.page_size)
+        self.stride = second[0][0] - first[0][0]
+        last_page = page_num - 1
+        last = self._page_runs(pool, last_page * self.page_size)
+        for runs, page in ((second, 1), (last, last_page)):
+            if [n for _, n in runs] != self.sizes or [o for o, _ in runs] != [
+                    o + page * self.stride for o in self.offsets]:
+                raise ValueError(f"gdkv: {type(pool).__name__} ({pool.layout}) pages do not "
+                                 "repeat with one stride; this layout is not supported")
+        # Values: one per run, or one for the whole page spread over its runs.
+        if len(self.sizes) <= MAX_VALUES_PER_PAGE:
+            self.parts = [[i] for i in range(len(self.sizes))]
+        else:
+            self.parts = [list(range(len(self.sizes)))]
+        self.part_sizes = [sum(self.sizes[i] for i in p) for p in self.parts]
+        # Where each value starts in SGLang's flat data page (the runs' bytes, in order).
+        self.part_flat_offsets = [sum(self.part_sizes[:j]) for j in range(len(self.parts))]
+        self.scattered = any(len(p) > 1 for p in self.parts)
+
+    def _page_runs(self, pool: Any, index: int) -> list[tuple[int, int]]:
+        view = pool.get_data_page(index, flat=False)
+        out = []
+        for r in _runs(view):
+            off = r.data_ptr() - self.base_ptr
+            n = r.numel() * r.element_size()
+            if off < 0 or off + n > self.nbytes:
+                raise ValueError(f"gdkv: {type(pool).__name__}.get_data_page is not a view of "
+                                 "its kv_buffer")
+            out.append((off, n))
+        return out
+
+    def page(self, index: int) -> Optional[int]:
+        """The page number of host token index ``index`` (None unless a page starts there)."""
+        page, rest = divmod(index, self.page_size)
+        if rest or page < 0 or page * self.stride + self.end > self.nbytes:
+            return None
+        return page
+
+    def run(self, page: int, i: int) -> np.ndarray:
+        off = self.offsets[i] + page * self.stride
+        return self.host[off: off + self.sizes[i]]
+
+    def part_runs(self, page: int, part: int) -> list[np.ndarray]:
+        return [self.run(page, i) for i in self.parts[part]]
+
+
+class GdkvStorage(HiCacheStorage):
+    """SGLang HiCache storage on gdkv. Built by SGLang's backend factory for
+    ``--hicache-storage-backend dynamic``: ``GdkvStorage(storage_config, kwargs)`` (``kwargs``:
+    the factory's extra arguments, none today); then SGLang calls :meth:`register_mem_pool_host`
+    with its host KV pool before any other call. Until then every call is a miss."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig,
+                 kwargs: Optional[Mapping[str, Any]] = None):
+        self.storage_config = storage_config
+        config = dict(storage_config.extra_config or {})
+        self.store = EngineStore(config)
+        self.namespace = str(config.get("namespace", ""))
+        self.staging_bytes = int(config.get("staging_bytes", 64 << 20))
+        self.enable_metrics = bool(storage_config.enable_storage_metrics)
+        if not config.get("interface_v1"):
+            log.warning("gdkv: \"interface_v1\" is not set in the extra config: SGLang will use "
+                        "its copying batch_get/batch_set path instead of the in-place one")
+        self.mem_pool_host: Any = None
+        self.keyspace: Optional[KeySpace] = None
+        self.layout: Optional[_PageLayout] = None
+        self._lock = threading.Lock()
+        self._copies = [0, 0]  # (buffers, bytes) this connector copied itself
+        self._seen: Optional[Client] = None  # the last client used (its staging counters)
+        self._metrics: dict[str, list] = {"prefetch_pgs": [], "backup_pgs": [],
+                                          "prefetch_bandwidth": [], "backup_bandwidth": []}
+        self.store.client()  # connect now (logged); a gdkvd that is down is retried later
+
+    def __repr__(self) -> str:
+        space = self.keyspace.description if self.keyspace else "no host pool yet"
+        return f"GdkvStorage({self.store}, {space})"
+
+    # ---- setup ----
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """SGLang's host KV pool: the page layout, and the key space (its dtype and layout)."""
+        super().register_mem_pool_host(mem_pool_host)
+        layout = _PageLayout(mem_pool_host)
+        cfg = self.storage_config
+        model = cfg.model_name or ""
+        if not model:
+            log.warning("gdkv: SGLang passed no model name; keys are salted with the host "
+                        "pool's geometry only (set --served-model-name)")
+        shard = [] if cfg.is_mla_model else [f"tp={cfg.tp_rank}/{cfg.tp_size}"]
+        if cfg.pp_size > 1:
+            shard.append(f"pp={cfg.pp_rank}/{cfg.pp_size}")
+        if cfg.attn_cp_size > 1:
+            shard.append(f"cp={cfg.attn_cp_rank}/{cfg.attn_cp_size}")
+        dtype = str(mem_pool_host.dtype).removeprefix("torch.")
+        pool_layout = (f"{mem_pool_host.layout}/{type(mem_pool_host).__name__}"
+                       f"/page_size={layout.page_size}/layers={mem_pool_host.layer_num}"
+                       f"/page_bytes={layout.page_bytes}")
+        self.keyspace = KeySpace("sglang", "|".join([model, *shard]), dtype, pool_layout,
+                                 self.namespace)
+        self.layout = layout
+        log.info("gdkv: %s; %d value(s) per page of %d bytes (%s)", self, len(layout.parts),
+                 layout.page_bytes, "scattered" if layout.scattered else "in place")
+
+    def close(self) -> None:
+        self.store.close()
+
+    # ---- keys ----
+    def _page_keys(self, page_hash: str) -> list[bytes]:
+        """A page's value keys. The first (the page hash's own key) is stored last and is the one
+        batch_exists looks up: found, the page's other values were stored before it."""
+        assert self.keyspace is not None and self.layout is not None
+        first = self.keyspace.key(page_hash)
+        return [first] + [self.keyspace.key(f"{page_hash}#{j}")
+                          for j in range(1, len(self.layout.parts))]
+
+    def _keys(self, page_hashes: Sequence[str]) -> list[bytes]:
+        """Every page's value keys, page after page."""
+        return [k for h in page_hashes for k in self._page_keys(h)]
+
+    def _missing(self, c: Client, keys: list[bytes]) -> list[int]:
+        """The pages (indices) of ``keys`` (as from _keys) whose first value is not stored."""
+        present = c.exists_many(keys[:: len(self.layout.parts)])
+        return [i for i, p in enumerate(present) if not p]
+
+    def _put_values(self, c: Client, keys: list[bytes], todo: list[int],
+                    value: Callable[[int, int], Any]) -> None:
+        """Stores ``value(i, j)`` under page i's j-th key for every page i of ``todo``: the pages'
+        other values in one round, then their first values in the next."""
+        nparts = len(self.layout.parts)
+        if nparts > 1:
+            c.put_many((keys[i * nparts + j], value(i, j)) for i in todo
+                       for j in range(1, nparts))
+        c.put_many((keys[i * nparts], value(i, 0)) for i in todo)
+
+    # ---- the failure rule ----
+    def _call(self, fn: Callable[[Client], T], default: T, what: str) -> T:
+        """``fn(client)``; ``default`` when gdkv is unavailable (the client is dropped and retried
+        later) or a command fails (the store is full, shared memory is used up...)."""
+        if self.layout is None:
+            return default
+
+        def guarded(c: Client) -> T:
+            self._seen = c
+            try:
+                return fn(c)
+            except UNAVAILABLE:
+                raise  # EngineStore.call drops the client
+            except errors.Error as e:
+                log.warning("gdkv: %s failed: %s", what, e)
+                return default
+
+        return self.store.call(guarded, default)
+
+    def _count_copy(self, nbytes: int) -> None:
+        with self._lock:
+            self._copies[0] += 1
+            self._copies[1] += nbytes
+
+    def copies(self) -> tuple[int, int]:
+        """(buffers, bytes) copied on the way: by the gdkv client's staging through gdkvd
+        (``client.copies()``) and by this connector (layer_first pages gathered or scattered).
+        (0, 0) when every page moved in place."""
+        with self._lock:
+            own = tuple(self._copies)
+        c = self._seen
+        staged = c.copies() if c is not None and not c.closed else (0, 0)
+        return own[0] + staged[0], own[1] + staged[1]
+
+    def _record(self, kind: str, pages: int, nbytes: int, seconds: float) -> None:
+        if self.enable_metrics and pages:
+            with self._lock:
+                self._metrics[f"{kind}_pgs"].append(pages)
+                self._metrics[f"{kind}_bandwidth"].append(nbytes / max(seconds, 1e-9) / 1e9)
+
+    # ---- moving pages ----
+    def _direct(self, c: Client) -> bool:
+        """Whether the controller reaches the host pool in place (in-process, or a pool in
+        memory shared with gdkvd)."""
+        return not c.remote or c.reaches(self.layout.host)
+
+    def _get_pages(self, c: Client, keys: list[bytes], pages: list[int]) -> list[bool]:
+        """Loads each page's values into the host pool; a page is True once all arrived whole."""
+        lay = self.layout
+        nparts = len(lay.parts)
+        if not lay.scattered or self._direct(c):
+            outs: list[Any] = []
+            for p in pages:
+                for j in range(nparts):
+                    runs = lay.part_runs(p, j)
+                    outs.append(runs[0] if len(runs) == 1 else runs)
+            got = c.get_many_into(keys, outs, partial=True)
+            return [all(got[i * nparts + j] == lay.part_sizes[j] for j in range(nparts))
+                    for i in range(len(pages))]
+        # layer_first through gdkvd: each page arrives in shared memory and is copied to its runs.
+        per = max(1, min(len(pages), self.staging_bytes // lay.page_bytes))
+        stage = c.empty((per, lay.page_bytes), "uint8")
+        ok: list[bool] = []
+        for start in range(0, len(pages), per):
+            chunk = pages[start: start + per]
+            got = c.get_many_into(keys[start: start + len(chunk)], list(stage[: len(chunk)]),
+                                  partial=True)
+            for row, (p, n) in enumerate(zip(chunk, got)):
+                if n != lay.page_bytes:
+                    ok.append(False)
+                    continue
+                at = 0
+                for run in lay.part_runs(p, 0):
+                    run[:] = stage[row, at: at + run.size]
+                    at += run.size
+                self._count_copy(lay.page_bytes)
+                ok.append(True)
+        return ok
+
+    def _put_pages(self, c: Client, keys: list[bytes], pages: list[int]) -> tuple[list[bool], int]:
+        """Stores each page's values from the host pool: (stored, how many were written);
+        pages already stored are not written again."""
+        lay = self.layout
+        todo = self._missing(c, keys)
+        if not todo:
+            return [True] * len(pages), 0
+        if not lay.scattered:  # each value is one run of the pool, read in place
+            self._put_values(c, keys, todo, lambda i, j: lay.run(pages[i], j))
+            return [True] * len(pages), len(todo)
+        # layer_first: each page's runs gathered into one buffer (shared memory through gdkvd).
+        per = max(1, min(len(todo), self.staging_bytes // lay.page_bytes))
+        shape = (per, lay.page_bytes)
+        stage = c.empty(shape, "uint8") if c.remote else np.empty(shape, np.uint8)
+        for start in range(0, len(todo), per):
+            chunk = todo[start: start + per]
+            row_of = {}
+            for row, i in enumerate(chunk):
+                at = 0
+                for run in lay.part_runs(pages[i], 0):
+                    stage[row, at: at + run.size] = run
+                    at += run.size
+                row_of[i] = row
+                self._count_copy(lay.page_bytes)
+            self._put_values(c, keys, chunk, lambda i, j: stage[row_of[i]])
+        return [True] * len(pages), len(todo)
+
+    def _pages_of(self, host_indices: torch.Tensor, count: int) -> Optional[list[int]]:
+        """The page number of each of ``count`` pages from their host token indices."""
+        lay = self.layout
+        idx = host_indices.reshape(-1)
+        if idx.numel() != count * lay.page_size:
+            log.error("gdkv: %d host indices for %d pages of %d tokens", idx.numel(), count,
+                      lay.page_size)
+            return None
+        pages = [lay.page(int(i)) for i in idx[:: lay.page_size].tolist()]
+        if any(p is None for p in pages):
+            log.error("gdkv: host indices that do not start pages of the host pool")
+            return None
+        return pages  # type: ignore[return-value]
+
+    # ---- SGLang's zero-copy interface (extra config "interface_v1": 1) ----
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> list[bool]:
+        """Loads page ``keys[i]`` into the host pool at ``host_indices[i*page_size:
+        (i+1)*page_size]``; whether each page was loaded."""
+        if not keys or self.layout is None:
+            return [False] * len(keys)
+        pages = self._pages_of(host_indices, len(keys))
+        if pages is None:
+            return [False] * len(keys)
+        t0 = time.perf_counter()
+        ok = self._call(lambda c: self._get_pages(c, self._keys(keys), pages),
+                        [False] * len(keys), "batch_get_v1")
+        self._record("prefetch", sum(ok), sum(ok) * self.layout.page_bytes,
+                     time.perf_counter() - t0)
+        return ok
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> list[bool]:
+        """Stores the host pool's pages at ``host_indices`` under ``keys``; whether each was."""
+        if not keys or self.layout is None:
+            return [False] * len(keys)
+        pages = self._pages_of(host_indices, len(keys))
+        if pages is None:
+            return [False] * len(keys)
+        t0 = time.perf_counter()
+        ok, written = self._call(lambda c: self._put_pages(c, self._keys(keys), pages),
+                                 ([False] * len(keys), 0), "batch_set_v1")
+        self._record("backup", written, written * self.layout.page_bytes,
+                     time.perf_counter() - t0)
+        return ok
+
+    def batch_exists(self, keys: list[str],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        """How many leading pages of ``keys`` are stored: one ``lookup_prefix`` of the pages'
+        first values (each stored after the page's other values)."""
+        if not keys or self.layout is None or self.keyspace is None:
+            return 0
+        ks = self.keyspace
+        return self._call(lambda c: c.lookup_prefix([ks.key(h) for h in keys]), 0,
+                          "batch_exists")
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # ---- SGLang's generic interface: flat data pages (its own copies) ----
+    def _flat(self, t: torch.Tensor) -> Optional[np.ndarray]:
+        """A contiguous CPU tensor of one page, as its bytes (a view)."""
+        if not isinstance(t, torch.Tensor) or t.is_cuda or not t.is_contiguous() or \
+                t.numel() * t.element_size() != self.layout.page_bytes:
+            log.error("gdkv: a data page must be a contiguous CPU tensor of %d bytes",
+                      self.layout.page_bytes)
+            return None
+        return t.reshape(-1).view(torch.uint8).numpy()
+
+    def _flat_parts(self, flat: np.ndarray) -> list[np.ndarray]:
+        lay = self.layout
+        return [flat[o: o + n] for o, n in zip(lay.part_flat_offsets, lay.part_sizes)]
+
+    def batch_get(self, keys: list[str], target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> list[Optional[torch.Tensor]]:
+        """Each page into its flat tensor (``target_locations[i]``, else a new one); None where
+        it is not stored."""
+        if not keys or self.layout is None:
+            return [None] * len(keys)
+        targets = list(target_locations) if target_locations is not None else [
+            self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+        flats = [self._flat(t) for t in targets]
+        if any(f is None for f in flats):
+            return [None] * len(keys)
+        nparts = len(self.layout.parts)
+        lay = self.layout
+
+        def get(c: Client) -> list[Optional[torch.Tensor]]:
+            outs = [part for f in flats for part in self._flat_parts(f)]
+            got = c.get_many_into(self._keys(keys), outs, partial=True)
+            return [t if all(got[i * nparts + j] == lay.part_sizes[j] for j in range(nparts))
+                    else None for i, t in enumerate(targets)]
+
+        t0 = time.perf_counter()
+        out = self._call(get, [None] * len(keys), "batch_get")
+        hits = sum(t is not None for t in out)
+        self._record("prefetch", hits, hits * lay.page_bytes, time.perf_counter() - t0)
+        return out
+
+    def get(self, key: str, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> Optional[torch.Tensor]:
+        return self.batch_get([key], None if target_location is None else [target_location])[0]
+
+    def batch_set(self, keys: list[str], values: Optional[Any] = None,
+                  target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> bool:
+        """Stores each flat data page ``values[i]`` under ``keys[i]``; True if all were."""
+        if not keys or self.layout is None or values is None or len(values) != len(keys):
+            return False
+        flats = [self._flat(v) for v in values]
+        if any(f is None for f in flats):
+            return False
+        all_keys = self._keys(keys)
+
+        def put(c: Client) -> tuple[bool, int]:
+            todo = self._missing(c, all_keys)
+            if todo:
+                self._put_values(c, all_keys, todo, lambda i, j: self._flat_parts(flats[i])[j])
+            return True, len(todo)
+
+        t0 = time.perf_counter()
+        ok, written = self._call(put, (False, 0), "batch_set")
+        self._record("backup", written, written * self.layout.page_bytes,
+                     time.perf_counter() - t0)
+        return ok
+
+    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> bool:
+        return self.batch_set([key], [value])
+
+    # ---- the rest ----
+    def clear(self) -> bool:
+        """Deletes every key of the gdkv namespace (nsid) this connector uses, as SGLang's other
+        backends empty their whole store: give SGLang an nsid of its own when others share it."""
+
+        def wipe(c: Client) -> bool:
+            for k in c.list():
+                c.delete(k, missing_ok=True)
+            return True
+
+        return self._call(wipe, False, "clear")
+
+    def get_stats(self) -> Any:
+        """SGLang's StorageMetrics (pages and GB/s of each load and store) since the last call;
+        None unless SGLang runs with --enable-metrics (HiCacheStorageConfig.enable_storage_metrics).
+        """
+        if not self.enable_metrics:
+            return None
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        m = StorageMetrics()
+        with self._lock:
+            for name, values in self._metrics.items():
+                getattr(m, name).extend(values)
+                values.clear()
+        return m

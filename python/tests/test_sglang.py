@@ -1,0 +1,501 @@
+"""gdkv.sglang.GdkvStorage with SGLang 0.5.23's real classes: its device KV pool
+(MHATokenToKVPool / MLATokenToKVPool on device "cpu"), its host pool (MHATokenToKVPoolHost /
+MLATokenToKVPoolHost, every layout), its storage backend factory (``dynamic`` with the extra
+config), its page hashes, and its HiCacheController (attach, backup and prefetch threads) driving
+the backend, against a real gdkvd (conftest's Gdkvd) or an in-process gdkv.
+
+Runs in the SGLang environment (scripts/test: ~/.cache/gdkv/venv-sglang); skipped only where
+sglang cannot be imported (the main environment has no SGLang).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+pytest.importorskip("sglang")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from conftest import GDKVD  # noqa: E402
+from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
+from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
+from sglang.srt.runtime_context import get_parallel  # noqa: E402
+
+import gdkv  # noqa: E402
+from gdkv.sglang import GdkvStorage  # noqa: E402
+
+PAGE = 4          # tokens per page
+LAYERS = 3
+HEADS, DIM = 2, 8  # MHA: KV heads of DIM; MLA: kv_lora_rank 16 + rope 8
+DEVICE_TOKENS = 64  # the host pool holds twice as many (+ a padding page): 33 pages
+
+DYNAMIC = {"backend_name": "gdkv", "module_path": "gdkv.sglang", "class_name": "GdkvStorage",
+           "interface_v1": 1}
+KINDS = ["mha/layer_first", "mha/page_first", "mha/page_first_direct", "mha/page_head",
+         "mla/page_first", "mla/layer_first"]
+
+
+def device_pool(kind: str):
+    if kind == "mla":
+        return MLATokenToKVPool(size=DEVICE_TOKENS, page_size=PAGE, dtype=torch.bfloat16,
+                                kv_lora_rank=16, qk_rope_head_dim=8, layer_num=LAYERS,
+                                device="cpu", enable_memory_saver=False, start_layer=0,
+                                end_layer=LAYERS)
+    return MHATokenToKVPool(size=DEVICE_TOKENS, page_size=PAGE, dtype=torch.bfloat16,
+                            head_num=HEADS, head_dim=DIM, layer_num=LAYERS, device="cpu",
+                            enable_memory_saver=False, start_layer=0, end_layer=LAYERS)
+
+
+def host_pool(spec: str, dev: Any = None):
+    """SGLang's host pool of ``spec`` ("mha/page_first"...), built from its device pool as
+    SGLang's pool assembler does; pin_memory=False (no CUDA here)."""
+    kind, layout = spec.split("/")
+    dev = dev if dev is not None else device_pool(kind)
+    info = dev.get_device_pool_infos()[0].buffer_info
+    common = dict(pin_memory=False, device="cpu", device_capacity_tokens=dev.size,
+                  start_layer=dev.start_layer, end_layer=dev.end_layer)
+    if kind == "mla":
+        host = MLATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, target_layer_num=LAYERS,
+                                    **common)
+    else:
+        host = MHATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, **common)
+    fill(host, 1)
+    return host
+
+
+def fill(host, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    raw = host.kv_buffer.view(-1).view(torch.uint8)
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+
+
+def pool_bytes(host) -> torch.Tensor:
+    return host.kv_buffer.view(-1).view(torch.uint8).clone()
+
+
+def page(host, p: int) -> torch.Tensor:
+    """Page p's bytes: SGLang's own flat data page (compared as bytes: random bf16 has NaNs)."""
+    return host.get_data_page(p * PAGE, flat=True).view(torch.uint8).clone()
+
+
+def indices(pages: list[int]) -> torch.Tensor:
+    return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
+
+
+def hashes(n: int, seed: int = 0) -> list[str]:
+    """SGLang's page hashes of n pages of tokens."""
+    tokens = [(seed * 7919 + i) % 32000 for i in range(n * PAGE)]
+    return get_storage_hash_str(tokens, None, page_size=PAGE)
+
+
+def storage(host, model: str = "org/model", tp_rank: int = 0, tp_size: int = 1,
+            mla: Optional[bool] = None, **extra) -> GdkvStorage:
+    """GdkvStorage from SGLang's factory for "dynamic", registered as the controller does."""
+    mla = isinstance(host, MLATokenToKVPoolHost) if mla is None else mla
+    cfg = HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1,
+                               attn_cp_rank=0, attn_cp_size=1, is_mla_model=mla,
+                               enable_storage_metrics=True,
+                               is_page_first_layout=host.layout == "page_first",
+                               model_name=model, extra_config={**DYNAMIC, **extra})
+    s = StorageBackendFactory.create_backend("dynamic", cfg, host)
+    assert type(s) is GdkvStorage
+    s.register_mem_pool_host(host)
+    return s
+
+
+def start_gdkvd_at(directory: str) -> subprocess.Popen:
+    """A new gdkvd (memory backend) on an existing socket directory, as conftest starts one."""
+    log = Path(directory) / "gdkvd-2.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(GDKVD), "--socket-dir", directory, "--metrics-port", "-1",
+                                 "--reactors", "1", "--backend", "memory"], stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 20
+    while b"ready:" not in log.read_bytes():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.02)
+    return proc
+
+
+# ---- the backend, through gdkvd ----
+
+@pytest.mark.parametrize("spec", KINDS)
+def test_set_exists_get_byte_exact(gdkvd, spec):
+    host = host_pool(spec)
+    s = storage(host, socket_dir=gdkvd.dir)
+    keys = hashes(6)
+    src = [page(host, p) for p in range(6)]
+    assert s.batch_exists(keys) == 0
+    assert s.batch_get_v1(keys, indices(list(range(10, 16)))) == [False] * 6
+    copies = s.copies()
+    assert s.batch_set_v1(keys, indices(list(range(6)))) == [True] * 6
+    assert s.batch_exists(keys) == 6
+    assert s.batch_exists(keys + hashes(1, seed=9)) == 6
+    assert s.batch_set_v1(keys, indices(list(range(6)))) == [True] * 6  # already there
+
+    # Into other pages, in another order: byte-exact, and not one byte elsewhere in the pool.
+    fill(host, 2)
+    before = pool_bytes(host)
+    dst = [10, 12, 11, 20, 13, 31]
+    assert s.batch_get_v1(keys, indices(dst)) == [True] * 6
+    expected = host_pool(spec)  # a pool of the same geometry to build the expected bytes in
+    expected.kv_buffer.view(-1).view(torch.uint8).copy_(before)
+    for i, p in enumerate(dst):
+        expected.set_from_flat_data_page(p * PAGE, src[i].view(host.dtype))
+    assert torch.equal(pool_bytes(host), pool_bytes(expected))
+    assert not torch.equal(before, pool_bytes(host))  # it did write
+
+    # Through gdkvd every byte is copied once each way, by the package or by the connector
+    # (a page already stored is not sent again).
+    assert s.copies()[1] - copies[1] == 2 * 6 * s.layout.page_bytes
+    stats = s.get_stats()
+    assert stats.backup_pgs == [6] and stats.prefetch_pgs == [6]
+    assert s.get_stats().prefetch_pgs == []
+    s.close()
+
+
+def test_exists_counts_the_leading_run(gdkvd):
+    host = host_pool("mha/page_first")
+    s = storage(host, socket_dir=gdkvd.dir)
+    keys = hashes(6)
+    have = [0, 1, 2, 4, 5]  # a hole at page 3
+    assert s.batch_set_v1([keys[p] for p in have], indices(have)) == [True] * 5
+    assert s.batch_exists(keys) == 3
+    assert s.batch_exists(keys[3:]) == 0
+    assert s.batch_exists(keys[4:]) == 2
+    assert s.exists(keys[2]) and not s.exists(keys[3])
+    # A page is two values here (K and V). batch_exists looks up the first (stored after the
+    # other); a load needs both: page 1 without its V is not loaded.
+    assert len(s._page_keys(keys[1])) == 2
+    with gdkv.connect(gdkvd.dir) as c:
+        c.delete(s._page_keys(keys[1])[1])
+        assert s.batch_exists(keys) == 3
+        got = s.batch_get_v1(keys[:3], indices([20, 21, 22]))
+        assert got == [True, False, True]
+        assert torch.equal(page(host, 20), page(host, 0))
+        assert torch.equal(page(host, 22), page(host, 2))
+        # (Page 21's K may have landed; the page is reported missing, and SGLang stops there.)
+        c.delete(s._page_keys(keys[0])[0])
+        assert s.batch_exists(keys) == 0
+    # Host indices that do not start pages are refused without touching the pool.
+    before = pool_bytes(host)
+    assert s.batch_get_v1(keys[:1], torch.arange(2, 2 + PAGE)) == [False]
+    assert s.batch_get_v1(keys[:2], indices([5])) == [False, False]
+    assert torch.equal(pool_bytes(host), before)
+
+
+def test_a_page_is_found_only_once_all_its_values_are_stored(gdkvd):
+    host = host_pool("mha/page_first")
+    s = storage(host, socket_dir=gdkvd.dir)
+    keys = hashes(3)
+    c = s.store.client()
+    put_many = c.put_many
+    rounds: list[list[bytes]] = []
+
+    def recording(items):
+        items = list(items)
+        rounds.append([k for k, _ in items])
+        return put_many(items)
+
+    c.put_many = recording
+    assert s.batch_set_v1(keys, indices([0, 1, 2])) == [True] * 3
+    assert rounds == [[s._page_keys(h)[1] for h in keys], [s._page_keys(h)[0] for h in keys]]
+
+    # A store failing on the way (here: the store is full) leaves nothing batch_exists finds,
+    # and the client is kept (only gdkvd being unavailable drops it).
+    def full(items):
+        list(items)
+        raise gdkv.CapacityError("full", 0x81)
+
+    c.put_many = full
+    more = hashes(2, seed=4)
+    assert s.batch_set_v1(more, indices([3, 4])) == [False, False]
+    assert not s.batch_set(more, [host.get_data_page(3 * PAGE)] * 2)
+    assert s.batch_exists(more) == 0 and s.batch_exists(keys) == 3
+    assert s.store.failures == 0 and s.store.client() is c
+
+
+@pytest.mark.parametrize("spec", ["mha/page_first", "mha/layer_first"])
+def test_generic_interface_is_the_same_values(gdkvd, spec):
+    """SGLang without interface_v1 calls batch_set/batch_get with flat data pages (its own
+    copies): the same values as the zero-copy path, either way round."""
+    host = host_pool(spec)
+    s = storage(host, socket_dir=gdkvd.dir)
+    keys = hashes(4)
+    assert s.batch_set(keys[:2], [host.get_data_page(p * PAGE) for p in range(2)])
+    assert s.set(keys[2], host.get_data_page(2 * PAGE))
+    assert s.batch_exists(keys) == 3 and s.exists(keys[2]) and not s.exists(keys[3])
+    assert s.batch_get_v1(keys[:3], indices([10, 11, 12])) == [True] * 3
+    for i in range(3):
+        assert torch.equal(page(host, 10 + i), page(host, i))
+    assert s.batch_set_v1(keys[3:], indices([3])) == [True]
+    outs = [host.get_dummy_flat_data_page() for _ in range(4)]
+    got = s.batch_get(keys, outs)
+    assert all(g is o for g, o in zip(got, outs))
+    for i in range(4):
+        assert torch.equal(outs[i].view(torch.uint8), page(host, i))
+    one = s.get(keys[3])
+    assert one is not None and torch.equal(one.view(torch.uint8), page(host, 3))
+    assert s.get(hashes(1, seed=5)[0]) is None
+    assert s.batch_get(hashes(2, seed=5)) == [None, None]
+    assert not s.batch_set(keys[:1], [torch.zeros(3, dtype=host.dtype)])  # not a page
+    # clear() (SGLang's /hicache/storage-backend/clear) empties the gdkv namespace.
+    assert s.clear() and s.batch_exists(keys) == 0
+    assert s.batch_get_v1(keys[:1], indices([10])) == [False]
+
+
+def test_models_layouts_and_ranks_do_not_collide(gdkvd):
+    host = host_pool("mha/page_first")
+    a = storage(host, socket_dir=gdkvd.dir)
+    keys = hashes(3)
+    assert a.batch_set_v1(keys, indices([0, 1, 2])) == [True] * 3
+
+    # The same model, layout and rank in another SGLang process: the same pages.
+    other = host_pool("mha/page_first")
+    fill(other, 3)
+    same = storage(other, socket_dir=gdkvd.dir)
+    assert same.batch_exists(keys) == 3
+    assert same.batch_get_v1(keys, indices([7, 8, 9])) == [True] * 3
+    for i in range(3):
+        assert torch.equal(page(other, 7 + i), page(host, i))
+
+    # Another model, another layout of the same bytes per page, another TP rank, another
+    # namespace, MLA's rank-free keys: none of them sees those pages.
+    others = [
+        storage(host_pool("mha/page_first"), model="org/other-model", socket_dir=gdkvd.dir),
+        storage(host_pool("mha/page_first_direct"), socket_dir=gdkvd.dir),
+        storage(host_pool("mha/layer_first"), socket_dir=gdkvd.dir),
+        storage(host_pool("mha/page_first"), tp_rank=1, tp_size=2, socket_dir=gdkvd.dir),
+        storage(host_pool("mha/page_first"), tp_rank=0, tp_size=2, socket_dir=gdkvd.dir),
+        storage(host_pool("mha/page_first"), namespace="tenant-b", socket_dir=gdkvd.dir),
+        storage(host_pool("mha/page_first"), mla=True, socket_dir=gdkvd.dir),
+    ]
+    descriptions = {a.keyspace.description} | {o.keyspace.description for o in others}
+    assert len(descriptions) == len(others) + 1
+    for o in others:
+        before = pool_bytes(o.mem_pool_host)
+        assert o.batch_exists(keys) == 0, o
+        assert o.batch_get_v1(keys, indices([7, 8, 9])) == [False] * 3, o
+        assert torch.equal(pool_bytes(o.mem_pool_host), before)
+
+
+# ---- SGLang's HiCacheController driving the backend ----
+
+@pytest.fixture(scope="module")
+def process_group(tmp_path_factory):
+    """The one-rank gloo group a HiCacheController takes as its TP group."""
+    created = not dist.is_initialized()
+    if created:
+        store = tmp_path_factory.mktemp("pg") / "store"
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    if created:
+        dist.destroy_process_group()
+
+
+def controller(process_group, layout: str, extra: dict):
+    dev = device_pool("mha")
+    host = host_pool(f"mha/{layout}", dev)
+    allocator = PagedTokenToKVPoolAllocator(DEVICE_TOKENS, PAGE, torch.bfloat16, "cpu", dev, False)
+    ctl = HiCacheController(allocator, host, PAGE, process_group, threading.Event(),
+                            write_policy="write_through", io_backend="kernel")
+    # What SGLang's scheduler publishes for rank 0 of TP 1 (read when the backend attaches).
+    with get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1,
+                                 attn_dcp_rank=0):
+        ctl.attach_storage_backend("dynamic", model_name="meta-llama/Llama-3.1-8B",
+                                   storage_backend_extra_config={**DYNAMIC, **extra})
+    return ctl, host
+
+
+def backup(ctl, pages: list[int], page_hashes: list[str]) -> int:
+    """SGLang's write-through to storage (its backup thread); the tokens it stored."""
+    ctl.write_storage(indices(pages), [0] * (len(pages) * PAGE), hash_value=page_hashes)
+    return ctl.ack_backup_queue.get(timeout=30).completed_tokens
+
+
+def prefetch(ctl, tokens: list[int], dst_first_page: int) -> tuple[int, int]:
+    """SGLang's prefetch: its hit query (batch_exists on its page hashes), then, as the scheduler
+    does, host pages for the hits and the transfer (batch_get_v1). (hit, loaded) tokens."""
+    op = ctl.prefetch("req", tokens)
+    op = ctl.prefetch_hit_queue.get(timeout=30)
+    hit = op.storage_hit_count
+    if hit == 0:
+        return 0, 0
+    first = dst_first_page * PAGE
+    op.host_indices = torch.arange(first, first + hit)
+    ctl.prefetch_buffer.put(op)
+    loaded = 0
+    while True:
+        ack = ctl.ack_prefetch_queue.get(timeout=30)
+        if ack.completed_tokens is not None:
+            loaded = ack.completed_tokens
+        if ack.completed_req:
+            return hit, loaded
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_hicache_controller_backup_and_prefetch(gdkvd, process_group, layout):
+    ctl, host = controller(process_group, layout, {"socket_dir": gdkvd.dir})
+    try:
+        assert isinstance(ctl.storage_backend, GdkvStorage)
+        assert ctl.page_get_func == ctl._page_get_zero_copy  # interface_v1: the in-place path
+        s = ctl.storage_backend
+        assert "meta-llama/Llama-3.1-8B|tp=0/1" in s.keyspace.description
+        tokens = list(range(1000, 1000 + 6 * PAGE))
+        page_hashes = get_storage_hash_str(tokens, None, page_size=PAGE)
+        src = [page(host, p) for p in range(6)]
+        # Pages 0-2 and 4-5 written, page 3 not: the prefix stops at the hole.
+        assert backup(ctl, [0, 1, 2], page_hashes[:3]) == 3 * PAGE
+        assert backup(ctl, [4, 5], page_hashes[4:]) == 2 * PAGE
+        assert prefetch(ctl, tokens, 20) == (3 * PAGE, 3 * PAGE)
+        for i in range(3):
+            assert torch.equal(page(host, 20 + i), src[i])
+        assert backup(ctl, [3], page_hashes[3:4]) == PAGE
+        assert prefetch(ctl, tokens, 24) == (6 * PAGE, 6 * PAGE)
+        for i in range(6):
+            assert torch.equal(page(host, 24 + i), src[i])
+    finally:
+        ctl.detach_storage_backend()
+
+
+# ---- failures ----
+
+def test_gdkvd_killed_means_misses_then_a_new_gdkvd_is_used(gdkvd):
+    host = host_pool("mha/page_first")
+    retry = 3.0
+    s = storage(host, socket_dir=gdkvd.dir, retry_interval_s=retry, timeout_ms=2000)
+    keys = hashes(4)
+    src = [page(host, p) for p in range(4)]
+    assert s.batch_set_v1(keys, indices([0, 1, 2, 3])) == [True] * 4
+
+    # Loads run in a loop while gdkvd is killed: each either loads exact bytes or reports a
+    # miss; nothing raises.
+    stop = threading.Event()
+    seen = {"hit": 0, "miss": 0, "wrong": 0, "errors": []}
+
+    def loads() -> None:
+        while not stop.is_set():
+            try:
+                got = s.batch_get_v1(keys, indices([10, 11, 12, 13]))
+            except Exception as e:  # noqa: BLE001 - any exception is the failure here
+                seen["errors"].append(e)
+                return
+            for i, ok in enumerate(got):
+                if ok:
+                    seen["hit"] += 1
+                    if not torch.equal(page(host, 10 + i), src[i]):
+                        seen["wrong"] += 1
+                else:
+                    seen["miss"] += 1
+
+    t = threading.Thread(target=loads)
+    t.start()
+    deadline = time.monotonic() + 10
+    while seen["hit"] < 8 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    gdkvd.signal(signal.SIGKILL)
+    gdkvd.proc.wait()
+    deadline = time.monotonic() + 10
+    while seen["miss"] < 8 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stop.set()
+    t.join(30)
+    assert seen["errors"] == [] and seen["wrong"] == 0
+    assert seen["hit"] >= 8 and seen["miss"] >= 8, seen
+    failed_at = time.monotonic()
+    assert s.store.failures == 1
+
+    # gdkvd gone: every call is a miss or a failed set, at once.
+    t0 = time.monotonic()
+    assert s.batch_exists(keys) == 0
+    assert s.batch_get_v1(keys, indices([10, 11, 12, 13])) == [False] * 4
+    assert s.batch_set_v1(keys, indices([0, 1, 2, 3])) == [False] * 4
+    assert not s.exists(keys[0])
+    assert s.get(keys[0]) is None and s.batch_get(keys) == [None] * 4
+    assert not s.set(keys[0], host.get_data_page(0)) and not s.batch_set(keys, [src[0]] * 4)
+    assert not s.clear()
+    assert time.monotonic() - t0 < 1.0
+
+    # A new gdkvd on the same socket directory: used once retry_interval_s has passed.
+    proc = start_gdkvd_at(gdkvd.dir)
+    try:
+        assert time.monotonic() - failed_at < retry - 0.5  # (the test's own timing)
+        assert s.batch_set_v1(keys, indices([0, 1, 2, 3])) == [False] * 4  # not retried yet
+        time.sleep(max(0.0, failed_at + retry + 0.1 - time.monotonic()))
+        assert s.batch_exists(keys) == 0  # a new, empty gdkvd
+        assert s.batch_set_v1(keys, indices([0, 1, 2, 3])) == [True] * 4
+        assert s.batch_exists(keys) == 4
+        assert s.batch_get_v1(keys, indices([20, 21, 22, 23])) == [True] * 4
+        for i in range(4):
+            assert torch.equal(page(host, 20 + i), src[i])
+        assert s.store.failures == 1
+        s.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_no_gdkvd_at_startup_is_no_error(tmp_path):
+    host = host_pool("mha/page_first")
+    s = storage(host, socket_dir=str(tmp_path), retry_interval_s=60)
+    keys = hashes(2)
+    assert s.batch_exists(keys) == 0
+    assert s.batch_set_v1(keys, indices([0, 1])) == [False, False]
+    assert s.batch_get_v1(keys, indices([2, 3])) == [False, False]
+
+
+def test_config_without_gdkv_is_an_error(monkeypatch):
+    monkeypatch.delenv("GDKV_SOCKET_DIR", raising=False)
+    with pytest.raises(ValueError, match="socket_dir"):
+        storage(host_pool("mha/page_first"))
+
+
+# ---- in-process gdkv: zero copy ----
+
+@pytest.mark.parametrize("spec", ["mha/page_first", "mha/page_first_direct", "mha/page_head",
+                                  "mla/page_first", "mla/page_first_direct"])
+def test_in_process_is_zero_copy(spec):
+    host = host_pool(spec)
+    s = storage(host, backend="memory")
+    keys = hashes(5)
+    src = [page(host, p) for p in range(5)]
+    assert s.batch_set_v1(keys, indices([0, 1, 2, 3, 4])) == [True] * 5
+    assert s.batch_exists(keys) == 5
+    assert s.batch_get_v1(keys, indices([15, 16, 17, 18, 19])) == [True] * 5
+    for i in range(5):
+        assert torch.equal(page(host, 15 + i), src[i])
+    c = s.store.client()
+    assert c is not None and not c.remote
+    assert c.copies() == (0, 0)
+    assert s.copies() == (0, 0)
+    assert not s.layout.scattered
+
+
+@pytest.mark.parametrize("spec", ["mha/layer_first", "mla/layer_first"])
+def test_in_process_layer_first_loads_in_place_and_gathers_to_store(spec):
+    host = host_pool(spec)
+    s = storage(host, backend="memory")
+    keys = hashes(3)
+    src = [page(host, p) for p in range(3)]
+    assert s.layout.scattered and len(s._page_keys(keys[0])) == 1
+    assert s.batch_set_v1(keys, indices([0, 1, 2])) == [True] * 3
+    # Storing gathers each page's runs (2 x layers, or layers for MLA) into one value.
+    assert s.copies() == (3, 3 * s.layout.page_bytes)
+    assert s.batch_get_v1(keys, indices([5, 6, 7])) == [True] * 3
+    for i in range(3):
+        assert torch.equal(page(host, 5 + i), src[i])
+    assert s.copies() == (3, 3 * s.layout.page_bytes)  # loading scattered in place: no copy
+    assert s.store.client().copies() == (0, 0)
