@@ -1,0 +1,497 @@
+"""gdkv as LMCache's remote storage: a remote storage plugin for LMCache 0.5.6.
+
+LMCache keeps KV cache in chunks (``chunk_size`` tokens, 256 by default): one MemoryObj per chunk,
+``[2, layers, tokens, kv_heads * head_dim]`` (``KV_2LTD``; MLA models ``[1, layers, tokens, dim]``),
+named by a CacheEngineKey (model, world size, worker id, chunk hash, dtype). Its RemoteBackend
+stores every chunk it saves in a remote connector and looks chunks up there; this module is that
+connector over a gdkv store: a gdkvd next to vLLM, or an in-process controller.
+
+Config (LMCache's YAML, ``LMCACHE_CONFIG_FILE``). The plugin form, which LMCache 0.5.6 recommends
+(it logs ``remote_url`` as deprecated)::
+
+    chunk_size: 256
+    pre_caching_hash_algorithm: sha256_cbor   # chunk hashes equal in every process (see Keys)
+    local_cpu: true
+    max_local_cpu_size: 5              # GB: the remote backend loads chunks into this memory
+    remote_serde: naive
+    remote_storage_plugins: ["gdkv"]
+    extra_config:
+      remote_storage_plugin.gdkv.module_path: gdkv.lmcache
+      remote_storage_plugin.gdkv.class_name: GdkvConnectorAdapter
+      remote_storage_plugin.gdkv.url: "gdkv:///run/gdkvd?namespace=prod"
+
+or with ``remote_url: "gdkv:///run/gdkvd"`` and the same three plugin lines minus ``.url`` (LMCache
+loads an adapter only for a name in ``remote_storage_plugins``, and it also creates a RemoteBackend
+for that name: without a url of its own that one stays idle, :class:`GdkvConnector` "dormant",
+and the remote_url backend does the work).
+
+The URL: ``gdkv://<socket dir>?option=value&...``: gdkvd's socket directory is the URL's path
+(three slashes for an absolute path); ``gdkv://?backend=memory`` (or local, rados) opens an
+in-process controller instead. Options, as query parameters or as extra_config keys
+``remote_storage_plugin.<name>.<option>`` (the URL wins): those of :class:`gdkv.engine.EngineStore`
+(``nsid``, ``namespace``, ``timeout_ms``, ``shared_memory_bytes``, ``retry_interval_s``,
+``backend`` and gdkv.open's options: ``store``, ``capacity``...) and ``threads`` (the connector's
+worker threads, default 4).
+
+Values: a chunk's bytes exactly as LMCache's MemoryObj holds them, with no header. LMCache's
+remote connectors can store the chunk's shape, dtype and format with it (``save_chunk_meta``);
+here they are fixed by the engine (LMCache's metadata: full-chunk shapes, dtypes, memory format)
+and part of the key's salt (:class:`gdkv.engine.KeySpace`), so one key space only ever holds one
+layout, and a stored value whose length is not exactly one full chunk is a miss (a truncated,
+padded or foreign value never reaches the model). The cost: only full chunks are stored (with
+``save_unfull_chunk: true`` the last, partial chunk of a prompt stays in LMCache's local
+backends), ``remote_serde`` must be ``naive`` and ``use_layerwise`` false (the connector refuses
+other configs when it is created).
+
+Copies: ``put`` reads the MemoryObj's bytes in place and ``get`` writes into a MemoryObj from
+LMCache's own allocator (LocalCPUBackend) in place. In-process (``backend=...``) that is zero copy;
+through gdkvd, LMCache's memory is not shared with gdkvd, so the package stages each chunk through
+the shared memory: one copy per chunk each way, counted in ``client.copies()``.
+
+Keys: LMCache's chunk hashes must be the same in every process sharing the store: set
+``pre_caching_hash_algorithm: sha256_cbor`` (LMCache's default ``builtin`` is Python's hash(),
+which differs between processes unless PYTHONHASHSEED is set; the connector warns).
+
+Failures: a gdkvd that is down, dies or freezes means misses and dropped puts, never an exception
+to LMCache and never wrong bytes (:meth:`gdkv.engine.EngineStore.call`; a new gdkvd is picked up
+``retry_interval_s`` after a failure). The connector does not implement LMCache's ``ping``: with
+LMCache's default health policy a failing ping would stop its local CPU cache too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import urllib.parse
+from typing import Any, Callable, List, Optional, TypeVar
+
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.exceptions import IrrecoverableException
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.metadata import LMCacheMetadata
+from lmcache.v1.storage_backend.connector import (ConnectorAdapter, ConnectorContext,
+                                                  extract_plugin_type)
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+
+from . import errors
+from .client import Client
+from .engine import UNAVAILABLE, EngineStore, KeySpace
+
+__all__ = ["GdkvConnectorAdapter", "GdkvConnector", "parse_url", "PLUGIN_TYPE"]
+
+log = logging.getLogger("gdkv.lmcache")
+T = TypeVar("T")
+
+#: The plugin type: ``remote_storage_plugins: ["gdkv"]`` (or ``"gdkv.<instance>"``).
+PLUGIN_TYPE = "gdkv"
+SCHEME = "gdkv://"
+
+# Options a URL or the plugin's extra config may set, by type (URL query values are strings).
+_INT_OPTIONS = {"nsid", "timeout_ms", "shared_memory_bytes", "threads", "capacity",
+                "ceph_timeout_ms", "cache_bytes", "prefetch_depth", "reactors", "max_value_bytes",
+                "queue_depth", "cuda_device"}
+_FLOAT_OPTIONS = {"retry_interval_s"}
+_STR_OPTIONS = {"socket_dir", "backend", "namespace", "store", "pool", "ceph_conf", "ceph_client",
+                "ceph_keyring", "cache_policy"}
+# extra_config keys of a plugin that LMCache (module_path, class_name) or we (url) read.
+_PLUGIN_KEYS = {"module_path", "class_name", "url"}
+
+
+def parse_url(url: str) -> dict[str, Any]:
+    """The options a ``gdkv://`` URL names: ``socket_dir`` (its path) and its query parameters.
+
+    >>> parse_url("gdkv:///run/gdkvd?nsid=2&namespace=prod")
+    {'nsid': 2, 'namespace': 'prod', 'socket_dir': '/run/gdkvd'}
+    """
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != PLUGIN_TYPE:
+        raise ValueError(f"gdkv: {url!r} is not a gdkv:// URL")
+    if parts.netloc not in ("", "localhost"):
+        raise ValueError(
+            f"gdkv: {url!r} names a host ({parts.netloc!r}); gdkvd is reached through its local "
+            "socket directory, the URL's path: gdkv:///run/gdkvd (three slashes)")
+    if parts.fragment:
+        raise ValueError(f"gdkv: {url!r} has a fragment (#...)")
+    options: dict[str, Any] = {}
+    if parts.query:
+        for name, value in urllib.parse.parse_qsl(parts.query, keep_blank_values=True,
+                                                  strict_parsing=True):
+            options[name] = value
+    path = urllib.parse.unquote(parts.path)
+    if path:
+        if "socket_dir" in options:
+            raise ValueError(f"gdkv: {url!r} names the socket directory twice (path and query)")
+        options["socket_dir"] = path
+    return _typed(options, url)
+
+
+def _typed(options: dict[str, Any], where: str) -> dict[str, Any]:
+    """``options`` checked against the known names and converted to their types."""
+    known = _INT_OPTIONS | _FLOAT_OPTIONS | _STR_OPTIONS
+    out: dict[str, Any] = {}
+    for name, value in options.items():
+        if name not in known:
+            raise ValueError(f"gdkv: unknown option {name!r} in {where} (known: "
+                             f"{', '.join(sorted(known))})")
+        convert = int if name in _INT_OPTIONS else float if name in _FLOAT_OPTIONS else str
+        try:
+            out[name] = convert(value)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"gdkv: option {name}={value!r} in {where}: {e}") from None
+    if out.get("socket_dir") and out.get("backend"):
+        raise ValueError(f"gdkv: {where} sets both a socket directory (gdkvd) and backend="
+                         f"{out['backend']} (in-process): one or the other")
+    if out.get("threads", 1) < 1:
+        raise ValueError(f"gdkv: threads must be at least 1 in {where}")
+    return out
+
+
+def _settings(context: ConnectorContext) -> Optional[dict[str, Any]]:
+    """The connector's options, or None for a dormant connector (see the module's docstring)."""
+    config = context.config
+    assert config is not None
+    extra = dict(config.extra_config or {})
+    remote_url = config.remote_url or ""
+    if context.plugin_name is None:
+        # LMCache's remote_url: the URL alone configures the connector.
+        return parse_url(context.url)
+    prefix = f"remote_storage_plugin.{context.plugin_name}."
+    own = {k[len(prefix):]: v for k, v in extra.items() if k.startswith(prefix)}
+    url = own.get("url")
+    if url is None and remote_url.startswith(SCHEME):
+        log.info("gdkv: plugin %s has no url; LMCache's remote_url %s is served by its own "
+                 "RemoteBackend, this one stays idle", context.plugin_name, remote_url)
+        return None
+    if url is not None and remote_url.startswith(SCHEME):
+        log.warning("gdkv: both remote_url (%s) and %surl (%s) are set: LMCache makes two remote "
+                    "backends and stores every chunk in both", remote_url, prefix, url)
+    settings = _typed({k: v for k, v in own.items() if k not in _PLUGIN_KEYS},
+                      f"extra_config {prefix}*")
+    if url is not None:
+        from_url = parse_url(str(url))
+        if "backend" in from_url:
+            settings.pop("socket_dir", None)
+        if "socket_dir" in from_url:
+            settings.pop("backend", None)
+        settings.update(from_url)  # the URL wins
+    return settings
+
+
+def _check_supported(config: LMCacheEngineConfig) -> None:
+    """Configs whose values this connector cannot hold as fixed-layout chunks."""
+    if config.use_layerwise:
+        raise IrrecoverableException(
+            "gdkv: use_layerwise is not supported (chunks are stored whole); set "
+            "use_layerwise: false")
+    if (config.remote_serde or "naive") != "naive":
+        raise IrrecoverableException(
+            f"gdkv: remote_serde {config.remote_serde!r} is not supported (values are stored as "
+            "raw chunks of the engine's layout); set remote_serde: naive")
+
+
+def _check_hashes(config: LMCacheEngineConfig) -> None:
+    """A warning for LMCache's default chunk hash, which makes a shared store useless."""
+    if (getattr(config, "pre_caching_hash_algorithm", "") == "builtin"
+            and "PYTHONHASHSEED" not in os.environ):
+        # Python's hash() of the chunk's tokens: on Python 3.11 it differs in every process
+        # (hash(None) is an address) unless PYTHONHASHSEED is set. Not wrong KV, but no chunk
+        # stored by one vLLM process is ever found by another, or after a restart.
+        log.warning("gdkv: LMCache hashes chunks with Python's hash() (pre_caching_hash_algorithm:"
+                    " builtin) and PYTHONHASHSEED is not set: chunk keys differ in every process,"
+                    " so other processes (and restarts) find nothing; set "
+                    "pre_caching_hash_algorithm: sha256_cbor (or PYTHONHASHSEED=0)")
+
+
+class GdkvConnectorAdapter(ConnectorAdapter):
+    """What ``remote_storage_plugin.<name>.class_name`` names: LMCache's ConnectorManager asks it
+    whether it parses a URL (``gdkv://...``, or ``plugin://gdkv[.instance]``) and to create the
+    connector."""
+
+    def __init__(self) -> None:
+        super().__init__(SCHEME)
+
+    def can_parse(self, url: str) -> bool:
+        if url.startswith(SCHEME):
+            return True
+        if url.startswith("plugin://"):
+            return extract_plugin_type(url[len("plugin://"):]) == PLUGIN_TYPE
+        return False
+
+    def create_connector(self, context: ConnectorContext) -> RemoteConnector:
+        if context.config is None or context.metadata is None:
+            raise IrrecoverableException("gdkv: LMCache created the connector without its config "
+                                         "or metadata")
+        _check_supported(context.config)
+        try:
+            settings = _settings(context)
+            if settings is not None:
+                _check_hashes(context.config)
+            return GdkvConnector(context.loop, context.local_cpu_backend, context.config,
+                                 context.metadata, settings)
+        except ValueError as e:  # a config error: LMCache reports it and does not retry
+            raise IrrecoverableException(str(e)) from e
+
+
+class GdkvConnector(RemoteConnector):
+    """LMCache's RemoteConnector over a gdkv store (see the module's docstring).
+
+    LMCache calls the coroutines on its storage event loop (``loop``); each runs its gdkv
+    commands in this connector's threads, so the loop never waits for gdkv. ``exists_sync`` and
+    ``batched_contains`` run in the caller's thread. ``settings`` None: dormant (no store; every
+    lookup misses, puts are dropped).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend: Any,
+                 config: LMCacheEngineConfig, metadata: Optional[LMCacheMetadata] = None,
+                 settings: Optional[dict[str, Any]] = None):
+        if metadata is None:
+            raise IrrecoverableException(
+                "gdkv: name GdkvConnectorAdapter (not GdkvConnector) in "
+                "remote_storage_plugin.<name>.class_name")
+        # Sets meta_shapes, meta_dtypes, meta_fmt (the full chunk) and full_chunk_size_bytes.
+        super().__init__(config, metadata)
+        self.loop = loop
+        self.local_cpu_backend = local_cpu_backend
+        self.metadata = metadata
+        # The key: LMCache's CacheEngineKey.to_string() (model, world size, worker id, chunk hash,
+        # dtype, tags: what LMCache gives each chunk, its hash chained over the prefix), salted
+        # with the model, dtype and layout of the full chunk and the namespace.
+        dtype = "+".join(str(d).removeprefix("torch.") for d in self.meta_dtypes)
+        layout = self.meta_fmt.name + ":" + "+".join(
+            "x".join(str(n) for n in shape) for shape in self.meta_shapes)
+        self.keyspace = KeySpace("lmcache", metadata.model_name, dtype, layout,
+                                 str((settings or {}).get("namespace", "")))
+        self.store: Optional[EngineStore] = EngineStore(settings) if settings is not None else None
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            int((settings or {}).get("threads", 4)), thread_name_prefix="gdkv-lmcache")
+        self._closed = False
+        self._errors_seen: set[tuple[str, int]] = set()
+        #: Chunks put() did not store (partial chunks, other layouts): counted, logged once.
+        self.skipped_puts = 0
+        #: Stored values of the wrong length that get() turned into misses.
+        self.rejected_values = 0
+        log.info("gdkv: LMCache connector %r, key space %s", self, self.keyspace.description)
+
+    def __repr__(self) -> str:
+        return f"<GdkvConnector {self.store if self.store is not None else 'dormant'}>"
+
+    # ---- plumbing ----
+    def client(self) -> Optional[Client]:
+        """The gdkv client in use (None while gdkv is unavailable, or dormant)."""
+        return self.store.client() if self.store is not None and not self._closed else None
+
+    def _key(self, key: CacheEngineKey) -> bytes:
+        return self.keyspace.key(key.to_string())
+
+    def _call(self, fn: Callable[[Client], T], default: T) -> T:
+        """``fn(client)`` through EngineStore.call: gdkv unavailable is ``default`` (and the
+        client is dropped); any other gdkv error (a full store, a value gdkvd refuses) is
+        ``default`` too, logged."""
+        if self.store is None or self._closed:
+            return default
+
+        def guarded(c: Client) -> T:
+            try:
+                return fn(c)
+            except UNAVAILABLE:
+                raise
+            except errors.Error as e:
+                # Once per kind (a chunk larger than gdkvd's --max-value fails every put alike).
+                kind = (type(e).__name__, e.status)
+                level = logging.DEBUG if kind in self._errors_seen else logging.WARNING
+                self._errors_seen.add(kind)
+                log.log(level, "gdkv: %s (a miss / not stored)", e)
+                return default
+
+        return self.store.call(guarded, default)
+
+    async def _offload(self, fn: Callable[..., T], *args: Any,
+                       release: Optional[Callable[[T], None]] = None) -> T:
+        """``fn(*args)`` in the connector's threads. If the awaiting coroutine is cancelled
+        (LMCache's timeouts), ``fn`` still runs to its end (shielded: a put releases the
+        references it holds, a get's chunks go to ``release``)."""
+        try:
+            future = self._pool.submit(fn, *args)
+        except RuntimeError:
+            # The pool is shut down: close() ran, so fn returns its "nothing" at once (and
+            # releases what it was handed), here on the loop.
+            return fn(*args)
+        try:
+            return await asyncio.shield(asyncio.wrap_future(future))
+        except asyncio.CancelledError:
+            if release is not None:
+                def done(f: concurrent.futures.Future) -> None:
+                    if f.exception() is None:
+                        release(f.result())
+                future.add_done_callback(done)
+            raise
+
+    # ---- values ----
+    def _value(self, memory_obj: MemoryObj) -> Optional[memoryview]:
+        """The bytes to store for ``memory_obj`` (in place), or None if it is not a full chunk
+        of this engine's layout (those are not stored: the key space holds one layout)."""
+        try:
+            if (memory_obj.get_memory_format() != self.meta_fmt
+                    or list(memory_obj.get_dtypes()) != list(self.meta_dtypes)
+                    or list(memory_obj.get_shapes()) != list(self.meta_shapes)
+                    or memory_obj.get_size() != self.full_chunk_size_bytes):
+                return None
+        except (AssertionError, AttributeError, TypeError):
+            return None
+        view = memory_obj.byte_array
+        return view if isinstance(view, memoryview) else memoryview(view)
+
+    def _skip(self, memory_obj: MemoryObj) -> None:
+        self.skipped_puts += 1
+        if self.skipped_puts == 1:
+            log.warning("gdkv: not storing a chunk of %d bytes, format %s (only full chunks of "
+                        "%d bytes, %s, are stored remotely); counted in skipped_puts",
+                        memory_obj.get_size(), memory_obj.get_memory_format().name,
+                        self.full_chunk_size_bytes, self.meta_fmt.name)
+
+    def _allocate(self) -> Optional[MemoryObj]:
+        """A full-chunk MemoryObj from LMCache's allocator, or None when it has no room (never
+        waits for other requests: a miss is always safe)."""
+        try:
+            return self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes,
+                                                   self.meta_fmt, eviction=True, busy_loop=False)
+        except Exception as e:  # the scheduler's stand-in allocator raises
+            log.debug("gdkv: no memory for a chunk: %s", e)
+            return None
+
+    def _put_sync(self, keys: List[CacheEngineKey], memory_objs: List[MemoryObj]) -> None:
+        try:
+            items = []
+            for key, obj in zip(keys, memory_objs, strict=True):
+                value = self._value(obj)
+                if value is None:
+                    self._skip(obj)
+                else:
+                    items.append((self._key(key), value))
+            if items:
+                self._call(lambda c: c.put_many(items), None)
+        finally:
+            for obj in memory_objs:  # the references put()/batched_put() took
+                obj.ref_count_down()
+
+    def _get_sync(self, keys: List[CacheEngineKey]) -> list[Optional[MemoryObj]]:
+        """Each key's chunk in a new MemoryObj, None where missing or invalid (one round)."""
+        results: list[Optional[MemoryObj]] = [None] * len(keys)
+        if self.store is None or self._closed or not keys:
+            return results
+        objs: list[MemoryObj] = []
+        for _ in keys:  # stops where LMCache's memory runs out: the rest are misses
+            obj = self._allocate()
+            if obj is None:
+                break
+            objs.append(obj)
+        if not objs:
+            return results
+        gkeys = [self._key(k) for k in keys[: len(objs)]]
+        outs = [obj.byte_array for obj in objs]
+        # partial=True: a value longer than a chunk returns its length instead of raising for
+        # the whole batch; it is rejected below like any other wrong length.
+        lengths = self._call(lambda c: c.get_many_into(gkeys, outs, partial=True), None)
+        for i, obj in enumerate(objs):
+            n = lengths[i] if lengths is not None else None
+            if n == self.full_chunk_size_bytes:
+                results[i] = obj
+                continue
+            if n is not None:
+                self.rejected_values += 1
+                log.warning("gdkv: the value of %s has %d bytes, not one chunk (%d): a miss",
+                            keys[i].to_string(), n, self.full_chunk_size_bytes)
+            obj.ref_count_down()
+        return results
+
+    @staticmethod
+    def _release(objs: list[Optional[MemoryObj]]) -> None:
+        for obj in objs:
+            if obj is not None:
+                obj.ref_count_down()
+
+    # ---- RemoteConnector ----
+    async def exists(self, key: CacheEngineKey) -> bool:
+        return await self._offload(self.exists_sync, key)
+
+    def exists_sync(self, key: CacheEngineKey) -> bool:
+        k = self._key(key)
+        return self._call(lambda c: c.exists(k), False)
+
+    async def get(self, key: CacheEngineKey) -> Optional[MemoryObj]:
+        return (await self.batched_get([key]))[0]
+
+    async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
+        await self.batched_put([key], [memory_obj])
+
+    def support_batched_put(self) -> bool:
+        return True
+
+    async def batched_put(self, keys: List[CacheEngineKey], memory_objs: List[MemoryObj]) -> None:
+        """Stores full chunks with one put_many; LMCache releases ``memory_objs`` when this
+        returns. gdkv reads them in place, so we hold our own reference until it is done, even
+        if this coroutine is cancelled."""
+        if self.store is None or self._closed:
+            return
+        for obj in memory_objs:
+            obj.ref_count_up()
+        await self._offload(self._put_sync, list(keys), list(memory_objs))
+
+    def support_batched_get(self) -> bool:
+        return True
+
+    async def batched_get(self, keys: List[CacheEngineKey]) -> List[Optional[MemoryObj]]:
+        return await self._offload(self._get_sync, list(keys), release=self._release)
+
+    def support_batched_get_non_blocking(self) -> bool:
+        return True
+
+    async def batched_get_non_blocking(self, lookup_id: str,
+                                       keys: List[CacheEngineKey]) -> List[MemoryObj]:
+        """The leading run of chunks found (LMCache's contract); the rest are released."""
+        objs = await self.batched_get(keys)
+        out: list[MemoryObj] = []
+        for i, obj in enumerate(objs):
+            if obj is None:
+                self._release(objs[i:])
+                break
+            out.append(obj)
+        return out
+
+    def support_batched_contains(self) -> bool:
+        return True
+
+    def batched_contains(self, keys: List[CacheEngineKey]) -> int:
+        """How many leading keys are stored: one lookup_prefix (one submission round)."""
+        gkeys = [self._key(k) for k in keys]
+        return self._call(lambda c: c.lookup_prefix(gkeys), 0) if gkeys else 0
+
+    def support_batched_async_contains(self) -> bool:
+        return True
+
+    async def batched_async_contains(self, lookup_id: str, keys: List[CacheEngineKey],
+                                     pin: bool = False) -> int:
+        """As batched_contains, from the event loop. ``pin``: gdkv does not evict on its own."""
+        return await self._offload(self.batched_contains, list(keys))
+
+    def remove_sync(self, key: CacheEngineKey) -> bool:
+        k = self._key(key)
+        return self._call(lambda c: c.delete(k, missing_ok=True), False)
+
+    async def list(self) -> List[str]:
+        """The gdkv keys of the store's namespace, in hex. They are hashes: not LMCache's key
+        strings, and every engine's keys in that NVMe namespace are listed."""
+        keys = await self._offload(lambda: self._call(lambda c: c.list(), []))
+        return [k.hex() for k in keys]
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True  # new calls return at once; those running finish first
+        self._pool.shutdown(wait=True)
+        if self.store is not None:
+            self.store.close()
+        log.info("gdkv: closed %r", self)
