@@ -102,7 +102,7 @@ def main() -> None:
     results = {}
     proc, sock = start_gdkvd(a.gdkvd)
     try:
-        results["gdkvd"] = measure(model, {"socket_dir": sock, "staging_bytes": 256 << 20}, a.rounds)
+        results["gdkvd"] = measure(model, {"socket_dir": sock}, a.rounds)
     finally:
         proc.terminate()
         proc.wait()

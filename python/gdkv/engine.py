@@ -136,7 +136,7 @@ class EngineStore:
                 self._client = None
                 self._next_try = time.monotonic() + self.retry_interval_s
                 self.failures += 1
-                log.warning("gdkv: %s failed (%s); running without it for %.0f s", self, error,
+                log.warning("gdkv: %s failed (%s); running without it for %.1f s", self, error,
                             self.retry_interval_s)
         if not self.backend:
             try:

@@ -124,7 +124,7 @@ class _Plan:
             digest = hashlib.sha256(json.dumps(hf, sort_keys=True, default=str).encode())
             model_id = f"{mc.model}@{mc.revision or ''}#{digest.hexdigest()[:16]}"
         self.model_id = str(model_id)
-        self.dtype = str(getattr(spec, "dtype", "")) + "/" + str(vllm_config.cache_config.cache_dtype)
+        self.dtype = f"{getattr(spec, 'dtype', '')}/{vllm_config.cache_config.cache_dtype}"
         self.layout = (f"{type(spec).__name__}/{kv_cache_config.kv_cache_layout}/"
                        f"bs{self.block_size}/page{self.page_bytes}/g{self.blocks_per_value}")
         self.namespace = str(extra.get("namespace", ""))
