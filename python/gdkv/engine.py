@@ -94,6 +94,7 @@ class EngineStore:
         self._next_try = 0.0
         self._lock = threading.Lock()
         self.failures = 0
+        self._errors_seen: set[tuple[str, int]] = set()
 
     def __repr__(self) -> str:
         where = self.socket_dir or f"{self.backend} (in-process)"
@@ -144,8 +145,11 @@ class EngineStore:
             except errors.Error:
                 pass
 
-    def call(self, fn: Callable[[Client], T], default: T) -> T:
-        """``fn(client)``, or ``default`` when gdkv is unavailable or fails on the way."""
+    def call(self, fn: Callable[[Client], T], default: T, what: str = "gdkv call") -> T:
+        """``fn(client)``, or ``default`` when gdkv is unavailable or fails on the way: the
+        client is dropped when it is unavailable (and opened again later); any other gdkv error
+        (a full store, a value gdkvd refuses, shared memory used up) keeps it, and is logged
+        once per kind."""
         c = self.client()
         if c is None:
             return default
@@ -153,6 +157,13 @@ class EngineStore:
             return fn(c)
         except UNAVAILABLE as e:
             self.fail(c, e)
+            return default
+        except errors.Error as e:
+            kind = (type(e).__name__, e.status)
+            with self._lock:
+                first = kind not in self._errors_seen
+                self._errors_seen.add(kind)
+            log.log(logging.WARNING if first else logging.DEBUG, "gdkv: %s failed: %s", what, e)
             return default
 
     def close(self) -> None:

@@ -76,9 +76,8 @@ from lmcache.v1.storage_backend.connector import (ConnectorAdapter, ConnectorCon
                                                   extract_plugin_type)
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from . import errors
 from .client import Client
-from .engine import UNAVAILABLE, EngineStore, KeySpace
+from .engine import EngineStore, KeySpace
 
 __all__ = ["GdkvConnectorAdapter", "GdkvConnector", "parse_url", "PLUGIN_TYPE"]
 
@@ -268,7 +267,6 @@ class GdkvConnector(RemoteConnector):
         self._pool = concurrent.futures.ThreadPoolExecutor(
             int((settings or {}).get("threads", 4)), thread_name_prefix="gdkv-lmcache")
         self._closed = False
-        self._errors_seen: set[tuple[str, int]] = set()
         #: Chunks put() did not store (partial chunks, other layouts): counted, logged once.
         self.skipped_puts = 0
         #: Stored values of the wrong length that get() turned into misses.
@@ -293,20 +291,7 @@ class GdkvConnector(RemoteConnector):
         if self.store is None or self._closed:
             return default
 
-        def guarded(c: Client) -> T:
-            try:
-                return fn(c)
-            except UNAVAILABLE:
-                raise
-            except errors.Error as e:
-                # Once per kind (a chunk larger than gdkvd's --max-value fails every put alike).
-                kind = (type(e).__name__, e.status)
-                level = logging.DEBUG if kind in self._errors_seen else logging.WARNING
-                self._errors_seen.add(kind)
-                log.log(level, "gdkv: %s (a miss / not stored)", e)
-                return default
-
-        return self.store.call(guarded, default)
+        return self.store.call(fn, default, "LMCache transfer (a miss / not stored)")
 
     async def _offload(self, fn: Callable[..., T], *args: Any,
                        release: Optional[Callable[[T], None]] = None) -> T:

@@ -59,9 +59,8 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorageConfig,
                                                   HiCacheStorageExtraInfo)
 
-from . import errors
 from .client import Client
-from .engine import UNAVAILABLE, EngineStore, KeySpace
+from .engine import EngineStore, KeySpace
 
 log = logging.getLogger("gdkv.sglang")
 T = TypeVar("T")
@@ -245,17 +244,11 @@ class GdkvStorage(HiCacheStorage):
         if self.layout is None:
             return default
 
-        def guarded(c: Client) -> T:
+        def seen(c: Client) -> T:
             self._seen = c
-            try:
-                return fn(c)
-            except UNAVAILABLE:
-                raise  # EngineStore.call drops the client
-            except errors.Error as e:
-                log.warning("gdkv: %s failed: %s", what, e)
-                return default
+            return fn(c)
 
-        return self.store.call(guarded, default)
+        return self.store.call(seen, default, what)
 
     def _count_copy(self, nbytes: int) -> None:
         with self._lock:

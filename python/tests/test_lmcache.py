@@ -534,7 +534,7 @@ def test_chunks_larger_than_gdkvds_max_value(tmp_path, stacks, caplog):
         backends = stacks(plugin_config(tmp_path, f"gdkv://{d.dir}"), md)
         rb, conn = remote(backends)
         keys = chunk_keys(md, range(3))
-        with caplog.at_level("DEBUG", logger="gdkv.lmcache"):
+        with caplog.at_level("DEBUG", logger="gdkv.engine"):
             put(rb, keys, chunks(backends, md, 3))
             put(rb, keys, chunks(backends, md, 3))
         refused = [r for r in caplog.records if "ValueSizeError" in r.getMessage()
