@@ -86,3 +86,45 @@ gdkv_python_env() {
     printf -v "GDKV_PYTHON_${name^^}" %s "$py"
   fi
 }
+
+# A GPU machine lent by the device tool reaches no package registry, and its image has none of
+# the C++ build's libraries. scripts/gpu-prepare downloads these Debian 12 packages here (apt-get
+# download) into build/gpu-deps/debs; that folder travels with the working tree, and
+# gdkv_deps_prefix unpacks it there (dpkg -x) and points the build at the prefix alone.
+GDKV_GPU_DEPS=(
+  pkgconf pkgconf-bin libpkgconf3
+  libxxhash-dev libxxhash0 liburing-dev liburing2
+  libcli11-dev libtomlplusplus-dev libtomlplusplus3
+  libgtest-dev libgmock-dev
+)
+GDKV_GPU_DEPS_DIR=${GDKV_GPU_DEPS_DIR:-build/gpu-deps}
+
+# gdkv_deps_prefix: unpacks $GDKV_GPU_DEPS_DIR/debs into $GDKV_GPU_DEPS_DIR/prefix (once) and
+# exports what makes CMake, pkg-config and the loader use it: the prefix's pkgconf and .pc files
+# only (PKG_CONFIG_LIBDIR replaces the system's), its CMake package files, its shared libraries.
+gdkv_deps_prefix() {
+  local debs=$GDKV_GPU_DEPS_DIR/debs prefix deb
+  prefix=$(cd "$GDKV_GPU_DEPS_DIR" && pwd)/prefix
+  if [ ! -f "$prefix/.unpacked" ]; then
+    rm -rf "$prefix"
+    mkdir -p "$prefix"
+    for deb in "$debs"/*.deb; do
+      if command -v dpkg >/dev/null; then
+        dpkg -x "$deb" "$prefix" || return 1
+      else   # no dpkg: a .deb is an ar archive holding data.tar.*
+        local tmp abs
+        tmp=$(mktemp -d) abs=$(realpath "$deb")
+        (cd "$tmp" && ar x "$abs") && tar -xf "$tmp"/data.tar.* -C "$prefix" || return 1
+        rm -rf "$tmp"
+      fi
+    done
+    touch "$prefix/.unpacked"
+  fi
+  local lib=$prefix/usr/lib/x86_64-linux-gnu
+  export PKG_CONFIG=$prefix/usr/bin/pkgconf
+  export PKG_CONFIG_LIBDIR=$lib/pkgconfig:$prefix/usr/share/pkgconfig
+  export PKG_CONFIG_SYSROOT_DIR=$prefix
+  export CMAKE_PREFIX_PATH=$prefix/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}
+  export LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  gdkv_log "using the C++ dependencies unpacked in $prefix (no package manager)"
+}

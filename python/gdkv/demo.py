@@ -12,6 +12,8 @@ and the logits equal within ``--tolerance``.
     python -m gdkv.demo --connect /run/gdkvd                 # a running gdkvd (any backend)
     python -m gdkv.demo --backend rados --ceph-conf ceph.conf  # in-process controller on RADOS
     python -m gdkv.demo --backend local --store DIR          # in-process local store
+    python -m gdkv.demo --backend local --device cuda        # the model and its KV on a GPU:
+                                                             # blocks move by the CUDA copy engine
 
 The model is a Llama-architecture transformer with random weights from a fixed seed, built and
 saved locally the first time (``--model``; nothing is downloaded). Exit status 0 when B's output
@@ -43,6 +45,9 @@ def _args(argv):
     p.add_argument("--pool", default="gdkv-rep3", help="RADOS pool (default gdkv-rep3)")
     p.add_argument("--ceph-conf", default=os.environ.get("GDKV_CEPH_CONF", ""),
                    help="ceph.conf (default $GDKV_CEPH_CONF, then librados' default)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the model and its KV cache live (cuda: in-process backends only; "
+                        "the blocks move between gdkv and the CUDA tensors by its copy engine)")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model folder (default {DEFAULT_MODEL})")
     p.add_argument("--prompt-tokens", type=int, default=3072, help="tokens in each prompt (3072)")
     p.add_argument("--shared-tokens", type=int, default=2560,
@@ -58,6 +63,9 @@ def _args(argv):
     a = p.parse_args(argv)
     if not 0 < a.shared_tokens <= a.prompt_tokens or a.block_tokens < 1 or a.steps < 1:
         p.error("need 0 < --shared-tokens <= --prompt-tokens, --block-tokens >= 1, --steps >= 1")
+    if a.device == "cuda" and a.connect:
+        p.error("--device cuda needs an in-process controller (--backend): through gdkvd the "
+                "package does not reach CUDA memory yet")
     return a
 
 
@@ -66,9 +74,29 @@ def _client(a):
 
     if a.connect:
         return gdkv.connect(a.connect)
+    cuda = 0 if a.device == "cuda" else None
     if (a.backend or "local") == "rados":
-        return gdkv.open("rados", pool=a.pool, ceph_conf=a.ceph_conf)
-    return gdkv.open("local", store=a.store)
+        return gdkv.open("rados", pool=a.pool, ceph_conf=a.ceph_conf, cuda_device=cuda)
+    return gdkv.open("local", store=a.store, cuda_device=cuda)
+
+
+def _buffer(c, a, shape, dtype):
+    """A tensor gdkv moves bytes to and from in place: in the client's memory on the CPU; on
+    the GPU a CUDA tensor registered with the controller's copy engine (unregister it after)."""
+    if a.device == "cpu":
+        return c.empty(shape, dtype)
+    import torch
+
+    t = torch.empty(shape, dtype=dtype, device="cuda")
+    c.register(t)
+    return t
+
+
+def _sync(a):
+    if a.device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
 
 
 def _prompts(a, vocab):
@@ -96,11 +124,12 @@ def _store(a):
     import gdkv
     from . import model as m
 
-    model = m.load_model(a.model)
+    model = m.load_model(a.model, device=a.device)
     layout = m.kv_layout(model)
     prompt_a, _ = _prompts(a, model.config.vocab_size)
     t0 = time.perf_counter()
     _, cache = m.prefill(model, prompt_a)
+    _sync(a)
     prefill_s = time.perf_counter() - t0
     B, L, H, D = a.block_tokens, layout["layers"], layout["kv_heads"], layout["head_dim"]
     keys = gdkv.chain_keys(prompt_a, B, _salt(model, layout, B))
@@ -111,12 +140,14 @@ def _store(a):
         if todo:
             # One block = [layer][K|V][kv head][token][dim]: gathered from the cache once into
             # memory gdkv reads in place, then stored in one batch.
-            blocks = c.empty((len(todo), L, 2, H, B, D), layout["dtype"])
+            blocks = _buffer(c, a, (len(todo), L, 2, H, B, D), layout["dtype"])
             for j, i in enumerate(todo):
                 for layer, (k, v) in enumerate(kv):
                     blocks[j, layer, 0].copy_(k[0, :, i * B:(i + 1) * B])
                     blocks[j, layer, 1].copy_(v[0, :, i * B:(i + 1) * B])
             c.put_many((keys[i], blocks[j]) for j, i in enumerate(todo))
+            if a.device == "cuda":
+                c.unregister(blocks)
         store_s = time.perf_counter() - t0
         copies = c.copies()
     block_bytes = B * layout["bytes_per_token"]
@@ -130,13 +161,15 @@ def _reuse(a):
     import gdkv
     from . import model as m
 
-    model = m.load_model(a.model)
+    model = m.load_model(a.model, device=a.device)
     layout = m.kv_layout(model)
     _, prompt_b = _prompts(a, model.config.vocab_size)
     m.prefill(model, prompt_b[:512])  # warm-up: the first forward pays for one-time set-up
+    _sync(a)
 
     t0 = time.perf_counter()
     logits_full, cache_full = m.prefill(model, prompt_b)
+    _sync(a)
     ttft_full = time.perf_counter() - t0
     tokens_full, steps_full = m.greedy(model, cache_full, logits_full, a.steps)
     del cache_full
@@ -154,7 +187,7 @@ def _reuse(a):
         if n:
             # The model's cache tensors, in memory gdkv writes in place: per layer K and V of
             # shape [1, kv_heads, tokens, head_dim]. Each block lands in L * 2 * H pieces.
-            kv = c.empty((L, 2, 1, H, n * B, D), layout["dtype"])
+            kv = _buffer(c, a, (L, 2, 1, H, n * B, D), layout["dtype"])
             outs = [[kv[layer, j, 0, h, i * B:(i + 1) * B] for layer in range(L)
                      for j in range(2) for h in range(H)] for i in range(n)]
             lens = c.get_many_into(keys[:n], outs)
@@ -165,10 +198,14 @@ def _reuse(a):
         P = loaded * B
         if P:
             past = [(kv[layer, 0, :, :, :P], kv[layer, 1, :, :, :P]) for layer in range(L)]
+        _sync(a)
         load_s = time.perf_counter() - t0
         logits_reuse, cache_reuse = m.prefill(model, prompt_b[P:], past)
+        _sync(a)
         ttft_reuse = time.perf_counter() - t0
         copies = c.copies()
+        if n and a.device == "cuda":
+            c.unregister(kv)   # the bytes have landed; the tensor stays the model's cache
     tokens_reuse, steps_reuse = m.greedy(model, cache_reuse, logits_reuse, a.steps)
     diff = max(float((x - y).abs().max())
                for x, y in zip([logits_full, *steps_full], [logits_reuse, *steps_reuse]))
@@ -217,6 +254,8 @@ def main(argv=None) -> int:
           and Bq["blocks_loaded"] == expected)
     where = (f"gdkvd at {a.connect}" if a.connect else
              f"in-process {a.backend or 'local'} backend")
+    if a.device == "cuda":
+        where += f", model and KV on {torch.cuda.get_device_name(0)}"
     if a.json:
         print(json.dumps({"ok": ok, "where": where, "tolerance": a.tolerance, "store": A,
                           "reuse": Bq}))
