@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -120,6 +121,28 @@ TEST(Queue, BackPressureAndPhaseTagsAcrossWraps) {
   }
   EXPECT_EQ(posted, 1000u * (kDepth - 1));
   EXPECT_EQ(q.ctl->cq_head, posted);
+}
+
+// Requesters spin on their own slot's `done`: no two command ids may share a cache line.
+TEST(Queue, CommandSlotsHaveTheirOwnCacheLine) {
+  static_assert(sizeof(CmdSlot) == 64 && alignof(CmdSlot) == 64);
+  for (uint32_t d = 2; d <= 4096; d *= 2) {
+    const QueueLayout l = QueueLayout::for_depth(d);
+    EXPECT_EQ(l.slots % 64, 0u);
+    EXPECT_GE(l.control, l.slots + 64 * size_t{d}) << "depth " << d;
+  }
+  constexpr uint32_t kDepth = 16;
+  const size_t bytes = QueueLayout::for_depth(kDepth).total;
+  auto* mem = static_cast<std::byte*>(std::aligned_alloc(4096, (bytes + 4095) & ~size_t{4095}));
+  ASSERT_NE(mem, nullptr);
+  const QueueRef q = QueueRef::over(mem, kDepth, 1);
+  for (uint32_t i = 0; i + 1 < kDepth; ++i) {
+    const auto a = reinterpret_cast<uintptr_t>(&q.slots[i].done);
+    const auto b = reinterpret_cast<uintptr_t>(&q.slots[i + 1].done);
+    EXPECT_EQ(b - a, 64u);
+    EXPECT_EQ(a / 64, reinterpret_cast<uintptr_t>(&q.slots[i].reserved1) / 64);
+  }
+  std::free(mem);
 }
 
 TEST(Queue, LayoutIsAlignedAndDisjoint) {

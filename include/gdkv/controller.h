@@ -41,10 +41,14 @@ struct ControllerOptions {
   std::function<void*(size_t)> queue_alloc;
   std::function<void(void*)> queue_free;
   // Controller-owned staging buffers (values staged from device memory, List results, key lists,
-  // scatter descriptors): allocate/free `bytes`. The GPU runtime passes pinned memory so a copy
-  // to or from GPU memory is one DMA. Default: the heap.
+  // scatter descriptors). Set: each reactor allocates one pool of staging_pool_bytes with it when
+  // the controller starts (and frees it at the end), and commands stage in blocks of that pool,
+  // so no command allocates. A buffer the pool cannot give (larger than the pool, or the pool
+  // is in use) comes from the heap. The GPU runtime passes pinned memory so a copy to or from GPU
+  // memory is one DMA. Unset: every staging buffer comes from the heap.
   std::function<void*(size_t bytes)> staging_alloc;
   std::function<void(void* p, size_t bytes)> staging_free;
+  size_t staging_pool_bytes = size_t{128} << 20;  // per reactor; rounded up to a power of two
   // Measures a copy engine's peak bandwidth (bytes/s) once at start, for the
   // dma_link_peak_bytes_per_second and dma_link_utilization gauges. Unset: not measured (tests
   // start many controllers). gdkvd passes measure_copy_peak_bps (metrics_server.h).
@@ -56,6 +60,7 @@ struct DataSegment {
   std::byte* addr = nullptr;
   size_t len = 0;
   MemKind kind = MemKind::kHost;
+  uint64_t region = 0;  // the registered region it lies in (CopySegment::dst_region); 0: none
 };
 using DataSegments = std::vector<DataSegment>;
 

@@ -24,6 +24,11 @@ struct CopySegment {
   size_t len = 0;
   MemKind dst_kind = MemKind::kHost;
   MemKind src_kind = MemKind::kHost;
+  // The memory region each end lies in (a registered region, a reactor's staging pool), 0: not
+  // known. An id names one region for the controller's lifetime and is never reused, so an
+  // engine may cache what it learns about a region's memory under it.
+  uint64_t dst_region = 0;
+  uint64_t src_region = 0;
 };
 
 struct CopyJob {

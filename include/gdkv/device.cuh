@@ -17,9 +17,10 @@
 // Three levels, all usable from host code too (GDKV_HD), except the warp forms:
 //   - per thread, blocking: get/put/exists/del/execute: one request, returns its result.
 //   - per thread, split: try_submit/submit, then poll/wait: many requests in flight per thread.
-//   - per warp: warp_get/warp_put/warp_exists/warp_del/warp_execute: the converged lanes that call
-//     together share one SQ ticket grab (reserve_slots(n)) and one doorbell per batch, then each
-//     lane waits for its own completion. A lane with nothing to do passes active = false.
+//   - per warp: warp_get/warp_put/warp_exists/warp_del/warp_execute: the lanes of a mask (default:
+//     the whole warp) call together and share one SQ ticket grab (reserve_slots(n)) and one
+//     doorbell per batch, then each lane waits for its own completion. A lane with nothing to do
+//     passes active = false.
 //     group_execute is the same algorithm over any lane group (the CPU tests use a thread group).
 //
 // REQUIRES (all forms): a thread must not block for a credit (submit, execute, get, ...) while it
@@ -101,19 +102,28 @@ GDKV_HD inline CmdResult group_execute(const Group& g, const QueueRef& q, const 
 namespace gdkv::device {
 
 // ---- Per warp (device code only) ----------------------------------------------------------------
-// Called by the converged lanes of a warp together (the lanes active at the call form the batch,
-// like cooperative_groups::coalesced_threads()). One reserve_slots and one doorbell per round.
+// Called together by the lanes named in `lanes` (one bit per lane of the warp; default: every lane
+// the warp has). The group is formed from that mask, not from the lanes that happen to be active:
+// the lanes are converged with __syncwarp(lanes) first, and the batch leader is the lowest lane of
+// the mask that got a credit. Code in a divergent branch passes the branch's mask, e.g.
+//   if (lane & 1) r = warp_get(q, k, dst, len, true, 1, 0xAAAAAAAA);  // the odd lanes only
+// A lane of the mask with nothing to do passes active = false. One reserve_slots and one doorbell
+// per round.
+// REQUIRES: every lane of `lanes` calls, with the same mask; lanes outside it do not.
+inline constexpr uint64_t kFullWarp = ~uint64_t{0};
+
 __device__ inline CmdResult warp_execute(const QueueRef& q, const nvme::Sqe& sqe,
-                                         bool active = true) noexcept;
+                                         bool active = true, uint64_t lanes = kFullWarp) noexcept;
 __device__ inline CmdResult warp_get(const QueueRef& q, const Key& key, void* dst, uint32_t len,
-                                     bool active = true, uint32_t nsid = 1) noexcept;
+                                     bool active = true, uint32_t nsid = 1,
+                                     uint64_t lanes = kFullWarp) noexcept;
 __device__ inline CmdResult warp_put(const QueueRef& q, const Key& key, const void* src,
                                      uint32_t len, bool active = true, uint8_t options = 0,
-                                     uint32_t nsid = 1) noexcept;
+                                     uint32_t nsid = 1, uint64_t lanes = kFullWarp) noexcept;
 __device__ inline CmdResult warp_exists(const QueueRef& q, const Key& key, bool active = true,
-                                        uint32_t nsid = 1) noexcept;
+                                        uint32_t nsid = 1, uint64_t lanes = kFullWarp) noexcept;
 __device__ inline CmdResult warp_del(const QueueRef& q, const Key& key, bool active = true,
-                                     uint32_t nsid = 1) noexcept;
+                                     uint32_t nsid = 1, uint64_t lanes = kFullWarp) noexcept;
 
 }  // namespace gdkv::device
 

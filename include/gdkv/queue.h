@@ -40,15 +40,17 @@ struct CmdResult {
   GDKV_HD constexpr bool ok() const noexcept { return status == nvme::Status::kSuccess; }
 };
 
-// Per command id: where the reaper leaves a completion for its requester.
-struct CmdSlot {
+// Per command id: where the reaper leaves a completion for its requester. Each slot has its own
+// 64-byte line: a waiting requester spins on its `done`, and slots sharing a line would make every
+// completion invalidate the lines other waiters are polling.
+struct alignas(64) CmdSlot {
   uint32_t done;  // 1 once the completion arrived; 0 again after release()
   uint32_t dw0;
   uint16_t status;  // CQE status field, phase bit cleared
   uint16_t reserved0;
   uint32_t reserved1;
 };
-static_assert(sizeof(CmdSlot) == 16);
+static_assert(sizeof(CmdSlot) == 64 && alignof(CmdSlot) == 64);
 
 // Requester bookkeeping; each counter on its own cache line.
 struct QueueControl {

@@ -52,7 +52,9 @@ struct VfioUserNamespace {
 class DeviceMemoryImporter {
  public:
   virtual ~DeviceMemoryImporter() = default;
-  // A device pointer the controller's copy engine can use for `size` bytes, or null.
+  // A device pointer the controller's copy engine can use for `size` bytes, or null. Runs on a
+  // worker thread, not on a reactor (an open can take milliseconds): at most one open at a time
+  // per connection, while that connection's I/O queues keep being served.
   virtual void* open(const uint8_t (&handle)[64], uint64_t size, std::string* why) = 0;
   virtual void close(void* ptr) = 0;
 };

@@ -51,20 +51,25 @@ void bump(std::atomic<uint64_t>& a, uint64_t by = 1) {
 CommandState& state_of(Command* cmd) { return *cmd->state; }
 
 // Appends copies that spread `n` bytes from `src` over `segs` (stopping when either runs out).
-void add_spread(CommandState& st, const std::byte* src, size_t n, const DataSegments& segs) {
+// `src_region`: the region id of the source (CopySegment), 0 if none.
+void add_spread(CommandState& st, const std::byte* src, size_t n, const DataSegments& segs,
+                uint64_t src_region = 0) {
   for (const DataSegment& s : segs) {
     if (n == 0) break;
     size_t take = std::min(n, s.len);
-    st.copy_segs.push_back(CopySegment{s.addr, src, take, s.kind, MemKind::kHost});
+    st.copy_segs.push_back(
+        CopySegment{s.addr, src, take, s.kind, MemKind::kHost, s.region, src_region});
     src += take;
     n -= take;
   }
 }
 
 // Appends copies that gather `segs` into `dst`.
-void add_gather(CommandState& st, std::byte* dst, const DataSegments& segs) {
+void add_gather(CommandState& st, std::byte* dst, const DataSegments& segs,
+                uint64_t dst_region = 0) {
   for (const DataSegment& s : segs) {
-    st.copy_segs.push_back(CopySegment{dst, s.addr, s.len, MemKind::kHost, s.kind});
+    st.copy_segs.push_back(
+        CopySegment{dst, s.addr, s.len, MemKind::kHost, s.kind, dst_region, s.region});
     dst += s.len;
   }
 }
@@ -171,7 +176,7 @@ void Controller::Impl::finish(Command* cmd, Status status, uint32_t dw0) {
   st.op.view = ValueView{};
   st.op.value = {};
   st.op.keys.clear();
-  st.staging.trim(kKeepStagingBytes);
+  st.staging.done(kKeepStagingBytes);
   st.phase = CmdPhase::kIdle;
   st.owner->in_flight().fetch_sub(1, std::memory_order_relaxed);
   cmd->complete(cmd, status, dw0);
@@ -242,7 +247,7 @@ void stage_in(Command* cmd, size_t len, CmdPhase phase) {
   CommandState& st = state_of(cmd);
   if (!st.staging.resize(len)) return finish(cmd, Status::kInternalError);
   st.copy_segs.clear();
-  add_gather(st, st.staging.data(), st.segs);
+  add_gather(st, st.staging.data(), st.segs, st.staging.region());
   launch_copy(cmd, phase);
 }
 
@@ -252,8 +257,8 @@ void Controller::Impl::execute(Command* cmd) {
   if (!cmd->state) cmd->state = std::make_unique<CommandState>();
   CommandState& st = *cmd->state;
   st.ctl = this;
-  st.staging.set_allocator(&options);
   st.owner = Reactor::current();
+  st.staging.set_pool(st.owner->staging_pool());
   st.phase = CmdPhase::kIdle;
   st.start_ns = now_ns();
   st.op = BackendOp{};
@@ -375,7 +380,8 @@ void Controller::Impl::on_backend_done(Command* cmd) {
         return ::gdkv::finish(cmd, Status::kSuccess, static_cast<uint32_t>(st.value_len));
       }
       st.copy_segs.clear();
-      add_spread(st, st.staging.data(), std::min<size_t>(want, st.staging.size()), st.segs);
+      add_spread(st, st.staging.data(), std::min<size_t>(want, st.staging.size()), st.segs,
+                 st.staging.region());
       return launch_copy(cmd, CmdPhase::kDeliver);
     }
     case nvme::Opcode::kScatterRetrieve: {
@@ -388,7 +394,8 @@ void Controller::Impl::on_backend_done(Command* cmd) {
         if (e.value_offset >= have) continue;
         const size_t n = static_cast<size_t>(std::min<uint64_t>(e.length, have - e.value_offset));
         bump(rs.bytes_out, n);
-        add_spread(st, src + e.value_offset, n, st.scatter_segs[i]);
+        add_spread(st, src + e.value_offset, n, st.scatter_segs[i],
+                   from_view ? 0 : st.staging.region());
       }
       return launch_copy(cmd, CmdPhase::kDeliver);
     }
@@ -410,7 +417,7 @@ void Controller::Impl::on_backend_done(Command* cmd) {
       std::memcpy(st.staging.data(), &count, sizeof(count));
       st.value_len = count;
       st.copy_segs.clear();
-      add_spread(st, st.staging.data(), off, st.segs);
+      add_spread(st, st.staging.data(), off, st.segs, st.staging.region());
       return launch_copy(cmd, CmdPhase::kDeliver);
     }
     case nvme::Opcode::kStore:
@@ -496,7 +503,8 @@ bool Controller::register_memory(const void* addr, size_t len, MemKind kind) {
   auto it = impl_->regions.lower_bound(begin);
   if (it != impl_->regions.end() && it->second.begin < begin + len) return false;
   if (it != impl_->regions.begin() && std::prev(it)->second.end > begin) return false;
-  impl_->regions.emplace(begin, MemoryRegion{begin, begin + len, kind});
+  impl_->regions.emplace(
+      begin, MemoryRegion{begin, begin + len, kind, impl_->next_region_id.fetch_add(1)});
   impl_->region_count.fetch_add(1, std::memory_order_release);
   return true;
 }

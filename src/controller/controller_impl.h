@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "controller/reactor.h"
+#include "controller/staging_pool.h"
 #include "gdkv/controller.h"
 
 namespace gdkv {
@@ -26,8 +27,9 @@ enum class CmdPhase : uint8_t {
 };
 
 // Controller-owned bytes of one command (device data staged in or out, List results, key lists,
-// scatter descriptors). Allocated through ControllerOptions::staging_alloc, so the GPU runtime can
-// make them pinned and a copy to or from GPU memory is one DMA. Contents are not kept on resize.
+// scatter descriptors). Taken from the reactor's StagingPool when it has one (pinned memory on
+// GPU builds, so a copy to or from GPU memory is one DMA), else from the heap. Contents are not
+// kept on resize.
 class StagingBuffer {
  public:
   StagingBuffer() = default;
@@ -35,42 +37,48 @@ class StagingBuffer {
   StagingBuffer& operator=(const StagingBuffer&) = delete;
   ~StagingBuffer() { release(); }
 
-  void set_allocator(const ControllerOptions* o) { options_ = o; }
-  // Makes room for n bytes. Returns false if the allocation failed.
+  // Where later resizes take memory from (null: the heap).
+  void set_pool(StagingPool* pool) { pool_ = pool; }
+  // Makes room for n bytes. Returns false if no memory could be had.
   bool resize(size_t n) {
     if (n > capacity_) {
       release();
       const size_t cap = n < 4096 ? 4096 : n;
-      data_ = static_cast<std::byte*>(options_ && options_->staging_alloc
-                                          ? options_->staging_alloc(cap)
-                                          : ::operator new(cap, std::nothrow));
-      if (data_ == nullptr) return false;
+      if (pool_ != nullptr && (data_ = pool_->alloc(cap)) != nullptr) {
+        from_ = pool_;
+      } else {
+        data_ = static_cast<std::byte*>(::operator new(cap, std::nothrow));
+        if (data_ == nullptr) return false;
+      }
       capacity_ = cap;
     }
     size_ = n;
     return true;
   }
   void clear() { size_ = 0; }
-  // Frees the memory if it is larger than `keep` bytes.
-  void trim(size_t keep) {
-    if (capacity_ > keep) release();
+  // The command is done: pool memory goes back to the pool; heap memory is kept for the next
+  // command unless it is larger than `keep` bytes (or a pool is there to use next time).
+  void done(size_t keep) {
+    if (from_ != nullptr || pool_ != nullptr || capacity_ > keep) release();
   }
   std::byte* data() { return data_; }
   size_t size() const { return size_; }
+  // The region id of the memory (its pool's), 0 for heap memory.
+  uint64_t region() const { return from_ != nullptr ? from_->region() : 0; }
 
  private:
   void release() {
-    if (data_ != nullptr) {
-      if (options_ && options_->staging_free) {
-        options_->staging_free(data_, capacity_);
-      } else {
-        ::operator delete(data_);
-      }
+    if (from_ != nullptr) {
+      from_->free(data_);
+    } else if (data_ != nullptr) {
+      ::operator delete(data_);
     }
+    from_ = nullptr;
     data_ = nullptr;
     capacity_ = size_ = 0;
   }
-  const ControllerOptions* options_ = nullptr;
+  StagingPool* pool_ = nullptr;
+  StagingPool* from_ = nullptr;  // the pool data_ came from; null: the heap
   std::byte* data_ = nullptr;
   size_t capacity_ = 0;
   size_t size_ = 0;
@@ -102,6 +110,7 @@ struct MemoryRegion {
   uintptr_t begin;
   uintptr_t end;
   MemKind kind;
+  uint64_t id;  // unique for the controller's lifetime (CopySegment::dst_region)
 };
 
 struct Controller::Impl {
@@ -115,6 +124,7 @@ struct Controller::Impl {
   mutable std::shared_mutex regions_mu;
   std::map<uintptr_t, MemoryRegion> regions;  // by begin
   std::atomic<uint32_t> region_count{0};
+  std::atomic<uint64_t> next_region_id{1};  // registered regions and staging pools
 
   double dma_peak_bps = 0;  // measured at start, 0 if not
   mutable std::mutex util_mu;

@@ -16,12 +16,15 @@ nvme::Status InProcessSpace::map_range(uint64_t addr, size_t len, bool for_write
   if (addr + len < addr) return nvme::Status::kDataTransferError;
   MemoryRegion r{};
   MemKind kind = MemKind::kHost;
+  uint64_t region = 0;
   if (ctl_->find_region(static_cast<uintptr_t>(addr), len, &r)) {
     kind = r.kind;
+    region = r.id;
   } else if (strict_) {
     return nvme::Status::kDataTransferError;
   }
-  out.push_back(DataSegment{reinterpret_cast<std::byte*>(static_cast<uintptr_t>(addr)), len, kind});
+  out.push_back(
+      DataSegment{reinterpret_cast<std::byte*>(static_cast<uintptr_t>(addr)), len, kind, region});
   return nvme::Status::kSuccess;
 }
 

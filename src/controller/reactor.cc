@@ -5,7 +5,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <bit>
 #include <ctime>
+#include <stdexcept>
 
 #include "controller/controller_impl.h"
 #include "gdkv/queue.h"
@@ -38,11 +40,28 @@ void wake_controller(uint32_t* word) noexcept {
 }  // namespace queue
 
 Reactor::Reactor(Controller::Impl* ctl, uint32_t index, std::unique_ptr<CopyEngine> engine)
-    : ctl_(ctl), index_(index), engine_(std::move(engine)) {}
+    : ctl_(ctl), index_(index), engine_(std::move(engine)) {
+  const ControllerOptions& o = ctl_->options;
+  if (o.staging_alloc && o.staging_pool_bytes > 0) {
+    staging_bytes_ = std::bit_ceil(std::max(o.staging_pool_bytes, StagingPool::kMinBlock));
+    staging_arena_ = o.staging_alloc(staging_bytes_);
+    if (staging_arena_ == nullptr) throw std::runtime_error("allocating the staging pool failed");
+    staging_pool_ = std::make_unique<StagingPool>(staging_arena_, staging_bytes_,
+                                                  ctl_->next_region_id.fetch_add(1));
+  }
+}
 
 Reactor::~Reactor() {
   request_exit();
   join();
+  // Every command has finished (Controller::stop), so no block of the pool is in use.
+  staging_pool_.reset();
+  if (staging_arena_ != nullptr) {
+    const ControllerOptions& o = ctl_->options;
+    if (o.staging_free) {
+      o.staging_free(staging_arena_, staging_bytes_);
+    }
+  }
 }
 
 Reactor* Reactor::current() noexcept { return tls_reactor; }

@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "controller/staging_pool.h"
 #include "gdkv/controller.h"
 #include "gdkv/copy_engine.h"
 #include "gdkv/histogram.h"
@@ -52,6 +53,8 @@ class Reactor {
   uint32_t index() const noexcept { return index_; }
   uint32_t* wake_word() noexcept { return &wake_word_; }
   CopyEngine& engine() noexcept { return *engine_; }
+  // Staging memory for this reactor's commands; null without ControllerOptions::staging_alloc.
+  StagingPool* staging_pool() noexcept { return staging_pool_.get(); }
   ReactorStats& stats() noexcept { return stats_; }
   const ReactorStats& stats() const noexcept { return stats_; }
   std::atomic<uint64_t>& in_flight() noexcept { return in_flight_; }
@@ -66,6 +69,9 @@ class Reactor {
   Controller::Impl* ctl_;
   uint32_t index_;
   std::unique_ptr<CopyEngine> engine_;
+  void* staging_arena_ = nullptr;  // from ControllerOptions::staging_alloc, once
+  size_t staging_bytes_ = 0;
+  std::unique_ptr<StagingPool> staging_pool_;
   std::thread thread_;
   std::atomic<bool> exit_{false};
   uint32_t wake_word_ = 0;  // futex word: 1 while sleeping

@@ -3,7 +3,8 @@
 // copies has fired. The reactor thread never blocks on the GPU: poll() only queries events.
 //
 // Where each end of a segment really lives decides the path (cudaPointerGetAttributes, so a
-// mis-registered kind can't send memcpy at device memory):
+// mis-registered kind can't send memcpy at device memory; asked once per region the controller
+// names in the segment, RegionCache, and per segment only for memory in no known region):
 //   host ↔ host (pinned or pageable)      memcpy on the reactor thread
 //   device or pinned ↔ device or pinned   one cudaMemcpyAsync (DMA, no CPU copy)
 //   device ↔ pageable host                through a pinned staging ring in chunks: a pageable
@@ -15,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <deque>
 #include <memory>
@@ -22,6 +24,7 @@
 #include <vector>
 
 #include "gpu/cuda_check.h"
+#include "gpu/region_cache.h"
 #include "gpu/runtime.h"
 
 namespace gdkv::gpu {
@@ -29,7 +32,10 @@ namespace {
 
 enum class Where : uint8_t { kPageable, kPinned, kDevice };
 
+std::atomic<uint64_t> g_attribute_queries{0};
+
 Where classify(const void* p) {
+  g_attribute_queries.fetch_add(1, std::memory_order_relaxed);
   cudaPointerAttributes a{};
   if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
     cudaGetLastError();
@@ -235,8 +241,8 @@ class CudaCopyEngine final : public CopyEngine {
         continue;
       }
       if (!j.classified) {
-        j.dst = classify(s.dst);
-        j.src = classify(s.src);
+        j.dst = where_.lookup(s.dst_region, s.dst, classify);
+        j.src = where_.lookup(s.src_region, s.src, classify);
         j.classified = true;
       }
       auto* dst = static_cast<std::byte*>(s.dst);
@@ -325,10 +331,15 @@ class CudaCopyEngine final : public CopyEngine {
   std::vector<std::unique_ptr<Job>> jobs_;  // every Job ever made (reused through free_jobs_)
   std::vector<Job*> free_jobs_;
   std::vector<Finish> spare_finish_;
+  RegionCache<Where> where_;
   bool pumping_ = false;
 };
 
 }  // namespace
+
+uint64_t pointer_attribute_queries() noexcept {
+  return g_attribute_queries.load(std::memory_order_relaxed);
+}
 
 std::unique_ptr<CopyEngine> make_cuda_copy_engine(const GpuOptions& gpu) {
   return std::make_unique<CudaCopyEngine>(gpu);

@@ -9,9 +9,11 @@
 #include <algorithm>
 #include <atomic>
 #include <barrier>
+#include <bit>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -19,7 +21,9 @@
 
 #include "gdkv/backend.h"
 #include "gdkv/controller.h"
+#include "gdkv/copy_engine.h"
 #include "gdkv/key.h"
+#include "gpu/region_cache.h"
 #include "gpu/split_queue.h"
 
 namespace gdkv {
@@ -41,33 +45,59 @@ std::vector<std::byte> random_value(std::mt19937_64& rng, size_t max_len) {
 }
 
 // Lanes of a simulated warp: CPU threads that meet at a barrier for every collective operation.
+// The group is the lanes at the set bits of `mask` (any of 64), as a GPU warp group formed from a
+// mask: a sparse mask has lanes that are not 0..n-1.
 class CpuLanes {
  public:
-  explicit CpuLanes(uint32_t n) : n_(n), barrier_(n), vals_(n) {}
-  uint32_t size() const { return n_; }
+  explicit CpuLanes(uint64_t mask)
+      : mask_(mask), barrier_(static_cast<ptrdiff_t>(std::popcount(mask))), vals_(64) {}
+  // The first `n` lanes.
+  static uint64_t first(uint32_t n) { return n == 64 ? ~uint64_t{0} : (uint64_t{1} << n) - 1; }
+  uint64_t mask() const { return mask_; }
+  // The lane ids of the group, lowest first.
+  std::vector<uint32_t> lanes() const {
+    std::vector<uint32_t> v;
+    for (uint32_t i = 0; i < 64; ++i) {
+      if (mask_ >> i & 1) v.push_back(i);
+    }
+    return v;
+  }
+  // Every lane a shfl read from (the batch leaders), in any order.
+  std::vector<uint32_t> shfl_sources() const {
+    std::lock_guard lk(mu_);
+    return sources_;
+  }
 
  private:
   friend class CpuGroup;
-  uint32_t n_;
+  uint64_t mask_;
   std::barrier<> barrier_;
-  std::vector<uint64_t> vals_;
+  std::vector<uint64_t> vals_;  // by lane id
+  mutable std::mutex mu_;
+  std::vector<uint32_t> sources_;
 };
 
 // One lane's view: the Group interface of device.cuh.
 class CpuGroup {
  public:
   CpuGroup(CpuLanes& lanes, uint32_t lane) : s_(lanes), lane_(lane) {}
-  uint64_t mask() const { return s_.n_ == 64 ? ~uint64_t{0} : (uint64_t{1} << s_.n_) - 1; }
+  uint64_t mask() const { return s_.mask_; }
   uint32_t lane() const { return lane_; }
   uint64_t ballot(bool p) const {
     s_.vals_[lane_] = p ? 1 : 0;
     s_.barrier_.arrive_and_wait();
     uint64_t m = 0;
-    for (uint32_t i = 0; i < s_.n_; ++i) m |= s_.vals_[i] << i;
+    for (uint32_t i = 0; i < 64; ++i) {
+      if (s_.mask_ >> i & 1) m |= s_.vals_[i] << i;
+    }
     s_.barrier_.arrive_and_wait();
     return m;
   }
   uint32_t shfl(uint32_t v, uint32_t src_lane) const {
+    if (lane_ == src_lane) {
+      std::lock_guard lk(s_.mu_);
+      s_.sources_.push_back(src_lane);
+    }
     s_.vals_[lane_] = v;
     s_.barrier_.arrive_and_wait();
     const auto r = static_cast<uint32_t>(s_.vals_[src_lane]);
@@ -213,7 +243,9 @@ TEST_F(DeviceApiTest, GroupExecuteBatches) {
   constexpr uint32_t kRounds = 40;
   std::atomic<uint32_t> failures{0};
   std::vector<std::unique_ptr<CpuLanes>> groups;
-  for (uint32_t g = 0; g < kGroups; ++g) groups.push_back(std::make_unique<CpuLanes>(kLanes));
+  for (uint32_t g = 0; g < kGroups; ++g) {
+    groups.push_back(std::make_unique<CpuLanes>(CpuLanes::first(kLanes)));
+  }
   std::vector<std::thread> threads;
   for (uint32_t g = 0; g < kGroups; ++g) {
     for (uint32_t l = 0; l < kLanes; ++l) {
@@ -252,6 +284,83 @@ TEST_F(DeviceApiTest, GroupExecuteBatches) {
   }
   for (auto& th : threads) th.join();
   EXPECT_EQ(failures.load(), 0u);
+}
+
+// A group formed from a sparse, non-contiguous mask (no lane 0, gaps, lanes up to 63), as a warp
+// group in one branch of a divergent if: the leader that takes the tickets and rings is the lowest
+// lane of the batch, a lane of the mask, never lane 0. Two such groups share a queue.
+TEST_F(DeviceApiTest, GroupExecuteSparseMask) {
+  start(2);
+  const QueueRef q = queue(64);  // deep enough that every lane of both groups gets a credit
+  const uint64_t masks[2] = {0x8000'0400'0030'0940ull, 0x0000'2000'0800'0006ull};
+  constexpr uint32_t kRounds = 30;
+  std::atomic<uint32_t> failures{0};
+  std::vector<std::unique_ptr<CpuLanes>> groups;
+  for (uint64_t m : masks) groups.push_back(std::make_unique<CpuLanes>(m));
+  std::vector<std::thread> threads;
+  for (uint32_t g = 0; g < 2; ++g) {
+    for (uint32_t l : groups[g]->lanes()) {
+      threads.emplace_back([&, g, l] {
+        const CpuGroup grp(*groups[g], l);
+        std::mt19937_64 rng(g * 1000 + l);
+        std::vector<std::byte> dst(1100);
+        auto expect = [&](bool cond, const char* what, uint32_t i) {
+          if (!cond && failures.fetch_add(1) < 10) {
+            ADD_FAILURE() << what << " (group " << g << ", lane " << l << ", round " << i << ")";
+          }
+        };
+        for (uint32_t i = 0; i < kRounds; ++i) {
+          const Key k = key_of(800 + g * 64 + l, i);
+          const std::vector<std::byte> v = random_value(rng, 1024);
+          CmdResult r = device::group_execute(
+              grp, q, device::make_store(k, v.data(), static_cast<uint32_t>(v.size())), true);
+          expect(r.ok(), "sparse group put", i);
+          std::fill(dst.begin(), dst.end(), kPoison);
+          r = device::group_execute(grp, q, device::make_retrieve(k, dst.data(), 1100), true);
+          expect(r.ok() && r.dw0 == v.size() && std::equal(v.begin(), v.end(), dst.begin()) &&
+                     dst[v.size()] == kPoison,
+                 "sparse group get", i);
+        }
+      });
+    }
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0u);
+  for (uint32_t g = 0; g < 2; ++g) {
+    const std::vector<uint32_t> src = groups[g]->shfl_sources();
+    const uint32_t lowest = groups[g]->lanes().front();
+    ASSERT_NE(lowest, 0u);
+    EXPECT_EQ(src.size(), 2u * kRounds) << "one batch per call: every lane got a credit";
+    EXPECT_TRUE(std::all_of(src.begin(), src.end(), [&](uint32_t s) { return s == lowest; }))
+        << "group " << g << ": the leader is the lowest lane of the mask (" << lowest << ")";
+  }
+}
+
+// The same sparse group with its lowest lanes inactive: the leader moves to the lowest lane that
+// has a request, still a lane of the mask.
+TEST_F(DeviceApiTest, GroupExecuteSparseMaskLeaderSkipsInactiveLanes) {
+  start(1);
+  const QueueRef q = queue(32);
+  const uint64_t mask = 0x0001'0000'0024'0a00ull;  // lanes 9, 11, 18, 21, 48
+  CpuLanes group(mask);
+  const std::vector<uint32_t> lanes = group.lanes();
+  std::atomic<uint32_t> failures{0};
+  std::vector<std::thread> threads;
+  for (uint32_t l : lanes) {
+    threads.emplace_back([&, l] {
+      const CpuGroup grp(group, l);
+      const bool active = l >= 18;  // lanes 9 and 11 have nothing to do
+      const Key k = key_of(950, l);
+      const uint8_t byte = static_cast<uint8_t>(l);
+      CmdResult r = device::group_execute(grp, q, device::make_store(k, &byte, 1), active);
+      if (active && !r.ok()) failures.fetch_add(1);
+      r = device::group_execute(grp, q, device::make_exist(k), true);
+      if (active ? !r.ok() : r.status != Status::kKeyNotExist) failures.fetch_add(1);
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0u);
+  EXPECT_EQ(group.shfl_sources(), (std::vector<uint32_t>{18, 9}));
 }
 
 TEST_F(DeviceApiTest, ListScatterRetrieveAndPrefetch) {
@@ -443,6 +552,90 @@ TEST_F(DeviceApiTest, RegisteredRegionsAreEnforced) {
   // Unregistered: the same pointer is now refused.
   ASSERT_TRUE(ctl_->unregister_memory(region));
   EXPECT_EQ(device::get(q, k, region, 100).status, Status::kDataTransferError);
+}
+
+// The copy engine's per-region cache of pointer attributes: one question per region, every time
+// for memory in no region, the oldest region forgotten past the limit.
+TEST(RegionCache, AsksOncePerRegion) {
+  gpu::RegionCache<int> cache;
+  int asked = 0;
+  auto ask = [&](const void*) { return ++asked; };
+  char a[2], b[2];
+  EXPECT_EQ(cache.lookup(7, a, ask), 1);
+  EXPECT_EQ(cache.lookup(7, a + 1, ask), 1);  // same region, no question
+  EXPECT_EQ(cache.lookup(8, b, ask), 2);
+  EXPECT_EQ(cache.lookup(7, a, ask), 1);
+  EXPECT_EQ(asked, 2);
+  EXPECT_EQ(cache.lookup(0, a, ask), 3);  // not a region: asked each time
+  EXPECT_EQ(cache.lookup(0, a, ask), 4);
+  for (uint64_t r = 100; r < 100 + gpu::RegionCache<int>::kMaxRegions; ++r) cache.lookup(r, a, ask);
+  EXPECT_EQ(cache.size(), gpu::RegionCache<int>::kMaxRegions);
+  const int before = asked;
+  cache.lookup(7, a, ask);  // forgotten (oldest): asked again
+  EXPECT_EQ(asked, before + 1);
+}
+
+// Memcpy, recording the region ids the controller puts in each segment.
+class RegionRecordingEngine final : public CopyEngine {
+ public:
+  explicit RegionRecordingEngine(std::vector<std::pair<uint64_t, uint64_t>>* seen, std::mutex* mu)
+      : seen_(seen), mu_(mu) {}
+  void submit(CopyJob* job) override {
+    for (uint32_t i = 0; i < job->count; ++i) {
+      const CopySegment& s = job->segs[i];
+      std::memcpy(s.dst, s.src, s.len);
+      std::lock_guard lk(*mu_);
+      seen_->emplace_back(s.dst_region, s.src_region);
+    }
+    job->done(job, Status::kSuccess);
+  }
+  bool poll() override { return false; }
+  const char* name() const override { return "region-recording"; }
+
+ private:
+  std::vector<std::pair<uint64_t, uint64_t>>* seen_;
+  std::mutex* mu_;
+};
+
+// The controller names the registered region of each requester end, the same id for every command
+// into it and a new one after it is registered again; the staging pool has an id of its own.
+TEST(RegionCache, ControllerNamesRegionsInSegments) {
+  std::vector<std::pair<uint64_t, uint64_t>> seen;
+  std::mutex mu;
+  ControllerOptions o;
+  o.copy_engine = [&](uint32_t) { return std::make_unique<RegionRecordingEngine>(&seen, &mu); };
+  o.staging_pool_bytes = 1 << 20;
+  o.staging_alloc = [](size_t n) { return std::aligned_alloc(4096, n); };
+  o.staging_free = [](void* p, size_t) { std::free(p); };
+  Controller ctl(make_memory_backend(), o);
+  const QueueRef q = ctl.create_queue({16, true});
+  std::vector<std::byte> buf(8192);
+  ASSERT_TRUE(ctl.register_memory(buf.data(), buf.size(), MemKind::kHost));
+  const Key k = key_of(3, 3);
+  ASSERT_TRUE(device::put(q, k, buf.data(), 3000).ok());  // host, one segment: no copy
+  auto last = [&] {
+    std::lock_guard lk(mu);
+    return seen.empty() ? std::pair<uint64_t, uint64_t>{} : seen.back();
+  };
+  ASSERT_TRUE(device::get(q, k, buf.data() + 4096, 4096).ok());
+  const auto first = last();
+  EXPECT_NE(first.first, 0u) << "the destination's registered region";
+  ASSERT_TRUE(device::get(q, k, buf.data() + 100, 3000).ok());
+  EXPECT_EQ(last().first, first.first);
+  // A List is staged: it is copied out of the staging pool, which has its own id.
+  const uint8_t zero = 0;
+  ASSERT_TRUE(
+      device::execute(q, device::make_list(Key::from_bytes(&zero, 1), buf.data(), 512)).ok());
+  EXPECT_EQ(last().first, first.first);
+  EXPECT_NE(last().second, 0u);
+  EXPECT_NE(last().second, first.first);
+  // Registered again: a new id, so nothing learned about the old memory is reused.
+  ASSERT_TRUE(ctl.unregister_memory(buf.data()));
+  ASSERT_TRUE(ctl.register_memory(buf.data(), buf.size(), MemKind::kHost));
+  ASSERT_TRUE(device::get(q, k, buf.data(), 4096).ok());
+  EXPECT_NE(last().first, 0u);
+  EXPECT_NE(last().first, first.first);
+  ctl.destroy_queue(q);
 }
 
 }  // namespace

@@ -89,7 +89,9 @@ __global__ void throughput_kernel(Queues qs, bool warp, const Key* keys, uint32_
   std::byte* mine = dst + size_t{tid} * len;
   for (uint32_t j = 0; j < per_thread; ++j) {
     const Key& k = keys[(tid * 7919u + j * 104729u) % nkeys];
-    const CmdResult r = warp ? device::warp_get(q, k, mine, len) : device::get(q, k, mine, len);
+    // Every lane of the warp runs this loop the same number of times: the whole warp is the group.
+    const CmdResult r = warp ? device::warp_get(q, k, mine, len, true, 1, device::kFullWarp)
+                             : device::get(q, k, mine, len);
     if (!r.ok() || r.dw0 != len) atomicAdd(errors, 1ull);
   }
 }

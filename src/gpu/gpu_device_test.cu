@@ -45,7 +45,11 @@ struct Queues {
   uint32_t n;
 };
 
-enum class Mode : int { kThread, kWarp };
+// kWarpBranches: a divergent if, each side a warp group of its own lanes (odd / even masks).
+// kWarpOdd: only the odd lanes call; the even lanes leave the kernel first.
+enum class Mode : int { kThread, kWarp, kWarpBranches, kWarpOdd };
+constexpr uint64_t kOddLanes = 0xAAAAAAAAu;
+constexpr uint64_t kEvenLanes = 0x55555555u;
 enum class Op : int { kPut, kGet, kShortGet, kExists, kDelete, kPutMustNotExist };
 
 __device__ nvme::Sqe make(Op op, const Item& it, const std::byte* src, std::byte* dst) {
@@ -73,11 +77,28 @@ __global__ void run_kernel(Queues qs, Mode mode, Op op, const Item* items, uint3
   const QueueRef& q = qs.q[blockIdx.x % qs.n];
   const bool active = i < n && (filter != 2 || i % 2 == 0);
   const Item it = i < n ? items[i] : Item{};
-  if (mode == Mode::kThread) {
-    if (active) out[i] = device::execute(q, make(op, it, src, dst));
-    return;
+  const nvme::Sqe sqe = make(op, it, src, dst);
+  const bool odd = (threadIdx.x % 32) & 1;
+  CmdResult r{};
+  switch (mode) {
+    case Mode::kThread:
+      if (active) out[i] = device::execute(q, sqe);
+      return;
+    case Mode::kWarp:
+      r = device::warp_execute(q, sqe, active, device::kFullWarp);
+      break;
+    case Mode::kWarpBranches:
+      if (odd) {
+        r = device::warp_execute(q, sqe, active, kOddLanes);
+      } else {
+        r = device::warp_execute(q, sqe, active, kEvenLanes);
+      }
+      break;
+    case Mode::kWarpOdd:
+      if (!odd) return;  // the even lanes submit nothing
+      r = device::warp_execute(q, sqe, active, kOddLanes);
+      break;
   }
-  const CmdResult r = device::warp_execute(q, make(op, it, src, dst), active);
   if (active) out[i] = r;
 }
 
@@ -223,8 +244,12 @@ class Fixture {
 
   // The whole sequence for one mode.
   void exercise(Mode mode) {
-    const std::string m = std::string(name_) + (mode == Mode::kThread ? " thread" : " warp");
-    make_items(mode == Mode::kThread ? "t" : "w", mode == Mode::kThread ? 11 : 12);
+    const char* level = mode == Mode::kThread ? " thread"
+                        : mode == Mode::kWarp ? " warp"
+                                              : " warp branches";
+    const std::string m = std::string(name_) + level;
+    const int seed = mode == Mode::kThread ? 11 : mode == Mode::kWarp ? 12 : 15;
+    make_items(mode == Mode::kThread ? "t" : mode == Mode::kWarp ? "w" : "b", seed);
     const int before = g_failures;
 
     check_all(run(mode, Op::kPut), m + " put", Status::kSuccess);
@@ -253,6 +278,20 @@ class Fixture {
     compare(
         download_dst(), [&](uint32_t) { return 0u; }, m + " get deleted leaves poison");
 
+    if (mode == Mode::kWarpBranches) {
+      // Only the odd lanes of each warp call (leader: lane 1); the even lanes' results stay unset.
+      std::vector<CmdResult> odd = run(Mode::kWarpOdd, Op::kExists);
+      uint32_t wrong = 0;
+      for (uint32_t i = 0; i < kItems; ++i) {
+        if (i % 2) {
+          wrong += odd[i].status != Status::kSuccess;
+        } else {
+          wrong += static_cast<uint8_t>(odd[i].status) != 0xFF || odd[i].dw0 != 0xFFFFFFFFu;
+        }
+      }
+      expect(wrong == 0, m + " odd lanes only: " + std::to_string(wrong) + " wrong");
+    }
+
     std::printf("%s %s: %u requests per kernel\n", g_failures == before ? "PASS" : "FAIL",
                 m.c_str(), kItems);
   }
@@ -268,6 +307,72 @@ class Fixture {
         std::string(name_) + " split get");
     std::printf("%s %s split API: 4 gets in flight per thread\n",
                 g_failures == before ? "PASS" : "FAIL", name_);
+  }
+
+  // Per command, no pinned allocation and no pointer query for memory in a known region: Stores
+  // from registered device memory stage in the reactor's pinned pool (both ends known), Retrieves
+  // ask only about the backend's memory (in no region). 2 MiB Stores from device memory too.
+  void exercise_per_command_costs() {
+    make_items("c", 16);
+    const int before = g_failures;
+    const std::string n = name_;
+    check_all(run(Mode::kThread, Op::kPut), n + " counters setup", Status::kSuccess);
+    const uint64_t allocs = staging_allocations();
+    uint64_t q0 = pointer_attribute_queries();
+    check_all(run(Mode::kWarp, Op::kPut), n + " counted put", Status::kSuccess);
+    const uint64_t put_queries = pointer_attribute_queries() - q0;
+    expect(put_queries == 0, n + " put from registered device memory: " +
+                                 std::to_string(put_queries) + " pointer queries (want 0)");
+    poison_dst();
+    q0 = pointer_attribute_queries();
+    check_all(run(Mode::kWarp, Op::kGet), n + " counted get", Status::kSuccess, 1, true);
+    const uint64_t get_queries = pointer_attribute_queries() - q0;
+    expect(get_queries <= kItems, n + " get: " + std::to_string(get_queries) +
+                                      " pointer queries for " + std::to_string(kItems) +
+                                      " commands (want at most one each: the backend's end)");
+    compare(
+        download_dst(), [&](uint32_t i) { return items_[i].len; }, n + " counted get");
+
+    // 2 MiB values stored from device memory and read back, three times over.
+    constexpr uint32_t kBig = 32;
+    constexpr uint32_t kBigLen = 2u << 20;
+    fill_random(host_src_.data(), size_t{kBig} * kBigLen, 99);
+    CK(cudaMemcpy(src_, host_src_.data(), size_t{kBig} * kBigLen, cudaMemcpyHostToDevice));
+    std::vector<Item> big(kBig);
+    for (uint32_t i = 0; i < kBig; ++i)
+      big[i] = Item{item_key("big", i), uint64_t{i} * kBigLen, kBigLen};
+    Item* big_d = nullptr;
+    CK(cudaMalloc(&big_d, sizeof(Item) * kBig));
+    CK(cudaMemcpy(big_d, big.data(), sizeof(Item) * kBig, cudaMemcpyHostToDevice));
+    for (int round = 0; round < 3; ++round) {
+      for (Op op : {Op::kPut, Op::kGet}) {
+        if (op == Op::kGet) poison_dst();
+        CK(cudaMemsetAsync(out_d_, 0xFF, sizeof(CmdResult) * kBig, stream_));
+        run_kernel<<<1, kBig, 0, stream_>>>(qs_, Mode::kThread, op, big_d, kBig, src_, dst_, 1,
+                                            out_d_);
+        CK(cudaGetLastError());
+        wait_stream(stream_, kKernelTimeout, "2 MiB kernel");
+        std::vector<CmdResult> r(kBig);
+        CK(cudaMemcpy(r.data(), out_d_, sizeof(CmdResult) * kBig, cudaMemcpyDeviceToHost));
+        uint32_t bad = 0;
+        for (const CmdResult& x : r) bad += !x.ok() || (op == Op::kGet && x.dw0 != kBigLen);
+        expect(bad == 0, n + " 2 MiB " + (op == Op::kPut ? "put" : "get") + ": " +
+                             std::to_string(bad) + " failed");
+      }
+      const std::vector<std::byte> h = download_dst();
+      expect(std::memcmp(h.data(), host_src_.data(), size_t{kBig} * kBigLen) == 0,
+             n + " 2 MiB get bytes");
+    }
+    CK(cudaFree(big_d));
+    expect(staging_allocations() == allocs,
+           n + " pinned staging allocations grew from " + std::to_string(allocs) + " to " +
+               std::to_string(staging_allocations()) + " (want none per command)");
+    std::printf(
+        "%s %s per-command costs: %lu pointer queries for %u puts, %lu for %u gets, "
+        "%lu pinned staging allocations in all\n",
+        g_failures == before ? "PASS" : "FAIL", name_, static_cast<unsigned long>(put_queries),
+        kItems, static_cast<unsigned long>(get_queries), kItems,
+        static_cast<unsigned long>(staging_allocations()));
   }
 
   // Destinations outside registered memory get 04h and stay untouched; a registered pinned host
@@ -351,15 +456,19 @@ int run_all() {
     Fixture f(make_memory_backend({uint64_t{1} << 30, 0}), "memory backend");
     f.exercise(Mode::kThread);
     f.exercise(Mode::kWarp);
+    f.exercise(Mode::kWarpBranches);
     f.exercise_split();
     f.exercise_regions();
+    f.exercise_per_command_costs();
   }
   {
     Fixture f(make_pinned_backend(size_t{1} << 30), "pinned backend");
     f.exercise(Mode::kThread);
     f.exercise(Mode::kWarp);
+    f.exercise(Mode::kWarpBranches);
     f.exercise_split();
     f.exercise_regions();
+    f.exercise_per_command_costs();
   }
   std::printf("%s: %d failure(s)\n", g_failures == 0 ? "PASS" : "FAIL", g_failures);
   return g_failures == 0 ? 0 : 1;

@@ -21,6 +21,9 @@ __global__ void every_device_function(gdkv::QueueRef q, const gdkv::Key* keys, s
   r[5] = device::warp_get(q, k, slot, 4096);
   r[6] = device::warp_exists(q, k);
   r[7] = device::warp_del(q, k, true, 2);
+  if (i % 2) {
+    r[7] = device::warp_exists(q, k, true, 1, 0xAAAAAAAAAAAAAAAAull);  // one branch's lanes
+  }
   r[8] = device::execute(q, device::make_list(k, slot, 4096));
   r[9] = device::warp_execute(q, device::make_scatter_retrieve(k, slot, 4096));
   uint16_t cid = 0;

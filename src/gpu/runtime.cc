@@ -2,6 +2,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
@@ -50,12 +51,24 @@ void* device_pointer(void* host) {
   return d;
 }
 
+namespace {
+std::atomic<uint64_t> g_staging_allocations{0};
+}  // namespace
+
+uint64_t staging_allocations() noexcept {
+  return g_staging_allocations.load(std::memory_order_relaxed);
+}
+
 ControllerOptions controller_options(ControllerOptions base, const GpuOptions& gpu) {
   base.never_sleep = true;
   base.queue_alloc = [](size_t bytes) { return alloc_mapped(bytes); };
   base.queue_free = [](void* p) { free_mapped(p); };
-  // Pinned staging: a value staged from or to GPU memory moves in one DMA.
-  base.staging_alloc = [](size_t bytes) { return alloc_mapped(bytes); };
+  // Pinned staging: a value staged from or to GPU memory moves in one DMA. Called once per
+  // reactor, for its staging pool; never per command.
+  base.staging_alloc = [](size_t bytes) {
+    g_staging_allocations.fetch_add(1, std::memory_order_relaxed);
+    return alloc_mapped(bytes);
+  };
   base.staging_free = [](void* p, size_t) { free_mapped(p); };
   base.copy_engine = [gpu](uint32_t) { return make_cuda_copy_engine(gpu); };
   return base;

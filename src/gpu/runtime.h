@@ -46,12 +46,20 @@ std::string device_description(int device);
 // CUDA copy engine per reactor, and reactors that never sleep (a GPU thread cannot wake one).
 ControllerOptions controller_options(ControllerOptions base = {}, const GpuOptions& gpu = {});
 
+// Pinned staging allocations made by controllers of controller_options(), all of them together:
+// one per reactor (its staging pool), never one per command. For tests.
+uint64_t staging_allocations() noexcept;
+
 // Cache options whose slab pages are pinned host memory (mapped, portable), so the copy engine
 // DMAs cached values straight to GPU memory.
 CacheOptions cache_options(CacheOptions base = {});
 
 // The CUDA copy engine: cudaMemcpyAsync on its own stream, completion by polling an event.
 std::unique_ptr<CopyEngine> make_cuda_copy_engine(const GpuOptions& gpu = {});
+// cudaPointerGetAttributes calls made by CUDA copy engines, all of them together: once per region
+// a segment names (registered memory, staging pools), once per segment end in no region. For
+// tests.
+uint64_t pointer_attribute_queries() noexcept;
 
 // Zeroed, mapped, pinned host memory (cudaHostAlloc, mapped and portable), aligned to 4096.
 // Returns null on failure.

@@ -6,6 +6,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -598,6 +601,99 @@ TEST(VfioUserDeviceMemory, RegisterUseUnregisterTeardown) {
   EXPECT_EQ(server.clients(), 0u);
   EXPECT_EQ(importer.opened.load(), 3);
   EXPECT_EQ(importer.closed.load(), 3);  // every import closed, the last by the disconnect
+  server.stop();
+  ctl.stop();
+}
+
+// An importer whose open() blocks until the test releases it: a slow cudaIpcOpenMemHandle.
+class BlockingImporter final : public DeviceMemoryImporter {
+ public:
+  explicit BlockingImporter(void* p) : p_(p) {}
+  void* open(const uint8_t (&)[64], uint64_t, std::string*) override {
+    std::unique_lock lk(mu_);
+    opening_ = true;
+    cv_.notify_all();
+    cv_.wait(lk, [&] { return released_; });
+    return p_;
+  }
+  void close(void*) override {}
+  bool wait_opening(std::chrono::milliseconds timeout) {
+    std::unique_lock lk(mu_);
+    return cv_.wait_for(lk, timeout, [&] { return opening_; });
+  }
+  void release() {
+    std::lock_guard lk(mu_);
+    released_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  void* p_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool opening_ = false;
+  bool released_ = false;
+};
+
+// The import runs off the reactor: while an open is stuck, the same connection's I/O queues (on
+// the same reactor) keep completing commands; the admin command completes once the open returns.
+TEST(VfioUserDeviceMemory, SlowImportDoesNotStallIoQueues) {
+  TempDir dir("devslow");
+  ControllerOptions co;
+  co.reactors = 1;  // the admin queue and the I/O queues share the one reactor
+  co.copy_engine = [](uint32_t) { return std::make_unique<AnyKindCopyEngine>(); };
+  Controller ctl(make_memory_backend(), co);
+  constexpr size_t kGpu = 1 << 20;
+  std::vector<std::byte> gpu(kGpu);
+  BlockingImporter importer(gpu.data());
+  VfioUserServerOptions so;
+  so.socket_dir = dir.path();
+  so.log = [](const std::string&) {};
+  so.device_memory = &importer;
+  VfioUserServer server(ctl, so);
+  server.start();
+  {
+    auto dev = VfioUserDevice::open(dir.path());
+    auto c = dev->make_client();
+    const auto iova = reinterpret_cast<uint64_t>(gpu.data());
+    uint8_t handle[64] = {};
+    std::atomic<bool> registered{false};
+    CmdResult reg{};
+    std::thread admin([&] {
+      reg = dev->register_device_memory(handle, iova, kGpu);
+      registered.store(true);
+    });
+    if (!importer.wait_opening(std::chrono::seconds(10))) {
+      ADD_FAILURE() << "the import never started";
+    }
+    const auto v = pattern(4096, 3);
+    auto* in = static_cast<std::byte*>(dev->alloc(4096));
+    auto* out = static_cast<std::byte*>(dev->alloc(4096));
+    std::memcpy(in, v.data(), v.size());
+    int served = 0;
+    for (; served < 100; ++served) {  // no ASSERT while the admin thread runs
+      const Key k = *Key::from_string("slow-" + std::to_string(served));
+      std::memset(out, 0, 4096);
+      if (!c->execute(cmd::store(k.bytes, k.len, in, 4096)).ok() ||
+          !c->execute(cmd::retrieve(k.bytes, k.len, out, 4096)).ok() ||
+          std::memcmp(out, v.data(), v.size()) != 0) {
+        break;
+      }
+    }
+    EXPECT_EQ(served, 100) << "I/O stalled behind the import";
+    EXPECT_FALSE(registered.load()) << "the admin command waits for the open";
+    importer.release();
+    admin.join();
+    ASSERT_TRUE(reg.ok()) << describe(reg) << " dw0 " << reg.dw0;
+    // The imported region is usable.
+    std::memcpy(gpu.data(), v.data(), v.size());
+    const Key k = *Key::from_string("slow-dev");
+    ASSERT_TRUE(c->execute(cmd::store(k.bytes, k.len, gpu.data(), v.size())).ok());
+    ASSERT_TRUE(c->execute(cmd::retrieve(k.bytes, k.len, gpu.data() + 8192, 4096)).ok());
+    EXPECT_EQ(std::memcmp(gpu.data() + 8192, v.data(), v.size()), 0);
+    dev->free(in);
+    dev->free(out);
+  }
   server.stop();
   ctl.stop();
 }

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 
 #include "gdkv/key.h"
 
@@ -273,6 +274,7 @@ NvmeController::NvmeController(Controller& ctl, DmaSpace& dma, IrqSink& irq,
 }
 
 NvmeController::~NvmeController() {
+  abandon_import();
   teardown_queues();
   if (dying_map_) dying_map_.reset();
   DmaSpace::unpin(admin_refs_);
@@ -508,11 +510,13 @@ bool NvmeController::continue_reset() {
   // Commands in flight write into client memory until they complete; the host may reuse that
   // memory once RDY is clear, so RDY clears only after the last one.
   if (inflight_.load(std::memory_order_acquire) != 0) return false;
+  if (import_ && !import_->done.load(std::memory_order_acquire)) return false;  // let it finish
   teardown_queues();
   aers_.clear();
   std::fill(std::begin(features_), std::end(features_), 0u);
   features_[kFeatTemperatureThreshold] = 0x0157;
   nsqa_ = ncqa_ = kMaxIoQueues;
+  abandon_import();
   deferred_ = Deferred::kNone;
   dying_map_.reset();
   resetting_ = false;
@@ -912,6 +916,8 @@ bool NvmeController::process_admin() {
 }
 
 bool NvmeController::process_deferred() {
+  uint16_t st = sf(0);
+  uint32_t dw0 = 0;
   switch (deferred_) {
     case Deferred::kNone:
     case Deferred::kShutdown:
@@ -926,10 +932,14 @@ bool NvmeController::process_deferred() {
       if (dying_map_ && dying_map_->inflight.load(std::memory_order_acquire) != 0) return false;
       dying_map_.reset();
       break;
+    case Deferred::kImportMemory:
+      if (!import_->done.load(std::memory_order_acquire)) return false;
+      st = finish_import(&dw0);
+      break;
   }
   deferred_ = Deferred::kNone;
   post_or_queue(cqs_[0],
-                PendingCqe{deferred_cid_, 0, static_cast<uint16_t>(sqs_[0].head), sf(0), 0});
+                PendingCqe{deferred_cid_, 0, static_cast<uint16_t>(sqs_[0].head), st, dw0});
   return true;
 }
 
@@ -1486,20 +1496,50 @@ uint16_t NvmeController::device_memory(const nvme::Sqe& sqe, uint32_t* dw0, bool
     *dw0 = kDevMemErrBadRequest;
     return sf(Status::kInvalidField);
   }
-  std::string why;
-  void* p = config_.importer->open(req.ipc_handle, req.size, &why);
+  // The open runs on a worker; the command completes in process_deferred once it is done. Admin
+  // commands after it wait (deferred_), I/O commands do not.
+  import_ = std::make_unique<Import>();
+  import_->req = req;
+  Import* im = import_.get();
+  DeviceMemoryImporter* imp = config_.importer;
+  try {
+    import_->worker = std::thread([im, imp] {
+      im->ptr = imp->open(im->req.ipc_handle, im->req.size, &im->why);
+      im->done.store(true, std::memory_order_release);
+    });
+  } catch (const std::system_error&) {
+    import_.reset();
+    *dw0 = kDevMemErrImport;
+    return sf(Status::kInvalidField);
+  }
+  deferred_ = Deferred::kImportMemory;
+  *deferred = true;
+  return sf(0);
+}
+
+uint16_t NvmeController::finish_import(uint32_t* dw0) {
+  import_->worker.join();
+  std::unique_ptr<Import> im = std::move(import_);
+  void* p = im->ptr;
   if (p == nullptr) {
     *dw0 = kDevMemErrImport;
     return sf(Status::kInvalidField);
   }
   DeviceMemoryImporter* imp = config_.importer;
-  const int err = dma_.map_memory(req.iova, p, req.size, true, true, MemKind::kDevice,
+  const int err = dma_.map_memory(im->req.iova, p, im->req.size, true, true, MemKind::kDevice,
                                   [imp, p] { imp->close(p); });
   if (err != 0) {
     *dw0 = err == EEXIST ? kDevMemErrOverlap : kDevMemErrBadRequest;
     return sf(Status::kInvalidField);
   }
   return sf(0);
+}
+
+void NvmeController::abandon_import() {
+  if (!import_) return;
+  import_->worker.join();
+  if (import_->ptr != nullptr) config_.importer->close(import_->ptr);
+  import_.reset();
 }
 
 }  // namespace gdkv::vfio_user

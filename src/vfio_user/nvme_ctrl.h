@@ -35,6 +35,7 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gdkv/controller.h"
@@ -194,7 +195,17 @@ class NvmeController final : public Poller {
     std::unique_ptr<IoCmd[]> cmds;
     std::vector<IoCmd*> free;
   };
-  enum class Deferred : uint8_t { kNone, kDeleteSq, kUnregisterMemory, kShutdown };
+  enum class Deferred : uint8_t { kNone, kDeleteSq, kUnregisterMemory, kImportMemory, kShutdown };
+  // A C0h register whose import (cudaIpcOpenMemHandle, which can take milliseconds) runs on a
+  // worker thread, so the reactor keeps serving the I/O queues; the reactor maps the memory and
+  // completes the command once `done` is set.
+  struct Import {
+    DeviceMemoryRequest req{};
+    void* ptr = nullptr;  // the worker's result (null: refused), written before `done`
+    std::string why;
+    std::atomic<bool> done{false};
+    std::thread worker;
+  };
 
   // Registers (guarded by regs_mu_; CSTS is atomic).
   uint32_t read_reg32(uint32_t off) const;
@@ -240,6 +251,10 @@ class NvmeController final : public Poller {
   uint16_t delete_sq(const nvme::Sqe& sqe, bool* deferred);
   uint16_t delete_cq(const nvme::Sqe& sqe);
   uint16_t device_memory(const nvme::Sqe& sqe, uint32_t* dw0, bool* deferred);
+  // Maps a finished import; returns the status field of the C0h command and sets *dw0.
+  uint16_t finish_import(uint32_t* dw0);
+  // Waits for an import still running and closes what it opened (reset, teardown).
+  void abandon_import();
   // Moves admin data to or from the command's PRPs.
   uint16_t admin_write(const nvme::Sqe& sqe, const void* data, size_t len);
   uint16_t admin_read(const nvme::Sqe& sqe, void* data, size_t len);
@@ -291,6 +306,7 @@ class NvmeController final : public Poller {
   uint16_t deferred_cid_ = 0;
   uint16_t deferred_qid_ = 0;
   std::unique_ptr<DmaMap> dying_map_;  // device memory being unregistered
+  std::unique_ptr<Import> import_;     // a device memory import in progress
   MapRefs admin_refs_;
   // Message-only memory.
   DmaChannel* channel_ = nullptr;

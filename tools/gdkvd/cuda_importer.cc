@@ -16,6 +16,7 @@ using GetAddressRange = int (*)(unsigned long long* base, size_t* size, unsigned
 class CudaImporter final : public gdkv::DeviceMemoryImporter {
  public:
   CudaImporter() {
+    cudaGetDevice(&device_);
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found{};
 #if CUDART_VERSION >= 12050
@@ -34,6 +35,12 @@ class CudaImporter final : public gdkv::DeviceMemoryImporter {
     static_assert(sizeof(cudaIpcMemHandle_t) == 64, "CUDA IPC handles are 64 bytes");
     cudaIpcMemHandle_t h;
     std::memcpy(&h, handle, sizeof(h));
+    // open() runs on a thread of its own (not the reactor's): make the device gdkvd's copy
+    // engines use current there, or the memory would be mapped for the default device.
+    if (const cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) {
+      *why = std::string("cudaSetDevice: ") + cudaGetErrorString(e);
+      return nullptr;
+    }
     void* p = nullptr;
     const cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
     if (e != cudaSuccess) {
@@ -57,6 +64,7 @@ class CudaImporter final : public gdkv::DeviceMemoryImporter {
 
  private:
   GetAddressRange range_ = nullptr;
+  int device_ = 0;  // current when gdkvd made the importer
 };
 
 }  // namespace
