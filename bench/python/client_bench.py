@@ -19,13 +19,16 @@ import argparse
 import json
 import statistics
 import subprocess
-import tempfile
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 import gdkv
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gdkvd_proc import gdkvd  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,22 +89,11 @@ def main() -> int:
     p.add_argument("--gdkvd", action="store_true",
                    help="both clients through a gdkvd (memory backend) this script starts")
     a = p.parse_args()
-    sock = None
-    daemon = None
-    if a.gdkvd:
-        sock = tempfile.mkdtemp(prefix="gdkv-bench-")
-        gdkvd = Path(a.gdkv).parents[1] / "gdkvd" / "gdkvd"
-        daemon = subprocess.Popen([str(gdkvd), "--backend", "memory", "--socket-dir", sock,
-                                   "--metrics-port", "-1", "--reactors", "1"],
-                                  stderr=open(Path(sock) / "log", "wb"))
-        while b"ready:" not in (Path(sock) / "log").read_bytes():
-            time.sleep(0.05)
-    try:
+    if not a.gdkvd:
+        return run(a, None)
+    with gdkvd("--backend", "memory", "--reactors", "1",
+               binary=Path(a.gdkv).parents[1] / "gdkvd" / "gdkvd") as sock:
         return run(a, sock)
-    finally:
-        if daemon:
-            daemon.terminate()
-            daemon.wait()
 
 
 def run(a, sock: str | None) -> int:

@@ -36,36 +36,19 @@ import json
 import logging
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gdkvd_proc import gdkvd  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS, KV_HEADS, HEAD_DIM, CHUNK_TOKENS = 32, 8, 128, 256
 MiB = 1 << 20
 IN_PROCESS_MEMORY = 1 << 30  # the memory backend's capacity in gdkv.open (not configurable)
-
-
-def start_gdkvd(binary: str, socket_dir: str, capacity: int, extra: list[str]) -> subprocess.Popen:
-    """gdkvd on the memory backend, sized for the chunks (its default is 1 GiB), no host cache
-    in front (it would hold a second copy of every value)."""
-    conf = Path(socket_dir) / "gdkvd.toml"
-    conf.write_text(f"[backend]\nmemory_capacity_bytes = {capacity}\n[cache]\nbytes = 0\n")
-    log_path = Path(socket_dir) / "gdkvd.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([binary, "--config", str(conf), "--socket-dir", socket_dir,
-                                 "--backend", "memory", "--metrics-port", "-1", *extra],
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 20
-    while b"ready:" not in log_path.read_bytes():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("gdkvd did not start: " + log_path.read_text(errors="replace"))
-        time.sleep(0.02)
-    return proc
 
 
 def timed(fn: Callable[[], Any], rounds: int) -> list[float]:
@@ -238,28 +221,26 @@ def main() -> int:
           f"{os.cpu_count()} CPUs")
     results = {}
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
-        proc = None
-        sock = tempfile.mkdtemp(prefix="gdkvd-lmcache-bench-")
-        try:
-            chunks = args.chunks
-            if mode == "gdkvd":
-                proc = start_gdkvd(args.gdkvd, sock, args.chunks * chunk_bytes + 256 * MiB,
-                                   args.gdkvd_args.split())
+        chunks = args.chunks
+        if mode == "gdkvd":
+            # gdkvd's memory backend sized for the chunks (its default is 1 GiB), no host cache
+            # in front (it would hold a second copy of every value).
+            config = (f"[backend]\nmemory_capacity_bytes = {chunks * chunk_bytes + 256 * MiB}\n"
+                      "[cache]\nbytes = 0\n")
+            with gdkvd("--backend", "memory", *args.gdkvd_args.split(), binary=args.gdkvd,
+                       config=config) as sock:
                 # A long command timeout: on a small machine a group of 32 MiB stores can take
                 # seconds, and a timeout would drop the client (the chunks would be missing).
                 url = f"gdkv://{sock}?timeout_ms=120000"
-            elif mode == "in-process":
-                # gdkv.open's memory backend holds 1 GiB (its capacity option sizes only the
-                # local store): 31 chunks of 32 MiB.
-                chunks = min(chunks, IN_PROCESS_MEMORY // chunk_bytes - 1)
-                url = f"gdkv://?backend=memory&max_value_bytes={chunk_bytes}"
-            else:
-                raise SystemExit(f"unknown mode {mode!r} (gdkvd, in-process)")
+                r = run_mode(url, chunks, args.rounds, loop)
+        elif mode == "in-process":
+            # gdkv.open's memory backend holds 1 GiB (its capacity option sizes only the local
+            # store): 31 chunks of 32 MiB.
+            chunks = min(chunks, IN_PROCESS_MEMORY // chunk_bytes - 1)
+            url = f"gdkv://?backend=memory&max_value_bytes={chunk_bytes}"
             r = run_mode(url, chunks, args.rounds, loop)
-        finally:
-            if proc is not None:
-                proc.terminate()
-                proc.wait(10)
+        else:
+            raise SystemExit(f"unknown mode {mode!r} (gdkvd, in-process)")
         results[mode] = r
         where = f"gdkvd {args.gdkvd_args}".strip() if mode == "gdkvd" else "in-process"
         r["store"] = where

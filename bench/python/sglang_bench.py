@@ -27,8 +27,7 @@ import argparse
 import json
 import logging
 import statistics
-import subprocess
-import tempfile
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -47,6 +46,9 @@ from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 
 from gdkv.sglang import _PageLayout  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gdkvd_proc import gdkvd  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -165,18 +167,8 @@ def main() -> int:
                    help='more gdkvd options, e.g. "--never-sleep --reactors 1" (a polling '
                         'reactor: one core)')
     a = p.parse_args()
-    sock = tempfile.mkdtemp(prefix="gdkv-sglang-bench-")
-    log = Path(sock) / "gdkvd.log"
-    with open(log, "wb") as out:
-        daemon = subprocess.Popen([a.gdkvd, "--socket-dir", sock, "--backend", "memory",
-                                   "--metrics-port", "-1", *a.gdkvd_args.split()],
-                                  stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 20
-        while b"ready:" not in log.read_bytes():
-            if daemon.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("gdkvd did not start: " + log.read_text())
-            time.sleep(0.02)
+    with gdkvd("--backend", "memory", *a.gdkvd_args.split(), binary=a.gdkvd,
+               prefix="gdkv-sglang-bench-") as sock:
         host = host_pool(a)
         page_mib = host.get_size_per_token() * a.page_size / 2**20
         print(f"SGLang {a.layout} host pool: {a.layers} layers x {a.heads} KV heads x "
@@ -200,9 +192,6 @@ def main() -> int:
             print(f"load {where.replace('_', '-')}: {r['load_vs_numpy_memcpy']:.2f}x the time of "
                   f"the numpy memcpy, {r['load_vs_torch_memcpy']:.2f}x the torch copy")
         print(json.dumps(result))
-    finally:
-        daemon.terminate()
-        daemon.wait()
     return 0
 
 

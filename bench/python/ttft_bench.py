@@ -14,8 +14,10 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gdkvd_proc import gdkvd  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,14 +29,9 @@ def main() -> int:
                                                      str(ROOT / "build" / "demo-model")))
     p.add_argument("lengths", nargs="*", type=int, default=[1536, 3072, 6144])
     a = p.parse_args()
-    d = tempfile.mkdtemp(prefix="gdkv-ttft-")
-    log = open(Path(d) / "gdkvd.log", "wb")
-    daemon = subprocess.Popen([f"{a.build}/tools/gdkvd/gdkvd", "--backend", "local", "--store",
-                               f"{d}/store", "--socket-dir", d, "--metrics-port", "-1",
-                               "--reactors", "1"], stderr=log)
-    try:
-        while b"ready:" not in (Path(d) / "gdkvd.log").read_bytes():
-            time.sleep(0.05)
+    store = tempfile.mkdtemp(prefix="gdkv-ttft-store-")
+    with gdkvd("--backend", "local", "--store", store, "--reactors", "1",
+               binary=f"{a.build}/tools/gdkvd/gdkvd", prefix="gdkv-ttft-") as d:
         print(f"{'prompt':>7} {'shared':>7} {'loaded':>7} {'MiB':>6} {'load ms':>8} "
               f"{'TTFT reuse':>11} {'TTFT full':>10} {'speedup':>8}  identical")
         rows = []
@@ -52,9 +49,6 @@ def main() -> int:
                   f"{b['ttft_reuse_s']:>10.2f}s {b['ttft_full_s']:>9.2f}s "
                   f"{b['ttft_full_s'] / b['ttft_reuse_s']:>7.1f}x  {b['tokens_identical']}")
         print(json.dumps(rows))
-    finally:
-        daemon.terminate()
-        daemon.wait()
     return 0
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,24 +30,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "python" / "tests"))
+sys.path.insert(0, str(ROOT / "bench" / "python"))
+from gdkvd_proc import gdkvd  # noqa: E402
 from vllm_instance import BS, Instance, llama_dir  # noqa: E402
 
 from gdkv.vllm import Transfer  # noqa: E402
 
 BLOCKS = 64
-
-
-def start_gdkvd(binary: str) -> tuple[subprocess.Popen, str]:
-    d = tempfile.mkdtemp(prefix="gdkvd-vllm-bench-")
-    log = open(Path(d) / "log", "wb")
-    p = subprocess.Popen([binary, "--socket-dir", d, "--backend", "memory", "--metrics-port",
-                          "-1", "--reactors", "1"], stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 20
-    while b"ready:" not in (Path(d) / "log").read_bytes():
-        if p.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit("gdkvd did not start")
-        time.sleep(0.02)
-    return p, d
 
 
 def measure(model: str, extra: dict, rounds: int) -> dict:
@@ -100,12 +88,8 @@ def main() -> None:
     model = llama_dir(Path(tempfile.mkdtemp(prefix="vllm-bench-model-")), layers=32,
                       kv_heads=8, head_dim=128)
     results = {}
-    proc, sock = start_gdkvd(a.gdkvd)
-    try:
+    with gdkvd("--backend", "memory", "--reactors", "1", binary=a.gdkvd) as sock:
         results["gdkvd"] = measure(model, {"socket_dir": sock}, a.rounds)
-    finally:
-        proc.terminate()
-        proc.wait()
     results["in-process"] = measure(model, {"backend": "memory", "namespace": "bench"}, a.rounds)
     for where, r in results.items():
         gbs = r["bytes"] / r["load_s"] / 1e9
