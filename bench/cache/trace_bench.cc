@@ -1,22 +1,29 @@
-// cache_trace_bench: the eviction policies on synthetic KV-cache traces (kv_trace.h), side by side
-// in one run, at cache sizes from 1% to 20% of the trace's unique blocks, with Belady's optimal
-// (OPT/MIN, which knows the future) as the ceiling.
+// cache_trace_bench: the eviction policies on KV-cache traces, side by side in one run, at cache
+// sizes from 1% to 20% of the trace's unique blocks, with Belady's optimal (OPT/MIN, which knows
+// the future) as the ceiling. The traces are synthetic (kv_trace.h, the default) or real ones in
+// the Mooncake format (--trace FILE.jsonl, src/cache/trace_file.h); --json prints the prefix-hit
+// ratios as one JSON object per trace.
 //
 // Prefix-hit ratio: a request reuses only its leading run of cached blocks (the first miss ends
-// the reusable prefix: the rest is recomputed and stored again). Block-hit ratio: every cached
-// block counts. Throughput: trace references per second through the policy (lookups included).
+// the reusable prefix: the rest is recomputed and stored again); it is the sum over requests of
+// that run's length over the sum of their lengths. Block-hit ratio: every cached block counts.
+// A request's blocks are looked up and then referenced in chain order (a hit is an access, a miss
+// an insert). Throughput: trace references per second through the policy (lookups included).
 // Every block is one unit of size; OPT is exact for unit sizes.
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "bench/cache/kv_trace.h"
 #include "cache/policy.h"
+#include "cache/trace_file.h"
+#include "gdkv/cache.h"
 
 namespace {
 
@@ -37,10 +44,12 @@ uint64_t id_of(const CacheKey& k) {
   return id;
 }
 
-Result simulate(const std::string& policy_name, const Trace& t, uint64_t capacity) {
+Result simulate(const std::string& policy_name, const Trace& t, uint64_t capacity,
+                uint64_t history_entries = 0) {
   gdkv::cache::PolicyOptions po;
   po.capacity_bytes = capacity;
   po.expected_entries = capacity;
+  po.history_entries = history_entries;
   auto policy = gdkv::cache::make_policy(policy_name, po);
   std::vector<uint8_t> resident(t.unique_blocks, 0);
   uint64_t count = 0, prefix_hits = 0, block_hits = 0, now = 0;
@@ -140,36 +149,143 @@ TraceOptions mix(const std::string& name, uint64_t requests, uint64_t seed) {
   return o;
 }
 
+struct Named {
+  std::string name;
+  Trace trace;
+  bool file = false;
+};
+
+Trace from_file(const std::string& path) {
+  gdkv::cache::BlockTrace b = gdkv::cache::read_mooncake_trace(path);
+  Trace t;
+  t.refs = std::move(b.refs);
+  t.starts = std::move(b.starts);
+  t.unique_blocks = b.unique_blocks;
+  return t;
+}
+
+uint64_t capacity_of(double pct, const Trace& t) {
+  return std::max<uint64_t>(
+      1, static_cast<uint64_t>(pct / 100.0 * static_cast<double>(t.unique_blocks)));
+}
+
+void print_list(const char* key, const std::vector<double>& v, const char* fmt) {
+  std::printf("\"%s\":[", key);
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i) std::printf(",");
+    std::printf(fmt, v[i]);
+  }
+  std::printf("]");
+}
+
+// {"sizes":[...], "opt":[...], "default":[...], then every policy under its name}: prefix-hit
+// ratios at each size (a share of 1).
+void json(const Trace& t, const std::vector<double>& sizes,
+          const std::vector<std::string>& policies, const std::string& default_policy) {
+  std::vector<double> opt;
+  std::vector<std::vector<double>> by(policies.size());
+  for (double pct : sizes) {
+    const uint64_t cap = capacity_of(pct, t);
+    opt.push_back(simulate_opt(t, cap).prefix_hit);
+    for (size_t p = 0; p < policies.size(); ++p) {
+      by[p].push_back(simulate(policies[p], t, cap).prefix_hit);
+    }
+  }
+  std::printf("{");
+  print_list("sizes", sizes, "%g");
+  std::printf(", ");
+  print_list("opt", opt, "%.6f");
+  for (size_t p = 0; p < policies.size(); ++p) {
+    if (policies[p] == default_policy) {
+      std::printf(", ");
+      print_list("default", by[p], "%.6f");
+    }
+  }
+  for (size_t p = 0; p < policies.size(); ++p) {
+    std::printf(", ");
+    print_list(policies[p].c_str(), by[p], "%.6f");
+  }
+  std::printf("}\n");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"cache_trace_bench: eviction policies on synthetic KV-cache traces"};
+  CLI::App app{"cache_trace_bench: eviction policies on KV-cache traces (synthetic or Mooncake)"};
   uint64_t requests = 40000, seed = 1;
   std::vector<std::string> mixes{"default", "chat", "scan", "shared"};
-  std::vector<double> sizes{1, 2, 5, 10, 15, 20};
-  app.add_option("--requests", requests, "requests per trace (40000)");
-  app.add_option("--seed", seed, "trace seed (1)");
-  app.add_option("--mix", mixes, "trace mixes: default chat scan shared (all)");
-  app.add_option("--sizes", sizes, "cache sizes in % of the unique blocks (1 2 5 10 15 20)");
+  std::vector<std::string> files;
+  std::vector<double> sizes;
+  bool as_json = false;
+  app.add_option("--trace", files,
+                 "replay these Mooncake-format traces (JSON Lines with hash_ids) instead of "
+                 "synthetic ones");
+  app.add_option("--requests", requests, "synthetic: requests per trace (40000)");
+  app.add_option("--seed", seed, "synthetic: trace seed (1)");
+  app.add_option("--mix", mixes, "synthetic: trace mixes: default chat scan shared (all)");
+  app.add_option("--sizes", sizes,
+                 "cache sizes in % of the unique blocks (synthetic: 1 2 5 10 15 20; --trace: "
+                 "1 2 5 10 20)");
   uint32_t repeat = 1;
   app.add_option("--repeat", repeat, "runs per policy and size; the fastest counts (1)");
+  app.add_flag("--json", as_json,
+               "print only the prefix-hit ratios, one JSON object per trace: {\"sizes\", \"opt\", "
+               "\"default\", and each policy}");
   CLI11_PARSE(app, argc, argv);
+  if (sizes.empty()) {
+    sizes = files.empty() ? std::vector<double>{1, 2, 5, 10, 15, 20}
+                          : std::vector<double>{1, 2, 5, 10, 20};
+  }
+  for (double pct : sizes) {
+    if (!(pct > 0 && pct <= 100)) {
+      std::fprintf(stderr, "cache_trace_bench: --sizes must be in (0, 100], not %g\n", pct);
+      return 2;
+    }
+  }
 
-  const std::vector<std::string> policies{"adaptive", "lru-k", "lru", "arc"};
+  std::vector<Named> traces;
+  try {
+    if (files.empty()) {
+      for (const std::string& m : mixes) traces.push_back({m, make_trace(mix(m, requests, seed))});
+    } else {
+      for (const std::string& f : files) traces.push_back({f, from_file(f), true});
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "cache_trace_bench: %s\n", e.what());
+    return 1;
+  }
+
+  // Every policy the cache offers, the default first (the summary compares it with lru-k and lru).
+  const std::string default_policy = gdkv::CacheOptions{}.policy;
+  std::vector<std::string> policies{default_policy};
+  for (const std::string& p : gdkv::cache_policies()) {
+    if (p != default_policy) policies.push_back(p);
+  }
+  if (as_json) {
+    for (const Named& n : traces) json(n.trace, sizes, policies, default_policy);
+    return 0;
+  }
+  auto index_of = [&](const char* name) {
+    return static_cast<size_t>(std::find(policies.begin(), policies.end(), name) -
+                               policies.begin());
+  };
+  const size_t lruk = index_of("lru-k"), lru = index_of("lru");
+
+  std::string names;
+  for (const std::string& p : policies) names += " " + p;
   double worst_gap = -1;
   std::string worst_at;
   int points = 0, better_than_both = 0;
-  for (const std::string& m : mixes) {
-    const Trace t = make_trace(mix(m, requests, seed));
+  for (const Named& n : traces) {
+    const Trace& t = n.trace;
     std::printf("\ntrace '%s': %llu requests, %zu block references, %llu unique blocks\n",
-                m.c_str(), static_cast<unsigned long long>(t.requests()), t.refs.size(),
+                n.name.c_str(), static_cast<unsigned long long>(t.requests()), t.refs.size(),
                 static_cast<unsigned long long>(t.unique_blocks));
-    std::printf("%6s %8s | %-39s | %-39s | %s\n", "size", "blocks",
-                "prefix-hit %: OPT adapt. lru-2 lru arc", "block-hit %: OPT adapt. lru-2 lru arc",
-                "M refs/s: adapt. lru-2 lru arc");
+    std::printf("%6s %8s | prefix-hit %%: opt%s%s | block-hit %%: opt%s | M refs/s:%s\n", "size",
+                "blocks", names.c_str(), n.file ? " lru-2/unbounded-history" : "", names.c_str(),
+                names.c_str());
     for (double pct : sizes) {
-      const uint64_t cap = std::max<uint64_t>(
-          1, static_cast<uint64_t>(pct / 100.0 * static_cast<double>(t.unique_blocks)));
+      const uint64_t cap = capacity_of(pct, t);
       const Result opt = simulate_opt(t, cap);
       std::vector<Result> rs;
       for (const auto& p : policies) {
@@ -179,30 +295,35 @@ int main(int argc, char** argv) {
         }
         rs.push_back(best);
       }
-      std::printf(
-          "%5.1f%% %8llu | %6.2f %6.2f %6.2f %6.2f %6.2f | %6.2f %6.2f %6.2f %6.2f %6.2f |"
-          " %5.2f %5.2f %5.2f %5.2f\n",
-          pct, static_cast<unsigned long long>(cap), 100 * opt.prefix_hit, 100 * rs[0].prefix_hit,
-          100 * rs[1].prefix_hit, 100 * rs[2].prefix_hit, 100 * rs[3].prefix_hit,
-          100 * opt.block_hit, 100 * rs[0].block_hit, 100 * rs[1].block_hit, 100 * rs[2].block_hit,
-          100 * rs[3].block_hit, rs[0].refs_per_s / 1e6, rs[1].refs_per_s / 1e6,
-          rs[2].refs_per_s / 1e6, rs[3].refs_per_s / 1e6);
-      const double best = std::max(rs[1].prefix_hit, rs[2].prefix_hit);
+      std::printf("%5.1f%% %8llu | %6.2f", pct, static_cast<unsigned long long>(cap),
+                  100 * opt.prefix_hit);
+      for (const Result& r : rs) std::printf(" %6.2f", 100 * r.prefix_hit);
+      // The trace README's LRU-2 keeps every evicted key's history.
+      if (n.file)
+        std::printf(" %6.2f", 100 * simulate("lru-k", t, cap, t.unique_blocks).prefix_hit);
+      std::printf(" | %6.2f", 100 * opt.block_hit);
+      for (const Result& r : rs) std::printf(" %6.2f", 100 * r.block_hit);
+      std::printf(" |");
+      for (const Result& r : rs) std::printf(" %5.2f", r.refs_per_s / 1e6);
+      std::printf("\n");
+      if (lruk == policies.size() || lru == policies.size()) continue;
+      const double best = std::max(rs[lruk].prefix_hit, rs[lru].prefix_hit);
       const double gap = best - rs[0].prefix_hit;
       ++points;
       if (gap < 0) ++better_than_both;
       if (gap > worst_gap) {
         worst_gap = gap;
-        char at[64];
-        std::snprintf(at, sizeof(at), "'%s' at %.1f%%", m.c_str(), pct);
+        char at[256];
+        std::snprintf(at, sizeof(at), "'%s' at %.1f%%", n.name.c_str(), pct);
         worst_at = at;
       }
     }
   }
+  if (points == 0) return 0;
   std::printf(
-      "\nadaptive vs the better of lru-2 and lru (prefix-hit %%): better than both at %d of "
+      "\n%s vs the better of lru-k and lru (prefix-hit %%): better than both at %d of "
       "%d points; ",
-      better_than_both, points);
+      default_policy.c_str(), better_than_both, points);
   if (worst_gap <= 0) {
     std::printf("never worse\n");
   } else {

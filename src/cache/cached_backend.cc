@@ -608,7 +608,7 @@ class CachedBackend final : public Backend {
 
 }  // namespace
 
-std::vector<std::string> cache_policies() { return {"adaptive", "lru-k", "lru"}; }
+std::vector<std::string> cache_policies() { return {"adaptive", "lru-k", "lru", "arc"}; }
 
 std::shared_ptr<Backend> make_cached_backend(std::shared_ptr<Backend> inner,
                                              const CacheOptions& options) {
@@ -627,7 +627,7 @@ std::shared_ptr<Backend> make_cached_backend(std::shared_ptr<Backend> inner,
                                   std::to_string(options.k));
     }
     throw std::invalid_argument("cache: unknown policy '" + options.policy +
-                                "' (adaptive, lru-k or lru)");
+                                "' (adaptive, lru-k, lru or arc)");
   }
   return std::make_shared<CachedBackend>(std::move(inner), options, std::move(policy));
 }

@@ -169,14 +169,11 @@ class Engine final : public EvictionPolicy {
     auto it = nodes_.find(key);
     if (it == nodes_.end()) return;
     const Node& n = it->second;
-    const double s = static_cast<double>(std::max<uint64_t>(size, 1));
     if (n.arc == kB1) {
-      const double ratio = static_cast<double>(bytes_[kB2]) / static_cast<double>(bytes_[kB1]);
-      const uint64_t delta = static_cast<uint64_t>(s * std::max(1.0, ratio));
+      const uint64_t delta = arc_delta(size, bytes_[kB2], bytes_[kB1]);
       p_ = c_ - p_ < delta ? c_ : p_ + delta;
     } else if (n.arc == kB2) {
-      const double ratio = static_cast<double>(bytes_[kB1]) / static_cast<double>(bytes_[kB2]);
-      const uint64_t delta = static_cast<uint64_t>(s * std::max(1.0, ratio));
+      const uint64_t delta = arc_delta(size, bytes_[kB1], bytes_[kB2]);
       p_ = p_ > delta ? p_ - delta : 0;
       pending_b2_ = true;
     }
@@ -438,6 +435,18 @@ class Engine final : public EvictionPolicy {
     arc_unlink(n);
     n->arc_prefetched = false;
     arc_link(n, ghost);
+  }
+
+  // ARC's adaptation step for a ghost hit of `size` bytes in the list holding `hit_bytes`:
+  // size × max(1, other_bytes / hit_bytes), in [1, c]. A ghost list of zero-length keys only has 0
+  // bytes: the ratio is then taken as 1 (no division by zero, no infinity cast to an integer).
+  uint64_t arc_delta(uint64_t size, uint64_t other_bytes, uint64_t hit_bytes) const {
+    const double s = static_cast<double>(std::max<uint64_t>(size, 1));
+    const double ratio =
+        hit_bytes == 0 ? 1.0 : static_cast<double>(other_bytes) / static_cast<double>(hit_bytes);
+    const double delta = s * std::max(1.0, ratio);
+    const double cap = static_cast<double>(std::max<uint64_t>(c_, 1));
+    return delta >= cap ? std::max<uint64_t>(c_, 1) : static_cast<uint64_t>(delta);
   }
 
   void arc_drop_lru(ArcList l) {
