@@ -338,8 +338,11 @@ class GdkvStorage(HiCacheStorage):
         return [True] * len(pages), len(todo)
 
     def _pages_of(self, host_indices: torch.Tensor, count: int) -> Optional[list[int]]:
-        """The page number of each of ``count`` pages from their host token indices."""
+        """The page number of each of ``count`` pages from their host token indices; None when
+        there is nothing to move (no pages, no host pool registered) or the indices are bad."""
         lay = self.layout
+        if count == 0 or lay is None:
+            return None
         idx = host_indices.reshape(-1)
         if idx.numel() != count * lay.page_size:
             log.error("gdkv: %d host indices for %d pages of %d tokens", idx.numel(), count,
@@ -356,8 +359,6 @@ class GdkvStorage(HiCacheStorage):
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> list[bool]:
         """Loads page ``keys[i]`` into the host pool at ``host_indices[i*page_size:
         (i+1)*page_size]``; whether each page was loaded."""
-        if not keys or self.layout is None:
-            return [False] * len(keys)
         pages = self._pages_of(host_indices, len(keys))
         if pages is None:
             return [False] * len(keys)
@@ -371,8 +372,6 @@ class GdkvStorage(HiCacheStorage):
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> list[bool]:
         """Stores the host pool's pages at ``host_indices`` under ``keys``; whether each was."""
-        if not keys or self.layout is None:
-            return [False] * len(keys)
         pages = self._pages_of(host_indices, len(keys))
         if pages is None:
             return [False] * len(keys)

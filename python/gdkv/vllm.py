@@ -59,7 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.v1.kv_cache_interface import AttentionSpec, group_kernel_blocks
 
 from . import errors
-from .engine import UNAVAILABLE, EngineStore, KeySpace
+from .engine import EngineStore, KeySpace
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -299,12 +299,14 @@ class _WorkerSide:
             self.pool.submit(self._load, t)
 
     def _load(self, t: Transfer) -> None:
-        failed: list[int] = []
+        every = list(range(len(t.hashes)))
         try:
-            failed = self._load_values(t)
+            # gdkv unavailable or failing (EngineStore.call's rule): every value failed.
+            failed = every if not self.pages else self.store.call(
+                lambda c: self._load_values(c, t), every, f"load of {t.req_id}")
         except Exception:   # never leave vLLM waiting: the request is reported, its blocks fail
             log.exception("gdkv: load of %s failed", t.req_id)
-            failed = list(range(len(t.hashes)))
+            failed = every
         with self.lock:
             for v in failed:
                 self.load_errors.update(b for b in t.block_ids[v] if b >= 0)
@@ -312,35 +314,25 @@ class _WorkerSide:
             self.stats["loaded_values"] += len(t.hashes) - len(failed)
             self.finished_loads.add(t.req_id)
 
-    def _load_values(self, t: Transfer) -> list[int]:
+    def _load_values(self, client, t: Transfer) -> list[int]:
         """Loads t's values; returns the indices of those that did not arrive whole."""
-        client = self.store.client() if self.store else None
-        if client is None or not self.pages:
-            return list(range(len(t.hashes)))
         keys = self.keys.keys(t.hashes)
+        if self.device.type == "cpu" and client.reaches(self.pages[0][0]):
+            scratch = torch.empty(self.plan.page_bytes, dtype=torch.uint8)
+            outs = [[self.pages[l][b] if b >= 0 else scratch
+                     for b in ids for l in range(len(self.pages))] for ids in t.block_ids]
+            got = client.get_many_into(keys, outs, partial=True)
+            self.stats["zero_copy_loads"] += 1
+            return [v for v, n in enumerate(got) if n != self.value_bytes]
         failed: list[int] = []
-        try:
-            if self.device.type == "cpu" and client.reaches(self.pages[0][0]):
-                scratch = torch.empty(self.plan.page_bytes, dtype=torch.uint8)
-                outs = [[self.pages[l][b] if b >= 0 else scratch
-                         for b in ids for l in range(len(self.pages))] for ids in t.block_ids]
-                got = client.get_many_into(keys, outs, partial=True)
-                self.stats["zero_copy_loads"] += 1
-                return [v for v, n in enumerate(got) if n != self.value_bytes]
-            per_round = max(1, self.staging_bytes // self.value_bytes)
-            for start in range(0, len(keys), per_round):
-                end = min(start + per_round, len(keys))
-                stage = self._stage(client, end - start)
-                got = client.get_many_into(keys[start:end], list(stage), partial=True)
-                ok = [i for i, n in enumerate(got) if n == self.value_bytes]
-                failed += [start + i for i, n in enumerate(got) if n != self.value_bytes]
-                self._scatter(stage, ok, [t.block_ids[start + i] for i in ok])
-        except UNAVAILABLE as e:
-            self.store.fail(client, e)
-            return list(range(len(t.hashes)))
-        except errors.Error as e:
-            log.warning("gdkv: load of %s failed: %s", t.req_id, e)
-            return list(range(len(t.hashes)))
+        per_round = max(1, self.staging_bytes // self.value_bytes)
+        for start in range(0, len(keys), per_round):
+            end = min(start + per_round, len(keys))
+            stage = self._stage(client, end - start)
+            got = client.get_many_into(keys[start:end], list(stage), partial=True)
+            ok = [i for i, n in enumerate(got) if n == self.value_bytes]
+            failed += [start + i for i, n in enumerate(got) if n != self.value_bytes]
+            self._scatter(stage, ok, [t.block_ids[start + i] for i in ok])
         return failed
 
     def _stage(self, client, n: int) -> torch.Tensor:
@@ -416,34 +408,35 @@ class _WorkerSide:
                     self.stats["dropped_saves"] += len(t.hashes)
                 continue
             event = self._gather(buf, [b for v in t.block_ids for b in v])
-            self.pool.submit(self._save, client, t, buf, event, size)
+            self.pool.submit(self._save, t, buf, event, size)
 
-    def _save(self, client, t: Transfer, buf: torch.Tensor, event, size: int) -> None:
+    def _save(self, t: Transfer, buf: torch.Tensor, event, size: int) -> None:
         try:
             if event is not None:
                 event.synchronize()
-            keys = self.keys.keys(t.hashes)
-            with self.lock:
-                fresh = [i for i, k in enumerate(keys) if k not in self.saved]
-            present = client.exists_many([keys[i] for i in fresh]) if fresh else []
-            todo = [i for i, there in zip(fresh, present) if not there]
-            if todo:
-                client.put_many([(keys[i], buf[i]) for i in todo])
-            with self.lock:
-                for k in keys:
-                    self.saved[k] = None
-                    self.saved.move_to_end(k)
-                while len(self.saved) > 65536:
-                    self.saved.popitem(last=False)
-                self.stats["saved_values"] += len(todo)
-                self.stats["skipped_present"] += len(keys) - len(todo)
-        except UNAVAILABLE as e:
-            self.store.fail(client, e)
-        except errors.Error as e:   # the store is full, say: a dropped save is a later miss
-            log.warning("gdkv: save of %s failed: %s", t.req_id, e)
+            # A dropped save (gdkv unavailable, the store full...) is a later miss.
+            self.store.call(lambda c: self._put(c, t, buf), None, f"save of {t.req_id}")
         finally:
             with self.lock:
                 self.queued_save_bytes -= size
+
+    def _put(self, client, t: Transfer, buf: torch.Tensor) -> None:
+        """Puts t's staged values that neither this worker nor gdkv has yet."""
+        keys = self.keys.keys(t.hashes)
+        with self.lock:
+            fresh = [i for i, k in enumerate(keys) if k not in self.saved]
+        present = client.exists_many([keys[i] for i in fresh]) if fresh else []
+        todo = [i for i, there in zip(fresh, present) if not there]
+        if todo:
+            client.put_many([(keys[i], buf[i]) for i in todo])
+        with self.lock:
+            for k in keys:
+                self.saved[k] = None
+                self.saved.move_to_end(k)
+            while len(self.saved) > 65536:
+                self.saved.popitem(last=False)
+            self.stats["saved_values"] += len(todo)
+            self.stats["skipped_present"] += len(keys) - len(todo)
 
     # ---- results ----
     def results(self) -> KVConnectorTransferResults:
