@@ -9,6 +9,10 @@
 // that run's length over the sum of their lengths. Block-hit ratio: every cached block counts.
 // A request's blocks are looked up and then referenced in chain order (a hit is an access, a miss
 // an insert). Throughput: trace references per second through the policy (lookups included).
+// Chains: like the cache, the replay learns which key followed which (cache/chain.h) and tells
+// the policy (record_chain) when a key follows the key that followed its predecessor last time;
+// the trace is one stream, so a request's first block is never taken for a chain successor
+// unless the same two requests came in that order before.
 // Every block is one unit of size; OPT is exact for unit sizes.
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -21,6 +25,7 @@
 #include <vector>
 
 #include "bench/cache/kv_trace.h"
+#include "cache/chain.h"
 #include "cache/policy.h"
 #include "cache/trace_file.h"
 #include "gdkv/cache.h"
@@ -52,6 +57,9 @@ Result simulate(const std::string& policy_name, const Trace& t, uint64_t capacit
   po.history_entries = history_entries;
   auto policy = gdkv::cache::make_policy(policy_name, po);
   std::vector<uint8_t> resident(t.unique_blocks, 0);
+  gdkv::cache::ChainTable chain(gdkv::CacheOptions{}.chain_entries);
+  CacheKey last;
+  bool has_last = false;
   uint64_t count = 0, prefix_hits = 0, block_hits = 0, now = 0;
   const auto t0 = std::chrono::steady_clock::now();
   for (uint64_t r = 0; r + 1 < t.starts.size(); ++r) {
@@ -60,10 +68,22 @@ Result simulate(const std::string& policy_name, const Trace& t, uint64_t capacit
       const uint64_t b = t.refs[i];
       const CacheKey key = gdkv::cache::numbered_key(b);
       ++now;
+      // What the cache's learn() does: was this transition seen before?
+      bool followed = false;
+      if (has_last && !(last == key)) {
+        bool current = false;
+        const CacheKey* next = chain.next(last, &current);
+        followed = next != nullptr && *next == key;
+        if (!followed || !current) chain.record(last, key);
+      }
+      const CacheKey pred = last;
+      last = key;
+      has_last = true;
       if (resident[b]) {
         ++block_hits;
         if (in_prefix) ++prefix_hits;
         policy->record_access(key, 1, now);
+        if (followed) policy->record_chain(key, pred);
         continue;
       }
       in_prefix = false;
@@ -75,6 +95,7 @@ Result simulate(const std::string& policy_name, const Trace& t, uint64_t capacit
         --count;
       }
       policy->add(key, 1, now, AddKind::kDemand);
+      if (followed) policy->record_chain(key, pred);
       resident[b] = 1;
       ++count;
     }
@@ -128,6 +149,83 @@ Result simulate_opt(const Trace& t, uint64_t capacity) {
   const double n = static_cast<double>(t.refs.size());
   return Result{static_cast<double>(prefix_hits) / n, static_cast<double>(block_hits) / n,
                 n / secs};
+}
+
+// Two clairvoyant references between the online policies and OPT, which show how much of OPT's
+// lead needs knowledge of the future. Each knows one thing about it:
+// - "static": the trace's final reference counts; it caches exactly the `capacity` most referenced
+//   blocks (a block is a hit from its second reference on), which no policy that learns counts as
+//   it goes can beat on a trace whose popularity does not change;
+// - "admit": LRU that caches a missed block only if the block is referenced again later (never
+//   fills the cache with blocks seen once).
+Result simulate_static(const Trace& t, uint64_t capacity) {
+  std::vector<uint64_t> refs(t.unique_blocks, 0);
+  for (uint64_t b : t.refs) ++refs[b];
+  std::vector<uint64_t> order(t.unique_blocks);
+  for (uint64_t b = 0; b < t.unique_blocks; ++b) order[b] = b;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](uint64_t a, uint64_t b) { return refs[a] > refs[b]; });
+  std::vector<uint8_t> kept(t.unique_blocks, 0), seen(t.unique_blocks, 0);
+  for (uint64_t i = 0; i < std::min<uint64_t>(capacity, order.size()); ++i) kept[order[i]] = 1;
+  uint64_t prefix_hits = 0, block_hits = 0;
+  for (uint64_t r = 0; r + 1 < t.starts.size(); ++r) {
+    bool in_prefix = true;
+    for (uint64_t i = t.starts[r]; i < t.starts[r + 1]; ++i) {
+      const uint64_t b = t.refs[i];
+      if (kept[b] && seen[b]) {
+        ++block_hits;
+        if (in_prefix) ++prefix_hits;
+      } else {
+        in_prefix = false;
+      }
+      seen[b] = 1;
+    }
+  }
+  const double n = static_cast<double>(t.refs.size());
+  return Result{static_cast<double>(prefix_hits) / n, static_cast<double>(block_hits) / n, 0};
+}
+
+Result simulate_admit_oracle(const Trace& t, uint64_t capacity) {
+  std::vector<uint8_t> again(t.refs.size(), 0);  // is refs[i] referenced again later?
+  {
+    std::vector<uint8_t> later(t.unique_blocks, 0);
+    for (uint64_t i = t.refs.size(); i-- > 0;) {
+      again[i] = later[t.refs[i]];
+      later[t.refs[i]] = 1;
+    }
+  }
+  gdkv::cache::PolicyOptions po;
+  po.capacity_bytes = capacity;
+  auto lru = gdkv::cache::make_policy("lru", po);
+  std::vector<uint8_t> resident(t.unique_blocks, 0);
+  uint64_t count = 0, prefix_hits = 0, block_hits = 0, now = 0;
+  for (uint64_t r = 0; r + 1 < t.starts.size(); ++r) {
+    bool in_prefix = true;
+    for (uint64_t i = t.starts[r]; i < t.starts[r + 1]; ++i) {
+      const uint64_t b = t.refs[i];
+      const CacheKey key = gdkv::cache::numbered_key(b);
+      ++now;
+      if (resident[b]) {
+        ++block_hits;
+        if (in_prefix) ++prefix_hits;
+        lru->record_access(key, 1, now);
+        continue;
+      }
+      in_prefix = false;
+      if (!again[i]) continue;
+      while (count >= capacity) {
+        CacheKey victim;
+        if (!lru->evict(&victim)) break;
+        resident[id_of(victim)] = 0;
+        --count;
+      }
+      lru->add(key, 1, now, AddKind::kDemand);
+      resident[b] = 1;
+      ++count;
+    }
+  }
+  const double n = static_cast<double>(t.refs.size());
+  return Result{static_cast<double>(prefix_hits) / n, static_cast<double>(block_hits) / n, 0};
 }
 
 TraceOptions mix(const std::string& name, uint64_t requests, uint64_t seed) {
@@ -282,7 +380,8 @@ int main(int argc, char** argv) {
                 n.name.c_str(), static_cast<unsigned long long>(t.requests()), t.refs.size(),
                 static_cast<unsigned long long>(t.unique_blocks));
     std::printf("%6s %8s | prefix-hit %%: opt%s%s | block-hit %%: opt%s | M refs/s:%s\n", "size",
-                "blocks", names.c_str(), n.file ? " lru-2/unbounded-history" : "", names.c_str(),
+                "blocks", names.c_str(),
+                n.file ? " lru-2/unbounded-history static-oracle admit-oracle" : "", names.c_str(),
                 names.c_str());
     for (double pct : sizes) {
       const uint64_t cap = capacity_of(pct, t);
@@ -299,8 +398,11 @@ int main(int argc, char** argv) {
                   100 * opt.prefix_hit);
       for (const Result& r : rs) std::printf(" %6.2f", 100 * r.prefix_hit);
       // The trace README's LRU-2 keeps every evicted key's history.
-      if (n.file)
+      if (n.file) {
         std::printf(" %6.2f", 100 * simulate("lru-k", t, cap, t.unique_blocks).prefix_hit);
+        std::printf(" %6.2f", 100 * simulate_static(t, cap).prefix_hit);
+        std::printf(" %6.2f", 100 * simulate_admit_oracle(t, cap).prefix_hit);
+      }
       std::printf(" | %6.2f", 100 * opt.block_hit);
       for (const Result& r : rs) std::printf(" %6.2f", 100 * r.block_hit);
       std::printf(" |");

@@ -11,8 +11,8 @@
 //   key that followed each key last time) warm the cache ahead of demand reads. At most
 //   max_prefetch_inflight prefetch reads are outstanding, so they never queue ahead of demand
 //   reads in any number; the rest wait in a bounded queue.
-// - Eviction: a policy chosen by name ("adaptive", "lru-k", "lru", "arc"); docs/cache.md compares
-// them.
+// - Eviction: a policy chosen by name ("prefix", "adaptive", "lru-k", "lru", "arc");
+// docs/cache.md compares them.
 //
 // Coherence covers the writes that pass through this cache. Writes by another node to a shared
 // backend (RADOS) are seen once the cached copy is evicted; run one cache per backend view.
@@ -33,13 +33,15 @@ namespace gdkv {
 
 struct CacheOptions {
   uint64_t capacity_bytes = uint64_t{1} << 30;  // value bytes held, default 1 GiB (0: no caching)
-  // "adaptive" (default: balances recency and frequency from the history of evicted keys, as
-  // ARC does), "lru-k" (evicts the entry whose K-th most recent reference is oldest), "lru" or
-  // "arc" (Megiddo and Modha's ARC, in bytes).
-  std::string policy = "adaptive";
+  // "prefix" (default: blocks seen once wait in a small probation segment, blocks seen again or
+  // remembered from the history of evicted keys are protected, chains go from their tails),
+  // "adaptive" (follows whichever of LRU, LRU-2 and ARC hits most on shadow caches), "lru-k"
+  // (evicts the entry whose K-th most recent reference is oldest), "lru" or "arc" (Megiddo and
+  // Modha's ARC, in bytes).
+  std::string policy = "prefix";
   uint32_t k = 2;  // LRU-K's K, 1..8 (lru-k only)
-  // Evicted keys whose reference times LRU-K keeps, so a returning key keeps its count. Default 0:
-  // as many as there are cached entries.
+  // Evicted keys whose reference times LRU-K keeps, so a returning key keeps its count (prefix:
+  // evicted keys remembered). Default 0: as many as there are cached entries (prefix: twice).
   uint64_t history_entries = 0;
   // Microseconds, default 0 (off): a reference to a key within this time of its previous reference
   // belongs to the same burst and counts once (lru-k and adaptive).

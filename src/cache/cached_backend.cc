@@ -188,7 +188,9 @@ class CachedBackend final : public Backend {
     bool attached = true;         // flights_ points here: misses on the key join it
     bool insertable = true;       // no write was in flight when it started
     bool prefetch = false;
-    bool used = false;  // a demand read joined this prefetch
+    bool used = false;     // a demand read joined this prefetch
+    bool chained = false;  // the read followed its chain predecessor `pred` on its stream
+    CacheKey pred;
   };
   struct WriteState {
     uint32_t count = 0;       // writes in flight
@@ -199,6 +201,8 @@ class CachedBackend final : public Backend {
     CacheKey key;
     void (*done)(BackendOp*, Status, uint64_t);
     void* user;
+    bool chained = false;  // a Store that followed its chain predecessor `pred` on its stream
+    CacheKey pred;
   };
   struct Pending {
     CacheKey key;
@@ -230,6 +234,8 @@ class CachedBackend final : public Backend {
     Launch launch;
     {
       std::lock_guard lk(mu_);
+      CacheKey pred;
+      const bool chained = learn(readahead_[stream_id(op)], key, &pred);
       if (auto it = entries_.find(key); it != entries_.end()) {
         hit = it->second.buf;
         if (it->second.prefetched) {
@@ -237,6 +243,7 @@ class CachedBackend final : public Backend {
           ++n_.used;
         }
         policy_->record_access(key, hit->len, tick());
+        if (chained) policy_->record_chain(key, pred);
         ++n_.hits;
       } else if (auto f = flights_.find(key); f != flights_.end()) {
         Flight* fl = f->second;
@@ -251,8 +258,10 @@ class CachedBackend final : public Backend {
         ++n_.misses;
         miss = start_flight(key, false, op->stream);
         miss->waiters.push_back(op);
+        miss->chained = chained;
+        miss->pred = pred;
       }
-      predict(stream_id(op), key, !hit, launch);
+      predict(stream_id(op), key, chained, !hit, launch);
     }
     if (hit) {
       op->view = ValueView{{hit->data, hit->len}, hit};
@@ -304,7 +313,8 @@ class CachedBackend final : public Backend {
       const bool cache_it =
           s == Status::kSuccess && f->attached && f->insertable && buf->from_slab();
       if (cache_it) {
-        insert(f->key, buf, f->prefetch && !f->used ? AddKind::kPrefetch : AddKind::kDemand);
+        insert(f->key, buf, f->prefetch && !f->used ? AddKind::kPrefetch : AddKind::kDemand,
+               f->chained ? &f->pred : nullptr);
         ++n_.fills;
       }
       if (f->prefetch) {
@@ -345,16 +355,16 @@ class CachedBackend final : public Backend {
   // ---- writes ----
 
   void write(BackendOp* op) {
-    auto* ctx = new WriteCtx{this, CacheKey{op->nsid, op->key}, op->done, op->user};
+    auto* ctx = new WriteCtx{this, CacheKey{op->nsid, op->key}, op->done, op->user, false, {}};
     {
       std::lock_guard lk(mu_);
       WriteState& w = writes_[ctx->key];
       if (++w.count > 1) w.overlapped = true;
       detach(ctx->key);
-      if (op->kind == BackendOpKind::kPut && depth_ != 0) {
+      if (op->kind == BackendOpKind::kPut) {
         // A prefill's Stores teach the order its blocks will be read in.
         Readahead& ra = readahead_[stream_id(op)];
-        learn(ra, ctx->key);
+        ctx->chained = learn(ra, ctx->key, &ctx->pred);
         ra.ahead = 0;
       }
       outstanding_.fetch_add(1, std::memory_order_relaxed);
@@ -370,10 +380,11 @@ class CachedBackend final : public Backend {
     delete ctx;
     op->done = c.done;
     op->user = c.user;
-    c.self->finish_write(op, c.key, s, len);
+    c.self->finish_write(op, c.key, s, len, c.chained ? &c.pred : nullptr);
   }
 
-  void finish_write(BackendOp* op, const CacheKey& key, Status s, uint64_t len) {
+  void finish_write(BackendOp* op, const CacheKey& key, Status s, uint64_t len,
+                    const CacheKey* pred) {
     const bool put = op->kind == BackendOpKind::kPut;
     std::shared_ptr<Buffer> buf;
     if (put && s == Status::kSuccess && op->value.size() <= capacity_) {
@@ -392,7 +403,7 @@ class CachedBackend final : public Backend {
       auto w = writes_.find(key);
       detach(key);
       if (buf && !w->second.overlapped) {
-        insert(key, std::move(buf), AddKind::kDemand);
+        insert(key, std::move(buf), AddKind::kDemand, pred);
         ++n_.write_fills;
       } else if (!(put && s != Status::kSuccess && rejected_unchanged(s))) {
         erase(key);
@@ -420,29 +431,32 @@ class CachedBackend final : public Backend {
   }
 
   // REQUIRES: mu_ held. Learns that `key` followed the stream's previous key; returns whether
-  // that is what the chain predicted.
-  bool learn(Readahead& ra, const CacheKey& key) {
+  // that is what the chain predicted (then *pred = that previous key: key's chain predecessor, as
+  // far as the cache can tell).
+  bool learn(Readahead& ra, const CacheKey& key, CacheKey* pred) {
     bool followed = false;
     if (ra.has_last && !(ra.last == key)) {
       bool current = false;
       const CacheKey* next = chain_.next(ra.last, &current);
       followed = next != nullptr && *next == key;
       if (!followed || !current) chain_.record(ra.last, key);
+      if (followed) *pred = ra.last;
     }
     ra.last = key;
     ra.has_last = true;
     return followed;
   }
 
-  // REQUIRES: mu_ held. Learns that `key` was read on `stream` and queues the keys the chain
-  // predicts after it (then starts what fits). Like a file system's readahead: while the reader
-  // follows the predicted chain the window of keys fetched ahead doubles, up to depth_; when it
-  // jumps elsewhere the window closes (to one key if the read missed, as a chain may start
-  // there), so random hits cost no chain walk and a sequential reader one step per block.
-  void predict(uint64_t stream, const CacheKey& key, bool miss, Launch& launch) {
+  // REQUIRES: mu_ held. `key` was read on `stream` (learn() said whether it `followed` the chain)
+  // and queues the keys the chain predicts after it (then starts what fits). Like a file system's
+  // readahead: while the reader follows the predicted chain the window of keys fetched ahead
+  // doubles, up to depth_; when it jumps elsewhere the window closes (to one key if the read
+  // missed, as a chain may start there), so random hits cost no chain walk and a sequential reader
+  // one step per block.
+  void predict(uint64_t stream, const CacheKey& key, bool followed, bool miss, Launch& launch) {
     if (depth_ == 0 || max_inflight_ == 0) return;
     Readahead& ra = readahead_[stream];
-    if (learn(ra, key)) {
+    if (followed) {
       ra.window = std::min(depth_, std::max(1u, ra.window * 2));
     } else {
       ra.window = miss ? 1 : 0;
@@ -526,7 +540,9 @@ class CachedBackend final : public Backend {
     flights_.erase(it);
   }
 
-  void insert(const CacheKey& key, std::shared_ptr<Buffer> buf, AddKind kind) {
+  // `pred`: the key's chain predecessor when it was read or stored right after it.
+  void insert(const CacheKey& key, std::shared_ptr<Buffer> buf, AddKind kind,
+              const CacheKey* pred = nullptr) {
     const uint64_t size = buf->len;
     auto it = entries_.find(key);
     if (size > capacity_) {
@@ -540,6 +556,7 @@ class CachedBackend final : public Backend {
       bytes_ = bytes_ - it->second.buf->len + size;
       it->second = Entry{std::move(buf), false};
       policy_->record_access(key, size, now);
+      if (pred != nullptr) policy_->record_chain(key, *pred);
       while (bytes_ > capacity_ && evict_one()) {
       }
       return;
@@ -550,6 +567,7 @@ class CachedBackend final : public Backend {
     entries_.emplace(key, Entry{std::move(buf), kind == AddKind::kPrefetch});
     bytes_ += size;
     policy_->add(key, size, now, kind);
+    if (pred != nullptr) policy_->record_chain(key, *pred);
   }
 
   bool evict_one() {
@@ -608,7 +626,7 @@ class CachedBackend final : public Backend {
 
 }  // namespace
 
-std::vector<std::string> cache_policies() { return {"adaptive", "lru-k", "lru", "arc"}; }
+std::vector<std::string> cache_policies() { return {"prefix", "adaptive", "lru-k", "lru", "arc"}; }
 
 std::shared_ptr<Backend> make_cached_backend(std::shared_ptr<Backend> inner,
                                              const CacheOptions& options) {
@@ -627,7 +645,7 @@ std::shared_ptr<Backend> make_cached_backend(std::shared_ptr<Backend> inner,
                                   std::to_string(options.k));
     }
     throw std::invalid_argument("cache: unknown policy '" + options.policy +
-                                "' (adaptive, lru-k, lru or arc)");
+                                "' (prefix, adaptive, lru-k, lru or arc)");
   }
   return std::make_shared<CachedBackend>(std::move(inner), options, std::move(policy));
 }

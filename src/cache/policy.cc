@@ -596,6 +596,10 @@ class Engine final : public EvictionPolicy {
 }  // namespace
 
 std::unique_ptr<EvictionPolicy> make_policy(std::string_view name, const PolicyOptions& o) {
+  if (name == "prefix") {
+    if (!(o.probation_share >= 0 && o.probation_share <= 1)) return nullptr;
+    return make_prefix_policy(o);
+  }
   if (name == "lru") return std::make_unique<Engine>("lru", 1u << kLru, o);
   if (name == "lru-k") {
     if (o.k < 1 || o.k > kMaxK) return nullptr;

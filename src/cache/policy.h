@@ -7,10 +7,12 @@
 //   hit:   record_access
 //   miss:  prepare_insert, evict (until the value fits), add
 //   gone:  remove (deleted or invalidated: forgotten, no history)
-// Policies: "lru"; "lru-k" (O'Neil's LRU-K with history and a correlated-reference window);
-// "arc" (Megiddo and Modha's ARC, in bytes); "adaptive" (the cache's default: runs LRU, LRU-2 and
-// ARC side by side on shadow copies of the key stream and evicts as the one that has been hitting
-// most lately does, so it tracks the best of them at every cache size).
+//   chain: record_chain, after the hit or add of a key read right after its chain predecessor
+// Policies: "prefix" (the cache's default, prefix_policy.cc: probation and protected segments, a
+// history of evicted keys, chains evicted from their tails, a hill-climbed probation share);
+// "lru"; "lru-k" (O'Neil's LRU-K with history and a correlated-reference window); "arc" (Megiddo
+// and Modha's ARC, in bytes); "adaptive" (runs LRU, LRU-2 and ARC side by side on shadow copies of
+// the key stream and evicts as the one that has been hitting most lately does).
 //
 // Not thread-safe: the cache calls it under its lock.
 #pragma once
@@ -88,6 +90,10 @@ class EvictionPolicy {
   // Removes the entry that should go next and remembers it in the history of evicted keys.
   // False when nothing is resident.
   virtual bool evict(CacheKey* victim) = 0;
+  // `key` (resident, just added or accessed) was read right after `pred`, its predecessor in a
+  // chain (a prefix hit on key needs pred cached). Policies that know chains order by it; no-op
+  // for the others, and when either key is not resident.
+  virtual void record_chain(const CacheKey& key, const CacheKey& pred) { (void)key, (void)pred; }
   // Evicts `key` as if this policy had chosen it (it enters the history): lets a policy follow
   // another's choices. No-op if not resident.
   virtual void evict_key(const CacheKey& key) = 0;
@@ -109,11 +115,16 @@ struct PolicyOptions {
   uint64_t expected_entries = 0;
   // Adaptive, for tests and experiments: always follow this expert ("arc", "lru-k" or "lru").
   std::string pin_expert;
+  // Prefix, for tests and experiments: a fixed probation share of the capacity in (0, 1] instead
+  // of the hill-climbed one (0). Its history_entries: evicted keys remembered (0 = twice the
+  // resident entries).
+  double probation_share = 0;
 };
 
 inline constexpr uint32_t kMaxK = 8;
 
-// "lru", "lru-k", "arc" or "adaptive"; null for an unknown name or k outside 1..kMaxK.
+// "prefix", "lru", "lru-k", "arc" or "adaptive"; null for an unknown name or k outside 1..kMaxK.
 std::unique_ptr<EvictionPolicy> make_policy(std::string_view name, const PolicyOptions& options);
+std::unique_ptr<EvictionPolicy> make_prefix_policy(const PolicyOptions& options);
 
 }  // namespace gdkv::cache

@@ -1,12 +1,15 @@
-// Eviction policies: LRU-K against a direct reference model on random traces, scan resistance,
-// and the adaptive policy's balance between recency and frequency.
+// Eviction policies: LRU-K and the prefix policy against direct reference models on random traces,
+// the prefix policy's chain order, scan resistance, and the adaptive policy's balance between
+// recency and frequency.
 #include "cache/policy.h"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <unordered_map>
 #include <unordered_set>
@@ -345,6 +348,12 @@ TEST(Policies, FactoryRejectsBadNames) {
   EXPECT_EQ(make_policy("lru-k", po), nullptr);
   po.k = kMaxK;
   EXPECT_NE(make_policy("lru-k", po), nullptr);
+  for (double share : {-0.1, 1.5, std::nan("")}) {
+    po.probation_share = share;
+    EXPECT_EQ(make_policy("prefix", po), nullptr) << share;
+  }
+  po.probation_share = 1;
+  EXPECT_NE(make_policy("prefix", po), nullptr);
 }
 
 // A prefetched entry is not a reference: it goes before entries that were used, and its first
@@ -374,7 +383,7 @@ TEST(LruKPolicy, PrefetchIsNotAReference) {
 // lists empty of bytes, in B1 with B2 holding bytes, in B2 with B1 holding bytes; then the policy
 // still evicts every entry exactly once.
 TEST(ArcPolicy, ZeroLengthValuesAndGhostHits) {
-  for (const char* name : {"arc", "adaptive"}) {
+  for (const char* name : {"arc", "adaptive", "prefix"}) {
     SCOPED_TRACE(name);
     PolicyOptions po;
     po.capacity_bytes = 100;
@@ -443,6 +452,405 @@ TEST(ArcPolicy, ZeroLengthValuesAndGhostHits) {
     drain(sizes.size());
     EXPECT_EQ(p->entries(), 0u);
   }
+}
+
+// ---- the prefix policy ----
+
+// The prefix policy as docs/cache.md states it, with vectors and linear scans (a fixed probation
+// share: the hill climbing is tested on its own below).
+class PrefixModel {
+ public:
+  PrefixModel(uint64_t capacity, double share, uint64_t history)
+      : cap_(capacity), share_(share), history_(history) {}
+
+  bool resident(uint64_t id) const { return where(id) != nullptr; }
+  size_t size() const { return lists_[0].size() + lists_[1].size(); }
+  uint64_t probation_bytes() const { return bytes(lists_[0]); }
+
+  void add(uint64_t id, uint64_t size, AddKind kind) {
+    bool remembered = false;
+    if (auto g = std::find(ghost_.begin(), ghost_.end(), id); g != ghost_.end()) {
+      ghost_.erase(g);
+      remembered = true;
+    }
+    lists_[remembered ? 1 : 0].push_back(E{id, size, kind == AddKind::kPrefetch});
+  }
+  void access(uint64_t id, uint64_t size) {
+    auto* l = where(id);
+    auto it = find(*l, id);
+    E e = *it;
+    l->erase(it);
+    e.size = size;
+    const bool promote = l == &lists_[0] && !e.unread;
+    e.unread = false;
+    (promote ? lists_[1] : *l).push_back(e);
+  }
+  void chain(uint64_t id, uint64_t pred) {
+    auto* kl = where(id);
+    auto* pl = where(pred);
+    if (kl == nullptr || pl == nullptr || id == pred) return;
+    if (kl == &lists_[1] && pl == &lists_[0]) {
+      auto it = find(*pl, pred);
+      E e = *it;
+      pl->erase(it);
+      e.unread = false;
+      lists_[1].push_back(e);
+      pl = &lists_[1];
+    }
+    if (kl != pl) return;
+    auto it = find(*kl, id);
+    E e = *it;
+    kl->erase(it);
+    kl->insert(find(*kl, pred), e);
+  }
+  void remove(uint64_t id) {
+    if (auto* l = where(id)) l->erase(find(*l, id));
+    if (auto g = std::find(ghost_.begin(), ghost_.end(), id); g != ghost_.end()) ghost_.erase(g);
+  }
+  // The victim, or nullopt when nothing is resident.
+  std::optional<uint64_t> evict() {
+    std::vector<E>* l = nullptr;
+    if (!lists_[0].empty() && (lists_[1].empty() || static_cast<double>(bytes(lists_[0])) >
+                                                        share_ * static_cast<double>(cap_))) {
+      l = &lists_[0];
+    } else if (!lists_[1].empty()) {
+      l = &lists_[1];
+    } else {
+      return std::nullopt;
+    }
+    const uint64_t id = l->front().id;
+    to_ghost(id);
+    return id;
+  }
+  void evict_key(uint64_t id) {
+    if (resident(id)) to_ghost(id);
+  }
+
+ private:
+  struct E {
+    uint64_t id;
+    uint64_t size;
+    bool unread;
+  };
+  static std::vector<E>::iterator find(std::vector<E>& v, uint64_t id) {
+    return std::find_if(v.begin(), v.end(), [&](const E& e) { return e.id == id; });
+  }
+  static uint64_t bytes(const std::vector<E>& v) {
+    uint64_t n = 0;
+    for (const E& e : v) n += e.size;
+    return n;
+  }
+  std::vector<E>* where(uint64_t id) {
+    for (auto& l : lists_) {
+      if (find(l, id) != l.end()) return &l;
+    }
+    return nullptr;
+  }
+  const std::vector<E>* where(uint64_t id) const {
+    return const_cast<PrefixModel*>(this)->where(id);
+  }
+  void to_ghost(uint64_t id) {
+    auto* l = where(id);
+    l->erase(find(*l, id));
+    ghost_.push_back(id);
+    const size_t limit = history_ > 0 ? history_ : std::max<size_t>(64, 2 * size());
+    while (ghost_.size() > limit) ghost_.erase(ghost_.begin());
+  }
+
+  uint64_t cap_;
+  double share_;
+  uint64_t history_;
+  std::vector<E> lists_[2];      // probation, protected; front = next to go
+  std::vector<uint64_t> ghost_;  // oldest first
+};
+
+// A random forest of `n` blocks: parent[i] < i, or none (a chain's first block).
+std::vector<int64_t> random_forest(std::mt19937_64& rng, size_t n) {
+  std::vector<int64_t> parent(n, -1);
+  for (size_t i = 1; i < n; ++i) {
+    if (rng() % 5 != 0) parent[i] = static_cast<int64_t>(rng() % i);
+  }
+  return parent;
+}
+
+// A request: the chain from a first block to `leaf`, in order.
+std::vector<uint64_t> path_to(const std::vector<int64_t>& parent, uint64_t leaf) {
+  std::vector<uint64_t> path;
+  for (int64_t b = static_cast<int64_t>(leaf); b >= 0; b = parent[static_cast<size_t>(b)]) {
+    path.push_back(static_cast<uint64_t>(b));
+  }
+  std::reverse(path.begin(), path.end());
+  return path;
+}
+
+uint64_t gauge(const EvictionPolicy& p, const std::string& name) {
+  MetricList ms;
+  p.collect(ms);
+  for (const Metric& m : ms) {
+    if (m.name == name) return static_cast<uint64_t>(m.value);
+  }
+  ADD_FAILURE() << "no gauge " << name;
+  return 0;
+}
+
+// Random requests over random forests of chains, with sizes from 0 bytes to more than the whole
+// cache, re-references that change a value's size, prefetches, invalidations, forced evictions
+// and chain records left out at random: the same victim as the model at every eviction.
+TEST(PrefixPolicy, MatchesReferenceModelOnRandomTraces) {
+  std::mt19937_64 rng(11);
+  int traces = 0;
+  for (double share : {0.01, 0.25, 0.6, 1.0}) {
+    for (uint64_t history : {0u, 1u, 5u}) {
+      for (int rep = 0; rep < 8; ++rep, ++traces) {
+        PolicyOptions po;
+        po.capacity_bytes = 1 + rng() % 40;
+        po.probation_share = share;
+        po.history_entries = history;
+        auto policy = make_policy("prefix", po);
+        ASSERT_NE(policy, nullptr);
+        PrefixModel model(po.capacity_bytes, share, history);
+        const auto parent = random_forest(rng, 10 + rng() % 50);
+        std::vector<uint64_t> size_of(parent.size());
+        for (auto& s : size_of) s = rng() % 4 == 0 ? 0 : rng() % (po.capacity_bytes + 3);
+        std::unordered_map<uint64_t, uint64_t> held;  // id -> bytes, what the "cache" holds
+        uint64_t bytes = 0, now = 0;
+        auto make_room = [&](uint64_t need) {
+          while (bytes + need > po.capacity_bytes) {
+            CacheKey victim;
+            const bool any = policy->evict(&victim);
+            const std::optional<uint64_t> expect = model.evict();
+            ASSERT_EQ(any, expect.has_value());
+            if (!any) return;
+            ASSERT_EQ(id_of(victim), *expect) << "share " << share << " history " << history;
+            bytes -= held.at(*expect);
+            held.erase(*expect);
+          }
+        };
+        for (int req = 0; req < 400; ++req) {
+          const unsigned what = rng() % 20;
+          const uint64_t some = rng() % parent.size();
+          if (what == 0) {  // invalidation
+            policy->remove(numbered_key(some));
+            model.remove(some);
+            if (auto it = held.find(some); it != held.end()) {
+              bytes -= it->second;
+              held.erase(it);
+            }
+            continue;
+          }
+          if (what == 1) {  // another policy's choice
+            policy->evict_key(numbered_key(some));
+            model.evict_key(some);
+            if (auto it = held.find(some); it != held.end()) {
+              bytes -= it->second;
+              held.erase(it);
+            }
+            continue;
+          }
+          const auto path = path_to(parent, some);
+          for (size_t i = 0; i < path.size(); ++i) {
+            const uint64_t id = path[i];
+            const CacheKey key = numbered_key(id);
+            ++now;
+            if (auto it = held.find(id); it != held.end()) {
+              const uint64_t size = rng() % 8 == 0 ? rng() % (po.capacity_bytes + 1) : it->second;
+              bytes = bytes - it->second + size;
+              it->second = size;
+              policy->record_access(key, size, now);
+              model.access(id, size);
+            } else {
+              const uint64_t size = size_of[id];
+              if (size > po.capacity_bytes) continue;  // the cache never takes it
+              const AddKind kind = rng() % 10 == 0 ? AddKind::kPrefetch : AddKind::kDemand;
+              policy->prepare_insert(key, size, kind);
+              make_room(size);
+              if (testing::Test::HasFatalFailure()) return;
+              policy->add(key, size, now, kind);
+              model.add(id, size, kind);
+              held[id] = size;
+              bytes += size;
+            }
+            if (i > 0 && rng() % 10 != 0) {
+              policy->record_chain(key, numbered_key(path[i - 1]));
+              model.chain(id, path[i - 1]);
+            }
+            make_room(0);  // a value that grew
+            if (testing::Test::HasFatalFailure()) return;
+          }
+          ASSERT_EQ(policy->entries(), model.size());
+          ASSERT_EQ(policy->entries(), held.size());
+          ASSERT_EQ(gauge(*policy, "cache_prefix_probation_bytes"), model.probation_bytes());
+        }
+      }
+    }
+  }
+  EXPECT_EQ(traces, 4 * 3 * 8);
+}
+
+// The chain property: requests read chains from their first block, telling the policy each
+// block's predecessor, and whenever a block is evicted no block whose predecessor it is stays
+// cached. With the probation segment evicted first this holds without exception; docs/cache.md
+// names the one exception under a probation share (a block still in probation may outlive its
+// predecessor in the protected segment while probation is under its share), checked here too.
+TEST(PrefixPolicy, ChainsAreEvictedFromTheirTails) {
+  std::mt19937_64 rng(5);
+  for (double share : {1e-9, 0.0}) {  // 0: the hill-climbed default
+    for (int rep = 0; rep < 20; ++rep) {
+      const auto parent = random_forest(rng, 30 + rng() % 200);
+      PolicyOptions po;
+      po.capacity_bytes = 4 + rng() % (parent.size() / 3);  // far fewer than the blocks
+      po.probation_share = share;
+      auto policy = make_policy("prefix", po);
+      std::vector<double> weights(parent.size());
+      for (size_t i = 0; i < weights.size(); ++i) weights[i] = 1.0 / (1.0 + static_cast<double>(i));
+      std::discrete_distribution<uint64_t> pick(weights.begin(), weights.end());
+      std::unordered_set<uint64_t> held;
+      uint64_t now = 0, evictions = 0, exceptions = 0;
+      for (int req = 0; req < 3000; ++req) {
+        const auto path = path_to(parent, pick(rng));
+        for (size_t i = 0; i < path.size(); ++i) {
+          const uint64_t id = path[i];
+          const CacheKey key = numbered_key(id);
+          ++now;
+          if (held.contains(id)) {
+            policy->record_access(key, 1, now);
+          } else {
+            policy->prepare_insert(key, 1, AddKind::kDemand);
+            while (held.size() >= po.capacity_bytes) {
+              const uint64_t probation_before = gauge(*policy, "cache_prefix_probation_bytes");
+              CacheKey victim;
+              ASSERT_TRUE(policy->evict(&victim));
+              const uint64_t v = id_of(victim);
+              const bool from_protected =
+                  gauge(*policy, "cache_prefix_probation_bytes") == probation_before;
+              held.erase(v);
+              ++evictions;
+              for (uint64_t x : held) {
+                if (parent[x] != static_cast<int64_t>(v)) continue;
+                // The exception: only a protected block leaving while probation is under its
+                // share, and only a child that is in probation (one entry left in probation
+                // can be checked: evicting the child must take it from probation).
+                ASSERT_NE(share, 1e-9) << "block " << x << " outlived its predecessor " << v;
+                ASSERT_TRUE(from_protected) << "block " << x << " outlived " << v;
+                ++exceptions;
+              }
+            }
+            policy->add(key, 1, now, AddKind::kDemand);
+            held.insert(id);
+          }
+          if (i > 0) policy->record_chain(key, numbered_key(path[i - 1]));
+        }
+      }
+      EXPECT_GT(evictions, 50u);
+      if (share == 1e-9) {
+        EXPECT_EQ(exceptions, 0u);
+      }
+    }
+  }
+}
+
+TEST(PrefixPolicy, ResistsScansThatFlushLru) {
+  const auto trace = hot_loop_with_scans();
+  const double lru = hit_ratio("lru", trace, 150);
+  const double prefix = hit_ratio("prefix", trace, 150);
+  std::printf("scan trace: lru %.3f prefix %.3f\n", lru, prefix);
+  EXPECT_GT(prefix, 0.38) << "lru " << lru;  // the ceiling is 0.4
+}
+
+// Every key is used twice, 20..60 references apart, with a cache of 120: a probation segment of
+// 1/64 of the cache loses every second use, so the hill climbing must grow it. Pinned at 1/64 it
+// stays that small and hits far less.
+TEST(PrefixPolicy, HillClimbingGrowsProbationWhenReuseIsShort) {
+  std::vector<uint64_t> trace;
+  std::mt19937_64 rng(3);
+  std::vector<uint64_t> window;
+  uint64_t next = 0;
+  for (int i = 0; i < 150000; ++i) {
+    trace.push_back(next);
+    window.push_back(next++);
+    if (window.size() > 60) {
+      const size_t j = rng() % 40;
+      trace.push_back(window[j]);
+      window.erase(window.begin() + static_cast<std::ptrdiff_t>(j));
+    }
+  }
+  const double lru = hit_ratio("lru", trace, 120);
+  const double climbed = hit_ratio("prefix", trace, 120);
+  PolicyOptions pinned;
+  pinned.capacity_bytes = 120;
+  pinned.probation_share = 1.0 / 64;
+  auto p = make_policy("prefix", pinned);
+  std::unordered_set<uint64_t> resident;
+  uint64_t hits = 0, now = 0;
+  for (uint64_t id : trace) {
+    ++now;
+    if (resident.contains(id)) {
+      ++hits;
+      p->record_access(numbered_key(id), 1, now);
+      continue;
+    }
+    while (resident.size() >= 120) {
+      CacheKey v;
+      ASSERT_TRUE(p->evict(&v));
+      resident.erase(id_of(v));
+    }
+    p->add(numbered_key(id), 1, now, AddKind::kDemand);
+    resident.insert(id);
+  }
+  const double fixed = static_cast<double>(hits) / static_cast<double>(trace.size());
+  std::printf("short-reuse trace: lru %.3f prefix %.3f prefix pinned at 1/64 %.3f\n", lru, climbed,
+              fixed);
+  EXPECT_GT(climbed, fixed + 0.2);
+  EXPECT_GT(climbed, lru - 0.05);
+}
+
+// A prefetched block is not a reference: it stays in probation on its first read and goes to the
+// protected segment on its second. A remembered key that comes back by prefetch is protected.
+TEST(PrefixPolicy, PrefetchIsNotAReference) {
+  PolicyOptions po;
+  po.capacity_bytes = 100;
+  po.probation_share = 1.0 / 128;
+  auto p = make_policy("prefix", po);
+  p->add(numbered_key(1), 1, 1, AddKind::kPrefetch);
+  p->record_access(numbered_key(1), 1, 2);  // first reference: still in probation
+  EXPECT_EQ(gauge(*p, "cache_prefix_probation_bytes"), 1u);
+  p->record_access(numbered_key(1), 1, 3);  // second: protected
+  EXPECT_EQ(gauge(*p, "cache_prefix_protected_bytes"), 1u);
+  p->evict_key(numbered_key(1));
+  p->add(numbered_key(1), 1, 4, AddKind::kPrefetch);  // remembered
+  EXPECT_EQ(gauge(*p, "cache_prefix_protected_bytes"), 1u);
+  p->add(numbered_key(2), 1, 5, AddKind::kDemand);
+  p->record_access(numbered_key(1), 1, 6);  // its first read
+  CacheKey v;
+  ASSERT_TRUE(p->evict(&v));  // probation (key 2) over its share goes first
+  EXPECT_EQ(id_of(v), 2u);
+}
+
+// A one-entry cache, and keys removed while remembered: removal forgets a key's history too, so
+// it comes back as new.
+TEST(PrefixPolicy, OneEntryCacheAndForgottenKeys) {
+  PolicyOptions po;
+  po.capacity_bytes = 1;
+  auto p = make_policy("prefix", po);
+  CacheKey v;
+  for (uint64_t id = 0; id < 100; ++id) {
+    if (id > 0) {
+      ASSERT_TRUE(p->evict(&v));
+      EXPECT_EQ(id_of(v), id - 1);
+    }
+    p->add(numbered_key(id), 1, id + 1, AddKind::kDemand);
+    p->record_chain(numbered_key(id), numbered_key(id));  // a key is not its own predecessor
+    EXPECT_EQ(p->entries(), 1u);
+  }
+  ASSERT_TRUE(p->evict(&v));
+  EXPECT_FALSE(p->evict(&v));
+  EXPECT_EQ(gauge(*p, "cache_prefix_history_entries"), 64u);  // at least 64 remembered
+  p->remove(numbered_key(99));
+  EXPECT_EQ(gauge(*p, "cache_prefix_history_entries"), 63u);
+  p->add(numbered_key(99), 1, 200, AddKind::kDemand);
+  EXPECT_EQ(gauge(*p, "cache_prefix_probation_bytes"), 1u);  // new again, not remembered
+  p->record_chain(numbered_key(7), numbered_key(99));        // not resident: ignored
+  EXPECT_EQ(p->entries(), 1u);
 }
 
 }  // namespace

@@ -361,7 +361,8 @@ int load(int argc, char** argv, Config& c, std::string* error) {
                "reactors poll without ever sleeping (lowest latency, one core each)")
       ->envname("GDKVD_NEVER_SLEEP");
   opt("--cache-bytes", c.cache_bytes, "host cache size in bytes (0: off)", "GDKVD_CACHE_BYTES");
-  opt("--cache-policy", c.cache_policy, "adaptive, lru-k, lru or arc", "GDKVD_CACHE_POLICY");
+  opt("--cache-policy", c.cache_policy, "prefix, adaptive, lru-k, lru or arc",
+      "GDKVD_CACHE_POLICY");
   opt("--max-clients", c.max_clients, "vfio-user connections at once", "GDKVD_MAX_CLIENTS")
       ->check(CLI::Range(1u, 4096u));
   app.add_flag("--allow-unsealed-memory", c.allow_unsealed_memory,
