@@ -110,13 +110,13 @@ int main(int argc, char** argv) {
   uint32_t size = 4096, keys_n = 16384, rounds = 3;
   std::vector<uint32_t> qds{1, 32};
   double seconds = 1.0;
-  std::string policy = "adaptive";
+  std::string policy = gdkv::CacheOptions{}.policy;
   app.add_option("--value-size", size, "bytes per value (4096)");
   app.add_option("--keys", keys_n, "distinct keys, all cached (16384)");
   app.add_option("--qd", qds, "queue depths (1 32)");
   app.add_option("--seconds", seconds, "seconds per measurement (1)");
   app.add_option("--rounds", rounds, "alternating rounds per configuration; the best counts (3)");
-  app.add_option("--policy", policy, "cache policy (adaptive)");
+  app.add_option("--policy", policy, "cache policy (the default, " + policy + ")");
   uint32_t depth = gdkv::CacheOptions{}.prefetch_depth;
   app.add_option("--prefetch-depth", depth, "chain prefetch depth (the default, 8)");
   uint64_t gets = 0;

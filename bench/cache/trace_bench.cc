@@ -71,10 +71,9 @@ Result simulate(const std::string& policy_name, const Trace& t, uint64_t capacit
       // What the cache's learn() does: was this transition seen before?
       bool followed = false;
       if (has_last && !(last == key)) {
-        bool current = false;
-        const CacheKey* next = chain.next(last, &current);
+        const CacheKey* next = chain.next(last);
         followed = next != nullptr && *next == key;
-        if (!followed || !current) chain.record(last, key);
+        if (!followed) chain.record(last, key);
       }
       const CacheKey pred = last;
       last = key;

@@ -130,6 +130,8 @@ class CachedBackend final : public Backend {
       add("cache_single_flight_merges_total", "misses that joined a backend read already running",
           kC, d(c.merges));
       add("cache_fills_total", "values read from the backend and cached", kC, d(c.fills));
+      add("cache_direct_reads_total",
+          "misses too large to cache, read straight into the requester's memory", kC, d(c.direct));
       add("cache_write_fills_total", "stored values cached on their way to the backend", kC,
           d(c.write_fills));
       add("cache_evictions_total", "entries evicted to make room", kC, d(c.evictions));
@@ -191,6 +193,9 @@ class CachedBackend final : public Backend {
     bool used = false;     // a demand read joined this prefetch
     bool chained = false;  // the read followed its chain predecessor `pred` on its stream
     CacheKey pred;
+    // A value the cache will not keep (larger than the cache) read by one request: the backend
+    // writes it through that request's own sink, with no slab buffer and no copy.
+    BackendOp* direct = nullptr;
   };
   struct WriteState {
     uint32_t count = 0;       // writes in flight
@@ -210,7 +215,7 @@ class CachedBackend final : public Backend {
   };
   struct Counters {
     uint64_t hits = 0, misses = 0, merges = 0, fills = 0, write_fills = 0, evictions = 0,
-             invalidations = 0, exists_hits = 0;
+             invalidations = 0, exists_hits = 0, direct = 0;
     uint64_t issued[2] = {}, used = 0, wasted = 0, failed = 0, dropped = 0;
   };
   // Per stream: the chain learning and readahead state.
@@ -235,7 +240,7 @@ class CachedBackend final : public Backend {
     {
       std::lock_guard lk(mu_);
       CacheKey pred;
-      const bool chained = learn(readahead_[stream_id(op)], key, &pred);
+      const bool chained = learn(readahead_of(stream_id(op)), key, &pred);
       if (auto it = entries_.find(key); it != entries_.end()) {
         hit = it->second.buf;
         if (it->second.prefetched) {
@@ -274,8 +279,24 @@ class CachedBackend final : public Backend {
 
   static std::span<std::byte> fill_sink(BackendOp* op, uint64_t len) {
     auto* f = static_cast<Flight*>(op->user);
+    if (len > f->self->capacity_ && f->self->go_direct(f)) return f->direct->sink(f->direct, len);
     f->buf = f->self->alloc_value(len);
     return {f->buf->data, static_cast<size_t>(len)};
+  }
+
+  // A value larger than the cache is never kept: when one demand read with a sink of its own
+  // waits for it, the flight hands that sink to the backend and leaves flights_, so a later miss
+  // starts a read of its own rather than joining one whose bytes went elsewhere.
+  bool go_direct(Flight* f) {
+    std::lock_guard lk(mu_);
+    if (f->prefetch || f->waiters.size() != 1 || f->waiters[0]->sink == nullptr) return false;
+    f->direct = f->waiters[0];
+    if (f->attached) {
+      flights_.erase(f->key);
+      f->attached = false;
+    }
+    ++n_.direct;
+    return true;
   }
 
   static void fill_done(BackendOp* op, Status s, uint64_t len) {
@@ -285,6 +306,17 @@ class CachedBackend final : public Backend {
 
   void finish_fill(Flight* f, Status s, uint64_t len) {
     std::shared_ptr<Buffer> buf;
+    if (f->direct != nullptr) {
+      // The value is in the requester's memory already (or it failed): nothing to keep.
+      {
+        std::lock_guard lk(mu_);
+        if (f->attached) flights_.erase(f->key);
+      }
+      f->direct->complete(s, s == Status::kSuccess ? len : 0);
+      delete f;
+      outstanding_.fetch_sub(1, std::memory_order_release);  // last: drain() may return now
+      return;
+    }
     if (s == Status::kSuccess) {
       const ValueView& v = f->op.view;
       if (f->buf && f->buf->len == len) {
@@ -363,7 +395,7 @@ class CachedBackend final : public Backend {
       detach(ctx->key);
       if (op->kind == BackendOpKind::kPut) {
         // A prefill's Stores teach the order its blocks will be read in.
-        Readahead& ra = readahead_[stream_id(op)];
+        Readahead& ra = readahead_of(stream_id(op));
         ctx->chained = learn(ra, ctx->key, &ctx->pred);
         ra.ahead = 0;
       }
@@ -430,17 +462,29 @@ class CachedBackend final : public Backend {
     start(launch);
   }
 
+  // REQUIRES: mu_ held. A stream's state; the last one asked for is remembered (a queue's
+  // commands come in runs), and unordered_map's elements never move.
+  Readahead& readahead_of(uint64_t stream) {
+    if (last_ra_ == nullptr || last_stream_ != stream) {
+      last_ra_ = &readahead_[stream];
+      last_stream_ = stream;
+    }
+    return *last_ra_;
+  }
+
   // REQUIRES: mu_ held. Learns that `key` followed the stream's previous key; returns whether
   // that is what the chain predicted (then *pred = that previous key: key's chain predecessor, as
   // far as the cache can tell).
   bool learn(Readahead& ra, const CacheKey& key, CacheKey* pred) {
     bool followed = false;
     if (ra.has_last && !(ra.last == key)) {
-      bool current = false;
-      const CacheKey* next = chain_.next(ra.last, &current);
+      const CacheKey* next = chain_.next(ra.last);
       followed = next != nullptr && *next == key;
-      if (!followed || !current) chain_.record(ra.last, key);
-      if (followed) *pred = ra.last;
+      if (followed) {
+        *pred = ra.last;
+      } else {
+        chain_.record(ra.last, key);
+      }
     }
     ra.last = key;
     ra.has_last = true;
@@ -455,7 +499,7 @@ class CachedBackend final : public Backend {
   // one step per block.
   void predict(uint64_t stream, const CacheKey& key, bool followed, bool miss, Launch& launch) {
     if (depth_ == 0 || max_inflight_ == 0) return;
-    Readahead& ra = readahead_[stream];
+    Readahead& ra = readahead_of(stream);
     if (followed) {
       ra.window = std::min(depth_, std::max(1u, ra.window * 2));
     } else {
@@ -615,6 +659,8 @@ class CachedBackend final : public Backend {
   std::unordered_map<CacheKey, WriteState, CacheKeyHash> writes_;
   cache::ChainTable chain_;
   std::unordered_map<uint64_t, Readahead> readahead_;  // per stream
+  Readahead* last_ra_ = nullptr;                       // readahead_of's memory
+  uint64_t last_stream_ = 0;
   std::deque<Pending> pending_;
   std::unordered_set<CacheKey, CacheKeyHash> queued_;  // keys in pending_
   uint32_t prefetch_inflight_ = 0;

@@ -3,7 +3,11 @@
 // backend interface and end to end through the controller and Client.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <atomic>
 #include <barrier>
+#include <filesystem>
 #include <random>
 #include <thread>
 
@@ -11,6 +15,7 @@
 #include "gdkv/cache.h"
 #include "gdkv/client.h"
 #include "gdkv/commands.h"
+#include "gdkv/local_backend.h"
 
 namespace gdkv {
 namespace {
@@ -504,6 +509,96 @@ TEST(CacheOptionsTest, ZeroCapacityPassesThrough) {
   EXPECT_EQ(f.get(key("k")), "v");
   EXPECT_EQ(f.gate->count(BackendOpKind::kGet), 2u);
   EXPECT_EQ(metric(*f.cache, "cache_bytes"), 0);
+}
+
+// The copy engine's bytes on reactor 0 (every engine it has).
+double dma_bytes(Client& c) {
+  MetricList ms;
+  c.controller()->collect(ms);
+  double n = 0;
+  for (const Metric& m : ms) {
+    if (m.name == "dma_bytes_total") n += m.value;
+  }
+  return n;
+}
+
+// A value the cache will not keep (a capacity of 0, or larger than the whole cache) is read by
+// the local store straight into the requester's buffer: no slab buffer and no copy-engine bytes.
+// A value the cache keeps is read into the slab and copied out (one copy), and hits then cost one
+// copy each. Concurrent misses of a value too large to keep still share one backend read.
+TEST(CacheDirectReads, ValuesTheCacheWillNotKeepAreNotCopied) {
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("gdkv-cache-direct-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  LocalBackendOptions lo;
+  lo.path = dir.string();
+  lo.capacity_bytes = 64 << 20;
+  lo.segment_bytes = 8 << 20;
+  auto local = make_local_backend(lo);
+  const Key small = key("small"), big = key("big");
+  const std::string small_v = block_value(small, 4096), big_v = block_value(big, 256 << 10);
+  ASSERT_EQ(test::put(*local, small, small_v), Status::kSuccess);
+  ASSERT_EQ(test::put(*local, big, big_v), Status::kSuccess);
+  for (uint64_t capacity : {uint64_t{0}, uint64_t{64} << 10}) {
+    SCOPED_TRACE(capacity);
+    CacheOptions o;
+    o.capacity_bytes = capacity;
+    auto gate = std::make_shared<GateBackend>(local);
+    auto cache = make_cached_backend(gate, o);
+    auto client = Client::open(cache);
+    std::vector<std::byte> buf(big_v.size());
+    for (int round = 0; round < 2; ++round) {
+      CmdResult r = client->get(big, std::span(buf));
+      ASSERT_TRUE(r.ok()) << describe(r);
+      EXPECT_EQ(test::string_of(buf), big_v);
+    }
+    EXPECT_EQ(dma_bytes(*client), 0) << "a value larger than the cache was copied";
+    EXPECT_EQ(metric(*cache, "cache_direct_reads_total"), 2);
+    EXPECT_EQ(gate->count(BackendOpKind::kGet), 2u);
+    std::vector<std::byte> sbuf(small_v.size());
+    for (int round = 0; round < 3; ++round) {
+      CmdResult r = client->get(small, std::span(sbuf));
+      ASSERT_TRUE(r.ok()) << describe(r);
+      EXPECT_EQ(test::string_of(sbuf), small_v);
+    }
+    if (capacity == 0) {
+      EXPECT_EQ(dma_bytes(*client), 0);
+      EXPECT_EQ(metric(*cache, "cache_direct_reads_total"), 5);
+      EXPECT_EQ(metric(*cache, "cache_bytes"), 0);
+    } else {
+      EXPECT_EQ(dma_bytes(*client), 3 * 4096);  // the fill's copy out, then two hits
+      EXPECT_EQ(metric(*cache, "cache_hits_total"), 2);
+    }
+    // A short buffer still gets the first bytes and the full length.
+    std::vector<std::byte> head(100);
+    CmdResult r = client->get(big, std::span(head));
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ(r.dw0, big_v.size());
+    EXPECT_EQ(test::string_of(head), big_v.substr(0, 100));
+    EXPECT_EQ(metric(*cache, "cache_direct_reads_total"), capacity == 0 ? 6 : 3);
+  }
+  // Sixteen concurrent misses of a value too large to keep: one flight with many waiters reads it
+  // into a buffer of its own and every reader gets the bytes.
+  CacheOptions o;
+  o.capacity_bytes = 4096;
+  MemoryBackendOptions mo;
+  mo.delay_us = 20000;
+  auto slow = std::make_shared<GateBackend>(make_memory_backend(mo));
+  auto cache = make_cached_backend(slow, o);
+  ASSERT_EQ(test::put(*cache, big, big_v), Status::kSuccess);
+  std::vector<std::thread> readers;
+  std::atomic<int> good{0};
+  for (int i = 0; i < 16; ++i) {
+    readers.emplace_back([&] {
+      SyncOp op(BackendOpKind::kGet, big);
+      if (op.run(*cache) == Status::kSuccess && op.value() == big_v) ++good;
+    });
+  }
+  for (auto& t : readers) t.join();
+  EXPECT_EQ(good.load(), 16);
+  EXPECT_LT(slow->count(BackendOpKind::kGet), 16u);
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 // Not thread-safe: the cache calls it under its lock.
 #pragma once
 
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -30,11 +31,25 @@
 namespace gdkv::cache {
 
 // A key in one namespace.
+static_assert(std::endian::native == std::endian::little, "CacheKey's compare assumes it");
 struct CacheKey {
   uint32_t nsid = 0;
   Key key;
+  // Only the key's `len` bytes count, as in Key's operator==; done with two masked 8-byte
+  // compares instead of a call to memcmp (the cache compares keys several times per request).
   friend bool operator==(const CacheKey& a, const CacheKey& b) noexcept {
-    return a.nsid == b.nsid && a.key == b.key;
+    if (a.nsid != b.nsid || a.key.len != b.key.len) return false;
+    static_assert(sizeof(a.key.bytes) == 16);
+    uint64_t a0, a1, b0, b1;
+    std::memcpy(&a0, a.key.bytes, 8);
+    std::memcpy(&a1, a.key.bytes + 8, 8);
+    std::memcpy(&b0, b.key.bytes, 8);
+    std::memcpy(&b1, b.key.bytes + 8, 8);
+    const unsigned n = a.key.len < 16 ? a.key.len : 16;
+    // Little-endian byte i is bits 8i..8i+7: keep the first n bytes.
+    const uint64_t m0 = n >= 8 ? ~uint64_t{0} : (uint64_t{1} << (8 * n)) - 1;
+    const uint64_t m1 = n >= 16 ? ~uint64_t{0} : n <= 8 ? 0 : (uint64_t{1} << (8 * (n - 8))) - 1;
+    return (((a0 ^ b0) & m0) | ((a1 ^ b1) & m1)) == 0;
   }
 };
 

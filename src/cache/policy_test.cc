@@ -339,6 +339,28 @@ TEST(AdaptivePolicy, PinnedToAnExpertBehavesAsThatPolicy) {
   }
 }
 
+// CacheKey's masked compare agrees with Key's for every length, whatever lies past a key's
+// length, and the namespace counts.
+TEST(CacheKeys, EqualityIsKeyEqualityPerNamespace) {
+  std::mt19937_64 rng(17);
+  for (int i = 0; i < 20000; ++i) {
+    CacheKey a, b;
+    a.nsid = 1 + rng() % 2;
+    b.nsid = 1 + rng() % 2;
+    a.key.len = static_cast<uint8_t>(rng() % 17);
+    b.key.len = rng() % 4 == 0 ? static_cast<uint8_t>(rng() % 17) : a.key.len;
+    for (auto& x : a.key.bytes) x = static_cast<uint8_t>(rng() % 3);
+    for (size_t j = 0; j < 16; ++j) {
+      b.key.bytes[j] = rng() % 8 == 0 ? static_cast<uint8_t>(rng() % 3) : a.key.bytes[j];
+    }
+    const bool expect = a.nsid == b.nsid && a.key == b.key;
+    ASSERT_EQ(a == b, expect) << int{a.key.len} << " " << int{b.key.len};
+    if (expect) {
+      ASSERT_EQ(CacheKeyHash{}(a), CacheKeyHash{}(b));
+    }
+  }
+}
+
 TEST(Policies, FactoryRejectsBadNames) {
   PolicyOptions po;
   EXPECT_EQ(make_policy("mru", po), nullptr);
