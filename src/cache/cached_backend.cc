@@ -79,6 +79,7 @@ class CachedBackend final : public Backend {
         policy_name_(o.policy),
         slab_(SlabAllocator::create(o.alloc, o.free, o.slab_page_bytes)),
         policy_(std::move(policy)),
+        learning_(depth_ != 0 || policy_->uses_chains()),
         chain_(o.chain_entries) {}
 
   ~CachedBackend() override {
@@ -240,7 +241,7 @@ class CachedBackend final : public Backend {
     {
       std::lock_guard lk(mu_);
       CacheKey pred;
-      const bool chained = learn(readahead_of(stream_id(op)), key, &pred);
+      const bool chained = learning_ && learn(readahead_of(stream_id(op)), key, &pred);
       if (auto it = entries_.find(key); it != entries_.end()) {
         hit = it->second.buf;
         if (it->second.prefetched) {
@@ -393,7 +394,7 @@ class CachedBackend final : public Backend {
       WriteState& w = writes_[ctx->key];
       if (++w.count > 1) w.overlapped = true;
       detach(ctx->key);
-      if (op->kind == BackendOpKind::kPut) {
+      if (op->kind == BackendOpKind::kPut && learning_) {
         // A prefill's Stores teach the order its blocks will be read in.
         Readahead& ra = readahead_of(stream_id(op));
         ctx->chained = learn(ra, ctx->key, &ctx->pred);
@@ -657,6 +658,7 @@ class CachedBackend final : public Backend {
   uint64_t bytes_ = 0;
   std::unordered_map<CacheKey, Flight*, CacheKeyHash> flights_;  // attached flights
   std::unordered_map<CacheKey, WriteState, CacheKeyHash> writes_;
+  const bool learning_;  // learn chains: for prefetch or a policy that orders by them
   cache::ChainTable chain_;
   std::unordered_map<uint64_t, Readahead> readahead_;  // per stream
   Readahead* last_ra_ = nullptr;                       // readahead_of's memory

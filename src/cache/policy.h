@@ -109,6 +109,9 @@ class EvictionPolicy {
   // chain (a prefix hit on key needs pred cached). Policies that know chains order by it; no-op
   // for the others, and when either key is not resident.
   virtual void record_chain(const CacheKey& key, const CacheKey& pred) { (void)key, (void)pred; }
+  // Whether record_chain does anything (the cache learns chains only for a policy that uses them
+  // or for prefetch).
+  virtual bool uses_chains() const { return false; }
   // Evicts `key` as if this policy had chosen it (it enters the history): lets a policy follow
   // another's choices. No-op if not resident.
   virtual void evict_key(const CacheKey& key) = 0;

@@ -90,6 +90,7 @@ class PrefixPolicy final : public EvictionPolicy {
   }
 
   const char* name() const override { return "prefix"; }
+  bool uses_chains() const override { return true; }
 
   void add(const CacheKey& key, uint64_t size, uint64_t now, AddKind kind) override {
     (void)now;
