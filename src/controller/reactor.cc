@@ -122,6 +122,10 @@ void Reactor::post(Command* cmd) {
     inbox_.push_back(cmd);
     inbox_nonempty_.store(true, std::memory_order_release);
   }
+  // Store-buffering with the reactor's sleep (run): the flag's store must be visible before we
+  // look for a sleeper, and a release store followed by a load gives no such order (x86 and C++
+  // let the load pass it). tests/handshake_model_test.cc checks both sides.
+  atomic::fence();
   if (__atomic_load_n(&wake_word_, __ATOMIC_SEQ_CST) != 0) wake();
 }
 
@@ -178,6 +182,10 @@ void Reactor::run() {
     // Announce the sleep, then look once more: a requester that rang before seeing the flag is
     // caught by this poll; one that rings after sees the flag and wakes us.
     __atomic_store_n(&wake_word_, 1u, __ATOMIC_SEQ_CST);
+    // The polls below load with acquire, which may pass the seq_cst store above (AArch64's RCpc
+    // LDAPR does, as C++ allows): without a full fence a requester could miss the flag while we
+    // miss its work, and we would sleep through it until the futex timeout.
+    atomic::fence();
     if (poll_once() || exit_.load()) {
       __atomic_store_n(&wake_word_, 0u, __ATOMIC_SEQ_CST);
       idle_iters = 0;
