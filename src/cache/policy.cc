@@ -1,14 +1,17 @@
-// LRU, LRU-K, ARC and the adaptive policy, as one engine over shared nodes.
+// LRU, LRU-K, ARC and the adaptive policy, as one engine template.
 //
-// Every policy is an Engine running some of three "experts" (LRU, LRU-K, ARC). A key has one node
-// that carries each expert's links, so the adaptive policy, which keeps all three in step, pays
-// one hash lookup per reference rather than one per expert, and the single-expert policies are the
-// same code with the other experts switched off.
+// Every policy is an Engine<experts> running some of three "experts" (LRU, LRU-K, ARC). A key has
+// one node that carries each expert's state, so the adaptive policy, which keeps all three in
+// step, pays one hash lookup per reference rather than one per expert. The single-expert policies
+// are the same code compiled with the other experts left out, node state included: an LRU node
+// holds no LRU-K or ARC state (NodeT's parts are empty bases then).
 #include <algorithm>
 #include <array>
 #include <bit>
 #include <map>
+#include <memory>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -20,12 +23,16 @@ namespace {
 enum Expert : uint8_t { kArc, kLruK, kLru, kExperts };
 constexpr const char* kExpertNames[kExperts] = {"arc", "lru-k", "lru"};
 
-struct Node;
+constexpr uint32_t bit(Expert e) { return 1u << e; }
+constexpr uint32_t kAllExperts = bit(kArc) | bit(kLruK) | bit(kLru);
 
-struct Link {
-  Node* prev = nullptr;
-  Node* next = nullptr;
+template <class N>
+struct LinkT {
+  N* prev = nullptr;
+  N* next = nullptr;
 };
+template <int I>
+struct Empty {};
 
 // ---- LRU-K state ----
 //
@@ -68,29 +75,40 @@ enum KState : uint8_t { kKNone, kKResident, kKHistory };
 
 enum ArcList : uint8_t { kT1, kT2, kB1, kB2, kArcNone };
 
-struct Node {
-  CacheKey key;
-  uint64_t size = 0;
-  bool resident = false;
-  Link lru;
-  // LRU-K
+// A node's LRU-K state, while resident or remembered.
+template <class N>
+struct LruKPart {
   Refs refs;
   KState k = kKNone;
   uint64_t k_id = 0;
-  std::map<Order, Node*>::iterator k_pos;  // in the order, while resident
-  Link k_fifo;                             // in the history, while remembered
-  // ARC
+  typename std::map<Order, N*>::iterator k_pos;  // in the order, while resident
+};
+// A node's ARC state.
+struct ArcPart {
   ArcList arc = kArcNone;
   bool arc_prefetched = false;
   bool arc_has_last = false;
   uint64_t arc_last = 0;
+};
+
+// A key's node in an Engine<M>: the parts of the experts in M (the others are empty bases).
+template <uint32_t M>
+struct NodeT : std::conditional_t<(M & bit(kLruK)) != 0, LruKPart<NodeT<M>>, Empty<0>>,
+               std::conditional_t<(M & bit(kArc)) != 0, ArcPart, Empty<1>> {
+  using Link = LinkT<NodeT>;
+  CacheKey key;
+  uint64_t size = 0;
+  bool resident = false;
+  Link lru;
+  Link k_fifo;  // LRU-K's history, while remembered
   Link arc_link;
 };
 
 // An intrusive list through one of a node's links; front = least recently used.
-template <Link Node::*L>
+template <class Node, LinkT<Node> Node::*L>
 class List {
  public:
+  using Link = LinkT<Node>;
   bool empty() const { return head_ == nullptr; }
   Node* front() const { return head_; }
   size_t size() const { return n_; }
@@ -132,17 +150,16 @@ class List {
   size_t n_ = 0;
 };
 
+// M: a bit per Expert. Several experts: the adaptive policy, with shadow caches to score them.
+template <uint32_t M>
 class Engine final : public EvictionPolicy {
  public:
-  // `experts`: a bit per Expert. `name`: what name() reports. Several experts: the adaptive
-  // policy, with shadow caches to score them.
-  Engine(const char* name, uint32_t experts, const PolicyOptions& o)
-      : name_(name),
-        experts_(experts),
-        options_(o),
-        k_(o.k),
-        window_(o.correlated_window),
-        c_(o.capacity_bytes) {
+  using Node = NodeT<M>;
+  static constexpr bool kAdaptive = std::popcount(M) > 1;
+
+  // `name`: what name() reports.
+  Engine(const char* name, const PolicyOptions& o)
+      : name_(name), options_(o), k_(o.k), window_(o.correlated_window), c_(o.capacity_bytes) {
     for (uint8_t e = 0; e < kExperts; ++e) {
       if (has(static_cast<Expert>(e)) && o.pin_expert == kExpertNames[e]) leader_ = e;
     }
@@ -154,10 +171,12 @@ class Engine final : public EvictionPolicy {
         }
       }
     }
-    adaptive_ = std::popcount(experts) > 1 && o.pin_expert.empty();
-    if (adaptive_) {
-      leader_ = kArc;  // until the shadows know better: the middle ground is never far off
-      reshard(ideal_shift(o.expected_entries));
+    if constexpr (kAdaptive) {
+      adaptive_ = o.pin_expert.empty();
+      if (adaptive_) {
+        leader_ = kArc;  // until the shadows know better: the middle ground is never far off
+        reshard(ideal_shift(o.expected_entries));
+      }
     }
   }
 
@@ -165,17 +184,21 @@ class Engine final : public EvictionPolicy {
 
   void prepare_insert(const CacheKey& key, uint64_t size, AddKind kind) override {
     pending_b2_ = false;
-    if (!has(kArc) || kind != AddKind::kDemand) return;
-    auto it = nodes_.find(key);
-    if (it == nodes_.end()) return;
-    const Node& n = it->second;
-    if (n.arc == kB1) {
-      const uint64_t delta = arc_delta(size, bytes_[kB2], bytes_[kB1]);
-      p_ = c_ - p_ < delta ? c_ : p_ + delta;
-    } else if (n.arc == kB2) {
-      const uint64_t delta = arc_delta(size, bytes_[kB1], bytes_[kB2]);
-      p_ = p_ > delta ? p_ - delta : 0;
-      pending_b2_ = true;
+    if constexpr (has(kArc)) {
+      if (kind != AddKind::kDemand) return;
+      auto it = nodes_.find(key);
+      if (it == nodes_.end()) return;
+      const Node& n = it->second;
+      if (n.arc == kB1) {
+        const uint64_t delta = arc_delta(size, bytes_[kB2], bytes_[kB1]);
+        p_ = c_ - p_ < delta ? c_ : p_ + delta;
+      } else if (n.arc == kB2) {
+        const uint64_t delta = arc_delta(size, bytes_[kB1], bytes_[kB2]);
+        p_ = p_ > delta ? p_ - delta : 0;
+        pending_b2_ = true;
+      }
+    } else {
+      (void)key, (void)size, (void)kind;
     }
   }
 
@@ -184,17 +207,22 @@ class Engine final : public EvictionPolicy {
     Node* n = &it->second;
     if (fresh) n->key = key;
     // An ARC ghost leaves its list at its old size, before the node takes the new one.
-    const bool arc_ghost = n->arc == kB1 || n->arc == kB2;
-    if (arc_ghost) arc_unlink(n);
+    bool arc_ghost = false;
+    if constexpr (has(kArc)) {
+      arc_ghost = n->arc == kB1 || n->arc == kB2;
+      if (arc_ghost) arc_unlink(n);
+    }
     n->resident = true;
     n->size = size;
     ++resident_;
     resident_bytes_ += size;
-    if (has(kLru)) lru_.push_back(n);
-    if (has(kLruK)) lruk_add(n, now, kind);
-    if (has(kArc)) arc_add(n, now, kind, arc_ghost);
+    if constexpr (has(kLru)) lru_.push_back(n);
+    if constexpr (has(kLruK)) lruk_add(n, now, kind);
+    if constexpr (has(kArc)) arc_add(n, now, kind, arc_ghost);
     pending_b2_ = false;
-    if (adaptive_) observe(key, size, now, kind);
+    if constexpr (kAdaptive) {
+      if (adaptive_) observe(key, size, now, kind);
+    }
   }
 
   void record_access(const CacheKey& key, uint64_t size, uint64_t now) override {
@@ -204,30 +232,30 @@ class Engine final : public EvictionPolicy {
   void touch(Node* n, uint64_t size, uint64_t now) {
     const CacheKey& key = n->key;
     resident_bytes_ = resident_bytes_ - n->size + size;
-    if (has(kArc)) arc_access(n, size, now);
+    if constexpr (has(kArc)) arc_access(n, size, now);
     n->size = size;
-    if (has(kLru)) lru_.move_to_back(n);
-    if (has(kLruK)) lruk_access(n, now);
-    if (adaptive_) observe(key, size, now, AddKind::kDemand);
+    if constexpr (has(kLru)) lru_.move_to_back(n);
+    if constexpr (has(kLruK)) lruk_access(n, now);
+    if constexpr (kAdaptive) {
+      if (adaptive_) observe(key, size, now, AddKind::kDemand);
+    }
   }
 
   void remove(const CacheKey& key) override {
     auto it = nodes_.find(key);
     if (it == nodes_.end() || !it->second.resident) return;
     Node* n = &it->second;
-    if (has(kLru)) lru_.erase(n);
-    if (has(kLruK)) {
+    if constexpr (has(kLru)) lru_.erase(n);
+    if constexpr (has(kLruK)) {
       order_.erase(n->k_pos);
       n->k = kKNone;
     }
-    if (has(kArc)) {
-      arc_unlink(n);
-    }
+    if constexpr (has(kArc)) arc_unlink(n);
     leave(n);
     release(n);
-    if (adaptive_) {
-      for (auto& s : shadows_) {
-        if (s) s->remove(key);
+    if constexpr (kAdaptive) {
+      if (adaptive_) {
+        for (uint8_t e = 0; e < kExperts; ++e) with_shadow(e, [&](auto& s) { s.remove(key); });
       }
     }
   }
@@ -235,14 +263,14 @@ class Engine final : public EvictionPolicy {
   bool evict(CacheKey* victim) override {
     if (resident_ == 0) return false;
     Node* n = nullptr;
-    switch (leader_) {
-      case kLru:
-        n = lru_.front();
-        break;
-      case kLruK:
-        n = order_.begin()->second;
-        break;
-      default: {
+    if constexpr (has(kLru)) {
+      if (leader_ == kLru) n = lru_.front();
+    }
+    if constexpr (has(kLruK)) {
+      if (leader_ == kLruK) n = order_.begin()->second;
+    }
+    if constexpr (has(kArc)) {
+      if (leader_ == kArc) {
         const bool t1 = !arc_lists_[kT1].empty() && (arc_lists_[kT2].empty() || bytes_[kT1] > p_ ||
                                                      (pending_b2_ && bytes_[kT1] >= p_));
         n = (t1 ? arc_lists_[kT1] : arc_lists_[kT2]).front();
@@ -265,11 +293,11 @@ class Engine final : public EvictionPolicy {
                      std::vector<std::pair<std::string, std::string>> labels = {}) {
       out.push_back(Metric{name, help, MetricType::kGauge, std::move(labels), v});
     };
-    if (has(kLruK)) {
+    if constexpr (has(kLruK)) {
       gauge("cache_lruk_history_entries", "LRU-K: evicted keys whose reference times it keeps",
             static_cast<double>(fifo_.size()));
     }
-    if (has(kArc)) {
+    if constexpr (has(kArc)) {
       gauge("cache_arc_recency_target_bytes", "ARC: bytes it aims to give entries used once (p)",
             static_cast<double>(p_));
       gauge("cache_arc_recency_bytes", "ARC: bytes of entries referenced once",
@@ -279,7 +307,7 @@ class Engine final : public EvictionPolicy {
       gauge("cache_arc_ghost_bytes", "ARC: bytes of evicted keys remembered",
             static_cast<double>(bytes_[kB1] + bytes_[kB2]));
     }
-    if (std::popcount(experts_) > 1) {
+    if constexpr (kAdaptive) {
       for (uint8_t e = 0; e < kExperts; ++e) {
         if (!has(static_cast<Expert>(e))) continue;
         const std::string name = e == kLruK ? "lru-" + std::to_string(k_) : kExpertNames[e];
@@ -305,7 +333,7 @@ class Engine final : public EvictionPolicy {
   uint64_t resident_bytes() const { return resident_bytes_; }
 
  private:
-  bool has(Expert e) const { return (experts_ >> e) & 1u; }
+  static constexpr bool has(Expert e) { return (M & bit(e)) != 0; }
 
   // The node left the cache (all experts are done with its resident state).
   void leave(Node* n) {
@@ -316,17 +344,24 @@ class Engine final : public EvictionPolicy {
 
   // Frees the node once no expert remembers it.
   void release(Node* n) {
-    if (!n->resident && n->k != kKHistory && n->arc == kArcNone) nodes_.erase(n->key);
+    if (n->resident) return;
+    if constexpr (has(kLruK)) {
+      if (n->k == kKHistory) return;
+    }
+    if constexpr (has(kArc)) {
+      if (n->arc != kArcNone) return;
+    }
+    nodes_.erase(n->key);
   }
 
   void evict_node(Node* n) {
-    if (has(kLru)) lru_.erase(n);
-    if (has(kLruK)) lruk_to_history(n);
-    if (has(kArc)) arc_to_ghost(n);
+    if constexpr (has(kLru)) lru_.erase(n);
+    if constexpr (has(kLruK)) lruk_to_history(n);
+    if constexpr (has(kArc)) arc_to_ghost(n);
     leave(n);
     release(n);  // n may be gone from here on: the trims free what they drop
-    if (has(kLruK)) trim_history();
-    if (has(kArc)) trim_ghosts();
+    if constexpr (has(kLruK)) trim_history();
+    if constexpr (has(kArc)) trim_ghosts();
   }
 
   // ---- LRU-K ----
@@ -493,13 +528,10 @@ class Engine final : public EvictionPolicy {
     so.pin_expert.clear();
     if (so.history_entries != 0)
       so.history_entries = std::max<uint64_t>(so.history_entries >> shift, 1);
-    for (uint8_t e = 0; e < kExperts; ++e) {
-      score_[e] = 0;
-      shadows_[e].reset();
-      if (has(static_cast<Expert>(e))) {
-        shadows_[e] = std::make_unique<Engine>(kExpertNames[e], 1u << e, so);
-      }
-    }
+    score_.fill(0);
+    shadow_arc_ = std::make_unique<Engine<bit(kArc)>>(kExpertNames[kArc], so);
+    shadow_lruk_ = std::make_unique<Engine<bit(kLruK)>>(kExpertNames[kLruK], so);
+    shadow_lru_ = std::make_unique<Engine<bit(kLru)>>(kExpertNames[kLru], so);
   }
 
   bool sampled(const CacheKey& key) const {
@@ -509,7 +541,7 @@ class Engine final : public EvictionPolicy {
   void observe(const CacheKey& key, uint64_t size, uint64_t now, AddKind kind) {
     if (sampled(key)) {
       for (uint8_t e = 0; e < kExperts; ++e) {
-        if (shadows_[e]) shadow_reference(e, key, size, now, kind);
+        with_shadow(e, [&](auto& s) { shadow_reference(s, e, key, size, now, kind); });
       }
     }
     // More entries than the sample was sized for: sample more sparsely at once (cheap check).
@@ -530,7 +562,7 @@ class Engine final : public EvictionPolicy {
     }
     uint8_t best = leader_;
     for (uint8_t e = 0; e < kExperts; ++e) {
-      if (shadows_[e] && score_[e] > score_[best]) best = e;
+      if (score_[e] > score_[best]) best = e;
     }
     // Hysteresis: a lead of a few hits is noise, and each switch costs the cache some contents.
     // ARC must lead by more: it is the middle ground between the other two, and on a sampled
@@ -542,10 +574,26 @@ class Engine final : public EvictionPolicy {
     }
   }
 
-  void shadow_reference(uint8_t e, const CacheKey& key, uint64_t size, uint64_t now, AddKind kind) {
-    Engine& s = *shadows_[e];
+  // Calls f with expert e's shadow, if there is one.
+  template <class F>
+  void with_shadow(uint8_t e, F&& f) {
+    switch (e) {
+      case kArc:
+        if (shadow_arc_) f(*shadow_arc_);
+        break;
+      case kLruK:
+        if (shadow_lruk_) f(*shadow_lruk_);
+        break;
+      default:
+        if (shadow_lru_) f(*shadow_lru_);
+    }
+  }
+
+  template <class Shadow>
+  void shadow_reference(Shadow& s, uint8_t e, const CacheKey& key, uint64_t size, uint64_t now,
+                        AddKind kind) {
     CacheKey v;
-    if (Node* n = s.find_resident(key)) {
+    if (auto* n = s.find_resident(key)) {
       if (kind == AddKind::kPrefetch) return;  // a prefetch is not a reference
       score_[e] += 1;
       s.touch(n, size, now);
@@ -561,7 +609,6 @@ class Engine final : public EvictionPolicy {
   }
 
   const char* name_;
-  const uint32_t experts_;
   const PolicyOptions options_;
   const uint32_t k_;
   const uint64_t window_;
@@ -571,20 +618,23 @@ class Engine final : public EvictionPolicy {
   size_t resident_ = 0;
   uint64_t resident_bytes_ = 0;
   // LRU
-  List<&Node::lru> lru_;
+  List<Node, &Node::lru> lru_;
   // LRU-K
-  std::map<Order, Node*> order_;  // first = its next victim
-  List<&Node::k_fifo> fifo_;      // history, oldest evicted first
+  std::map<Order, Node*> order_;    // first = its next victim
+  List<Node, &Node::k_fifo> fifo_;  // history, oldest evicted first
   uint64_t next_id_ = 0;
   // ARC
-  std::array<List<&Node::arc_link>, 4> arc_lists_;
+  std::array<List<Node, &Node::arc_link>, 4> arc_lists_;
   std::array<uint64_t, 4> bytes_{};
   uint64_t p_ = 0;  // target bytes of T1
   bool pending_b2_ = false;
   // Adaptive
   bool adaptive_ = false;
   uint8_t leader_ = kExperts;
-  std::array<std::unique_ptr<Engine>, kExperts> shadows_;
+  // The adaptive policy's shadows (single-expert engines: keys only, sampled).
+  std::unique_ptr<Engine<bit(kArc)>> shadow_arc_;
+  std::unique_ptr<Engine<bit(kLruK)>> shadow_lruk_;
+  std::unique_ptr<Engine<bit(kLru)>> shadow_lru_;
   std::array<double, kExperts> score_{};
   uint32_t shift_ = 0;
   uint64_t shadow_capacity_ = 0;
@@ -600,12 +650,12 @@ std::unique_ptr<EvictionPolicy> make_policy(std::string_view name, const PolicyO
     if (!(o.probation_share >= 0 && o.probation_share <= 1)) return nullptr;
     return make_prefix_policy(o);
   }
-  if (name == "lru") return std::make_unique<Engine>("lru", 1u << kLru, o);
+  if (name == "lru") return std::make_unique<Engine<bit(kLru)>>("lru", o);
   if (name == "lru-k") {
     if (o.k < 1 || o.k > kMaxK) return nullptr;
-    return std::make_unique<Engine>("lru-k", 1u << kLruK, o);
+    return std::make_unique<Engine<bit(kLruK)>>("lru-k", o);
   }
-  if (name == "arc") return std::make_unique<Engine>("arc", 1u << kArc, o);
+  if (name == "arc") return std::make_unique<Engine<bit(kArc)>>("arc", o);
   if (name == "adaptive") {
     PolicyOptions a = o;
     a.k = 2;
@@ -613,7 +663,7 @@ std::unique_ptr<EvictionPolicy> make_policy(std::string_view name, const PolicyO
         a.pin_expert != "lru") {
       return nullptr;
     }
-    return std::make_unique<Engine>("adaptive", (1u << kArc) | (1u << kLruK) | (1u << kLru), a);
+    return std::make_unique<Engine<kAllExperts>>("adaptive", a);
   }
   return nullptr;
 }
