@@ -110,9 +110,11 @@ struct QueueRef {
   QueueControl* ctl = nullptr;
   QueueDoorbells* db = nullptr;
   // Host only, may be null: the serving reactor's sleep word. Nonzero while the reactor sleeps;
-  // a requester that rings the doorbell then sees it set wakes the reactor (like io_uring's
-  // SQPOLL NEED_WAKEUP). GPU requesters leave it null and the reactor keeps polling.
+  // a requester that rings the doorbell then sees it set calls wake_fn(wake) (like io_uring's
+  // SQPOLL NEED_WAKEUP). Whoever serves the queue sets both; the queue knows nothing of its
+  // server. GPU requesters leave them null and the reactor keeps polling.
   uint32_t* wake = nullptr;
+  void (*wake_fn)(uint32_t* word) = nullptr;
   uint32_t depth = 0;
   uint16_t qid = 0;
 
@@ -135,11 +137,6 @@ struct QueueRef {
 };
 
 namespace queue {
-
-#if !defined(__CUDA_ARCH__) && !defined(__HIP_DEVICE_COMPILE__)
-// Wakes a reactor that went to sleep waiting on `word` (host only; defined in the library).
-void wake_controller(uint32_t* word) noexcept;
-#endif
 
 // Takes one credit and a free command id. Returns false when depth-1 commands are in flight.
 GDKV_HD inline bool try_acquire(const QueueRef& q, uint16_t* cid) noexcept {
@@ -210,7 +207,7 @@ GDKV_HD inline void publish(const QueueRef& q) noexcept {
     if (atomic::load(&q.ctl->sq_published) == p) break;
   }
 #if !defined(__CUDA_ARCH__) && !defined(__HIP_DEVICE_COMPILE__)
-  if (q.wake != nullptr && atomic::load(q.wake) != 0) wake_controller(q.wake);
+  if (q.wake != nullptr && q.wake_fn != nullptr && atomic::load(q.wake) != 0) q.wake_fn(q.wake);
 #endif
 }
 

@@ -6,6 +6,8 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "controller/reactor.h"
+
 namespace gdkv {
 
 nvme::Status InProcessSpace::map_range(uint64_t addr, size_t len, bool for_write,
@@ -61,6 +63,7 @@ QueuePoller::QueuePoller(Controller::Impl* ctl, const QueueOptions& options, uin
   }
   ref_ = QueueRef::over(block_, options.depth, qid);
   ref_.wake = wake;
+  ref_.wake_fn = wake != nullptr ? &Reactor::wake_word_fn : nullptr;
   commands_ = std::make_unique<Command[]>(options.depth);
   command_count_ = options.depth;
   free_.reserve(options.depth);

@@ -32,12 +32,10 @@ uint64_t now_ns() noexcept {
   return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
 }
 
-namespace queue {
-void wake_controller(uint32_t* word) noexcept {
+void Reactor::wake_word_fn(uint32_t* word) {
   // Only the thread that flips the word from sleeping pays for the system call.
   if (__atomic_exchange_n(word, 0u, __ATOMIC_SEQ_CST) != 0) futex_wake(word);
 }
-}  // namespace queue
 
 Reactor::Reactor(Controller::Impl* ctl, uint32_t index, std::unique_ptr<CopyEngine> engine)
     : ctl_(ctl), index_(index), engine_(std::move(engine)) {
@@ -79,7 +77,7 @@ void Reactor::join() {
   if (thread_.joinable()) thread_.join();
 }
 
-void Reactor::wake() noexcept { queue::wake_controller(&wake_word_); }
+void Reactor::wake() noexcept { wake_word_fn(&wake_word_); }
 
 void Reactor::add_poller(Poller* p) {
   std::lock_guard lk(pollers_mu_);

@@ -52,6 +52,8 @@ class Reactor {
 
   uint32_t index() const noexcept { return index_; }
   uint32_t* wake_word() noexcept { return &wake_word_; }
+  // Wakes the reactor sleeping on `word` (a QueueRef's wake_fn for the queues it serves).
+  static void wake_word_fn(uint32_t* word);
   CopyEngine& engine() noexcept { return *engine_; }
   // Staging memory for this reactor's commands; null without ControllerOptions::staging_alloc.
   StagingPool* staging_pool() noexcept { return staging_pool_.get(); }
