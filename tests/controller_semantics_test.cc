@@ -1,10 +1,12 @@
 // Every opcode's semantics and every kind of bad input, through a queue pair and a real controller,
 // against each backend (one suite, parameterised).
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <mutex>
 #include <random>
 #include <set>
@@ -13,6 +15,7 @@
 #include "backend_params.h"
 #include "gdkv/client.h"
 #include "gdkv/commands.h"
+#include "gdkv/local_backend.h"
 
 namespace gdkv {
 namespace {
@@ -392,6 +395,40 @@ TEST(MemoryBackend, CapacityExceeded) {
     if (x.name == "value_bytes_in_total") stored += x.value;
   }
   EXPECT_EQ(stored, 12000.0);
+}
+
+// The largest value is one number: a local store with 1 MiB segments takes values up to 1 MiB
+// minus two 4 KiB blocks, and the controller over it enforces (and reports in options(), which
+// Identify reads) that limit, not its own default of 64 MiB. A backend without a limit of its own
+// leaves the controller's.
+TEST(Controller, LargestValueIsTheBackendsWhenSmaller) {
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("gdkv-max-value-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  LocalBackendOptions lo;
+  lo.path = dir.string();
+  lo.capacity_bytes = 16 << 20;
+  lo.segment_bytes = 1 << 20;
+  auto local = make_local_backend(lo);
+  const uint64_t max = local->info().max_value_bytes;
+  EXPECT_EQ(max, (1u << 20) - 8192);
+  {
+    auto client = Client::open(local);
+    EXPECT_EQ(client->controller()->options().max_value_bytes, max);
+    EXPECT_TRUE(client->put(key("fits"), random_bytes(max, 3)).ok());
+    EXPECT_EQ(client->put(key("too-big"), random_bytes(max + 1, 4)).status,
+              Status::kInvalidValueSize);
+    EXPECT_EQ(client->exists(key("too-big")).status, Status::kKeyNotExist);
+    // A smaller configured limit stays.
+    ClientOptions co;
+    co.controller.max_value_bytes = 4096;
+    auto small = Client::open(local, co);
+    EXPECT_EQ(small->controller()->options().max_value_bytes, 4096u);
+  }
+  auto memory = Client::open(make_memory_backend());
+  EXPECT_EQ(memory->controller()->options().max_value_bytes, ControllerOptions{}.max_value_bytes);
+  std::filesystem::remove_all(dir);
 }
 
 // A backend that holds every op until the test releases them.

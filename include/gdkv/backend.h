@@ -76,6 +76,9 @@ struct BackendInfo {
   uint64_t bytes_used = 0;
   uint64_t capacity_bytes = 0;
   uint64_t segments = 0;  // local store: log segments in use
+  // The largest value it can store (0: no limit of its own). The controller takes the smaller of
+  // this and ControllerOptions::max_value_bytes as the one limit it enforces and Identify reports.
+  uint64_t max_value_bytes = 0;
 };
 
 class Backend {

@@ -30,9 +30,11 @@
 namespace gdkv {
 
 struct ControllerOptions {
-  uint32_t reactors = 1;                          // reactor threads
-  uint32_t namespaces = 1;                        // NVMe namespaces 1..N
-  uint64_t max_value_bytes = uint64_t{64} << 20;  // bytes; larger Stores get 85h
+  uint32_t reactors = 1;    // reactor threads
+  uint32_t namespaces = 1;  // NVMe namespaces 1..N
+  // Bytes; larger Stores get 85h. Lowered to the backend's own limit (BackendInfo) if smaller:
+  // options() then reports the limit in force.
+  uint64_t max_value_bytes = uint64_t{64} << 20;
   uint32_t idle_spin_us = 200;    // µs a reactor spins with no work before it sleeps (0 = never)
   bool never_sleep = false;       // keep spinning (GPU requesters cannot wake a reactor)
   CopyEngineFactory copy_engine;  // default: host memcpy

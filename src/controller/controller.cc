@@ -435,6 +435,10 @@ Controller::Controller(std::shared_ptr<Backend> backend, ControllerOptions optio
   if (!backend_) throw std::invalid_argument("controller needs a backend");
   if (options_.reactors == 0) options_.reactors = 1;
   if (options_.namespaces == 0) options_.namespaces = 1;
+  // One largest value for the controller, Identify (which reads options()) and the backend.
+  if (const uint64_t m = backend_->info().max_value_bytes; m != 0 && m < options_.max_value_bytes) {
+    options_.max_value_bytes = m;
+  }
   if (!options_.copy_engine) {
     options_.copy_engine = [](uint32_t) { return make_host_copy_engine(); };
   }

@@ -270,6 +270,7 @@ BackendInfo LocalStore::info() const {
   i.bytes_used = bytes_used_.load(std::memory_order_relaxed);
   i.capacity_bytes = capacity_.load(std::memory_order_relaxed);
   i.segments = segments_used_.load(std::memory_order_relaxed);
+  i.max_value_bytes = max_value_;
   return i;
 }
 
