@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <random>
+#include <vector>
 
 #include "gdkv/commands.h"
 #include "gdkv/key.h"
@@ -94,6 +95,56 @@ TEST(WireFormat, OpcodeDirectionBits) {
   EXPECT_EQ(static_cast<int>(nvme::Opcode::kPrefetch) & 3, 1);
   EXPECT_EQ(static_cast<int>(nvme::Opcode::kScatterRetrieve) & 3, 2);
   EXPECT_GE(static_cast<int>(nvme::Opcode::kPrefetch), nvme::kVendorOpcodeFirst);
+}
+
+// The KeyList codec: every key length round-trips with 4-byte padding; the writer stops at the
+// buffer's end; the reader rejects each kind of damage and passes the entries before it.
+TEST(WireFormat, KeyListCodec) {
+  std::vector<std::vector<uint8_t>> keys;
+  for (uint16_t len = 1; len <= 16; ++len) {
+    std::vector<uint8_t> k(len);
+    for (uint16_t i = 0; i < len; ++i) k[i] = static_cast<uint8_t>(len * 16 + i);
+    keys.push_back(k);
+  }
+  size_t want = sizeof(nvme::KeyListHeader);
+  for (const auto& k : keys) want += nvme::key_list_entry_size(static_cast<uint32_t>(k.size()));
+  std::vector<unsigned char> buf(want, 0);
+  nvme::KeyListWriter w(buf.data(), buf.size());
+  for (const auto& k : keys) ASSERT_TRUE(w.add(k.data(), static_cast<uint16_t>(k.size())));
+  EXPECT_FALSE(w.add(keys[0].data(), 1));  // full
+  w.finish();
+  EXPECT_EQ(w.bytes(), want);
+  EXPECT_EQ(w.count(), 16u);
+  EXPECT_EQ(want % 4, 0u);
+  std::vector<std::vector<uint8_t>> back;
+  auto collect = [&](const unsigned char* k, uint16_t len) { back.emplace_back(k, k + len); };
+  ASSERT_TRUE(nvme::read_key_list(buf.data(), buf.size(), collect));
+  EXPECT_EQ(back, keys);
+  // Damage: no header; a count the bytes cannot hold; an entry cut short; key lengths 0 and 17.
+  back.clear();
+  EXPECT_FALSE(nvme::read_key_list(buf.data(), 3, collect));
+  auto with = [&](size_t at, unsigned char v) {
+    std::vector<unsigned char> b = buf;
+    b[at] = v;
+    return b;
+  };
+  auto big = with(0, 0xFF);
+  EXPECT_FALSE(nvme::read_key_list(big.data(), big.size(), collect));
+  EXPECT_FALSE(nvme::read_key_list(buf.data(), buf.size() - 1, collect));
+  EXPECT_EQ(back.size(), 15u);  // every entry before the cut one
+  for (unsigned char bad : {0, 17}) {
+    back.clear();
+    auto b = with(4 + nvme::key_list_entry_size(1), bad);  // the second entry's length
+    EXPECT_FALSE(nvme::read_key_list(b.data(), b.size(), collect)) << int{bad};
+    EXPECT_EQ(back.size(), 1u);
+  }
+  // An empty list.
+  std::vector<unsigned char> empty(4, 0);
+  nvme::KeyListWriter e(empty.data(), empty.size());
+  e.finish();
+  back.clear();
+  EXPECT_TRUE(nvme::read_key_list(empty.data(), empty.size(), collect));
+  EXPECT_TRUE(back.empty());
 }
 
 TEST(Keys, HexParsing) {

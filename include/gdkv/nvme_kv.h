@@ -235,6 +235,59 @@ GDKV_HD constexpr uint32_t key_list_entry_size(uint32_t key_len) noexcept {
   return (2 + key_len + 3) & ~3u;
 }
 
+// The one KeyList codec (List results, Prefetch key lists, and their readers).
+// Writes a KeyList into `buf` (`cap` bytes, zeroed by the caller so padding is 0): add() appends
+// an entry if it fits, finish() writes the count. bytes(): the list's length so far.
+class KeyListWriter {
+ public:
+  GDKV_HD KeyListWriter(void* buf, size_t cap) noexcept
+      : buf_(static_cast<unsigned char*>(buf)), cap_(cap) {}
+  GDKV_HD bool add(const uint8_t* key, uint16_t len) noexcept {
+    const size_t entry = key_list_entry_size(len);
+    if (off_ + entry > cap_) return false;
+    buf_[off_] = static_cast<unsigned char>(len & 0xFF);
+    buf_[off_ + 1] = static_cast<unsigned char>(len >> 8);
+    for (uint16_t i = 0; i < len; ++i) buf_[off_ + 2 + i] = key[i];
+    off_ += entry;
+    ++count_;
+    return true;
+  }
+  GDKV_HD void finish() noexcept {
+    for (int i = 0; i < 4; ++i) buf_[i] = static_cast<unsigned char>(count_ >> (8 * i));
+  }
+  GDKV_HD size_t bytes() const noexcept { return off_; }
+  GDKV_HD uint32_t count() const noexcept { return count_; }
+
+ private:
+  unsigned char* buf_;
+  size_t cap_;
+  size_t off_ = sizeof(KeyListHeader);
+  uint32_t count_ = 0;
+};
+
+// Reads the KeyList in `buf` (`len` bytes): calls f(key, key_len) for each entry in order. False
+// when the list is malformed (shorter than its header or its count, a key of 0 or more than 16
+// bytes, a count larger than the bytes could hold); the entries before the damage were passed.
+template <class F>
+GDKV_HD bool read_key_list(const void* buf, size_t len, F&& f) {
+  const auto* b = static_cast<const unsigned char*>(buf);
+  if (len < sizeof(KeyListHeader)) return false;
+  const uint32_t count =
+      uint32_t{b[0]} | uint32_t{b[1]} << 8 | uint32_t{b[2]} << 16 | uint32_t{b[3]} << 24;
+  if (count > len / 4) return false;
+  size_t off = sizeof(KeyListHeader);
+  for (uint32_t i = 0; i < count; ++i) {
+    if (off + 2 > len) return false;
+    const uint16_t klen = static_cast<uint16_t>(b[off] | b[off + 1] << 8);
+    if (klen < 1 || klen > kMaxKeyLength) return false;
+    const size_t entry = key_list_entry_size(klen);
+    if (off + entry > len) return false;
+    f(b + off + 2, klen);
+    off += entry;
+  }
+  return true;
+}
+
 // Scatter Retrieve (82h): the data buffer holds a ScatterHeader then `count` ScatterEntry items.
 // The value is cut at the given value offsets and each piece lands at its own address, e.g. one
 // slot per layer of a paged KV layout. CDW10 = the size of this descriptor buffer in bytes.

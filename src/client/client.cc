@@ -268,16 +268,10 @@ CmdResult Client::list(const Key& start, std::vector<Key>& out, uint32_t buf_byt
   CmdResult r = execute_data(cmd::list(start.bytes, start.len, buf.data(), buf_bytes, nsid),
                              buf.data(), buf.size(), false, true);
   if (!r.ok()) return r;
-  uint32_t count;
-  std::memcpy(&count, buf.data(), sizeof(count));
-  size_t off = sizeof(nvme::KeyListHeader);
-  for (uint32_t i = 0; i < count && off + 2 <= buf.size(); ++i) {
-    uint16_t len;
-    std::memcpy(&len, buf.data() + off, 2);
-    if (len < 1 || len > nvme::kMaxKeyLength || off + 2 + len > buf.size()) break;
-    out.push_back(Key::from_bytes(buf.data() + off + 2, len));
-    off += nvme::key_list_entry_size(len);
-  }
+  // The controller wrote only entries that fit; a damaged list yields the keys before the damage.
+  nvme::read_key_list(buf.data(), buf.size(), [&](const unsigned char* k, uint16_t len) {
+    out.push_back(Key::from_bytes(k, len));
+  });
   return r;
 }
 
@@ -301,15 +295,9 @@ CmdResult Client::prefetch(std::span<const Key> keys, uint32_t nsid) {
   size_t bytes = sizeof(nvme::KeyListHeader);
   for (const Key& k : keys) bytes += nvme::key_list_entry_size(k.len);
   std::vector<std::byte> buf(bytes);
-  const uint32_t count = static_cast<uint32_t>(keys.size());
-  std::memcpy(buf.data(), &count, sizeof(count));
-  size_t off = sizeof(nvme::KeyListHeader);
-  for (const Key& k : keys) {
-    const uint16_t len = k.len;
-    std::memcpy(buf.data() + off, &len, 2);
-    std::memcpy(buf.data() + off + 2, k.bytes, k.len);
-    off += nvme::key_list_entry_size(k.len);
-  }
+  nvme::KeyListWriter w(buf.data(), buf.size());
+  for (const Key& k : keys) w.add(k.bytes, k.len);  // sized for all of them
+  w.finish();
   return execute_data(cmd::prefetch(buf.data(), static_cast<uint32_t>(bytes), nsid), buf.data(),
                       buf.size(), true, true);
 }

@@ -83,23 +83,9 @@ bool single_host_segment(const DataSegments& segs) {
 
 // Reads a KeyList (List/Prefetch layout) from `buf`.
 bool parse_key_list(std::span<const std::byte> buf, std::vector<Key>& out) {
-  if (buf.size() < sizeof(nvme::KeyListHeader)) return false;
-  uint32_t count;
-  std::memcpy(&count, buf.data(), sizeof(count));
-  size_t off = sizeof(nvme::KeyListHeader);
-  if (count > buf.size() / 4) return false;
-  out.reserve(count);
-  for (uint32_t i = 0; i < count; ++i) {
-    uint16_t len;
-    if (off + 2 > buf.size()) return false;
-    std::memcpy(&len, buf.data() + off, 2);
-    if (len < 1 || len > nvme::kMaxKeyLength) return false;
-    const size_t entry = nvme::key_list_entry_size(len);
-    if (off + entry > buf.size()) return false;
-    out.push_back(Key::from_bytes(buf.data() + off + 2, len));
-    off += entry;
-  }
-  return true;
+  return nvme::read_key_list(buf.data(), buf.size(), [&](const unsigned char* k, uint16_t len) {
+    out.push_back(Key::from_bytes(k, len));
+  });
 }
 
 std::span<std::byte> retrieve_sink(BackendOp* op, uint64_t value_len) {
@@ -403,21 +389,14 @@ void Controller::Impl::on_backend_done(Command* cmd) {
       // Encode as many keys as fit; dw0 = the number returned.
       if (!st.staging.resize(st.deliver_cap)) return ::gdkv::finish(cmd, Status::kInternalError);
       std::memset(st.staging.data(), 0, st.deliver_cap);
-      uint32_t count = 0;
-      size_t off = sizeof(nvme::KeyListHeader);
+      nvme::KeyListWriter w(st.staging.data(), st.deliver_cap);
       for (const Key& k : st.op.keys) {
-        const size_t entry = nvme::key_list_entry_size(k.len);
-        if (off + entry > st.deliver_cap) break;
-        const uint16_t len = k.len;
-        std::memcpy(st.staging.data() + off, &len, 2);
-        std::memcpy(st.staging.data() + off + 2, k.bytes, k.len);
-        off += entry;
-        ++count;
+        if (!w.add(k.bytes, k.len)) break;
       }
-      std::memcpy(st.staging.data(), &count, sizeof(count));
-      st.value_len = count;
+      w.finish();
+      st.value_len = w.count();
       st.copy_segs.clear();
-      add_spread(st, st.staging.data(), off, st.segs, st.staging.region());
+      add_spread(st, st.staging.data(), w.bytes(), st.segs, st.staging.region());
       return launch_copy(cmd, CmdPhase::kDeliver);
     }
     case nvme::Opcode::kStore:
