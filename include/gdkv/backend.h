@@ -33,6 +33,14 @@ enum class BackendOpKind : uint8_t {
   kList,      // keys >= op.key (all keys when op.key.len == 0), ascending, at most list_max
   kPrefetch,  // a hint: the keys in op.keys will be read soon; backends without a cache ignore it
 };
+inline constexpr size_t kBackendOpKinds = 6;
+
+// The kind's name in metrics labels ("put", "get", "delete", "exists", "list", "prefetch").
+constexpr const char* backend_op_name(BackendOpKind k) noexcept {
+  constexpr const char* kNames[kBackendOpKinds] = {"put",    "get",  "delete",
+                                                   "exists", "list", "prefetch"};
+  return static_cast<size_t>(k) < kBackendOpKinds ? kNames[static_cast<size_t>(k)] : "?";
+}
 
 // Bytes a backend can hand out without copying them (memory backend, cache slabs), with what keeps
 // them alive until the controller has copied them to their destination.

@@ -30,6 +30,7 @@
 #include "cache/chain.h"
 #include "cache/policy.h"
 #include "cache/slab.h"
+#include "common/clock.h"
 #include "gdkv/cache.h"
 
 namespace gdkv {
@@ -41,12 +42,6 @@ using cache::CacheKey;
 using cache::CacheKeyHash;
 using cache::SlabAllocator;
 using nvme::Status;
-
-uint64_t steady_ns() {
-  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                   std::chrono::steady_clock::now().time_since_epoch())
-                                   .count());
-}
 
 // A Store that failed with one of these left the backend's value as it was.
 bool rejected_unchanged(Status s) {
@@ -554,7 +549,7 @@ class CachedBackend final : public Backend {
 
   // A strictly increasing clock for the policy: nanoseconds, bumped when two reads share one.
   uint64_t tick() {
-    uint64_t t = steady_ns();
+    uint64_t t = now_ns();
     if (t <= last_tick_) t = last_tick_ + 1;
     return last_tick_ = t;
   }

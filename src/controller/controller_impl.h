@@ -10,6 +10,7 @@
 #include <shared_mutex>
 #include <vector>
 
+#include "common/clock.h"
 #include "controller/reactor.h"
 #include "controller/staging_pool.h"
 #include "gdkv/controller.h"
@@ -141,7 +142,5 @@ struct Controller::Impl {
   void on_backend_done(Command* cmd);  // on the owning reactor
   void finish(Command* cmd, nvme::Status status, uint32_t dw0 = 0);
 };
-
-uint64_t now_ns() noexcept;
 
 }  // namespace gdkv

@@ -26,12 +26,6 @@ void futex_wake(uint32_t* word) {
 }
 }  // namespace
 
-uint64_t now_ns() noexcept {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
-}
-
 void Reactor::wake_word_fn(uint32_t* word) {
   // Only the thread that flips the word from sleeping pays for the system call.
   if (__atomic_exchange_n(word, 0u, __ATOMIC_SEQ_CST) != 0) futex_wake(word);

@@ -215,7 +215,7 @@ void LocalStore::load_or_create_superblock(const LocalBackendOptions& o) {
 // ================================================================================================
 
 void LocalStore::submit(BackendOp* op) {
-  ops_[static_cast<int>(op->kind) % 6].fetch_add(1, std::memory_order_relaxed);
+  ops_[static_cast<size_t>(op->kind) % kBackendOpKinds].fetch_add(1, std::memory_order_relaxed);
   Incoming in{op, 0, {}};
   switch (op->kind) {
     case BackendOpKind::kList:
@@ -284,11 +284,10 @@ void LocalStore::collect(MetricList& out) const {
   };
   constexpr MetricType C = MetricType::kCounter;
   constexpr MetricType G = MetricType::kGauge;
-  static constexpr const char* kOpNames[6] = {"put", "get", "delete", "exists", "list", "prefetch"};
   double total = 0;
-  for (int k = 0; k < 6; ++k) {
+  for (size_t k = 0; k < kBackendOpKinds; ++k) {
     add("local_ops_total", "ops submitted to the local store", C, ld(ops_[k]),
-        {{"op", kOpNames[k]}});
+        {{"op", backend_op_name(static_cast<BackendOpKind>(k))}});
     total += ld(ops_[k]);
   }
   const BackendInfo i = info();

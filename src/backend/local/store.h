@@ -345,7 +345,7 @@ class LocalStore final : public Backend {
   std::thread thread_;
 
   // ---- statistics (relaxed; read by info() and collect()) ----
-  std::atomic<uint64_t> ops_[6] = {};
+  std::atomic<uint64_t> ops_[kBackendOpKinds] = {};
   std::atomic<uint64_t> read_bytes_{0}, written_bytes_{0}, log_bytes_{0}, direct_written_{0};
   std::atomic<uint64_t> checksum_failures_{0}, read_errors_{0}, write_errors_{0};
   std::atomic<uint64_t> disk_full_{0}, reclaimed_{0}, flushes_{0}, batch_records_{0};

@@ -272,11 +272,9 @@ class RadosBackend final : public Backend {
       return a.load(std::memory_order_relaxed);
     };
     counter("backend_ops_total", "ops submitted to the backend", load(ops_));
-    static constexpr const char* kKindNames[kKinds] = {"put",    "get",  "delete",
-                                                       "exists", "list", "prefetch"};
     for (size_t i = 0; i < kKinds; ++i) {
       counter("rados_ops_total", "rados backend ops by kind", load(kind_ops_[i]),
-              {{"op", kKindNames[i]}});
+              {{"op", backend_op_name(static_cast<BackendOpKind>(i))}});
     }
     counter("backend_errors_total",
             "ops that failed (statuses other than success, key not found, key exists)",
@@ -306,7 +304,7 @@ class RadosBackend final : public Backend {
   }
 
  private:
-  static constexpr size_t kKinds = 6;
+  static constexpr size_t kKinds = kBackendOpKinds;
 
   static void check(int r, const std::string& what) {
     if (r < 0) throw std::runtime_error("rados: " + what + ": " + std::strerror(-r));
