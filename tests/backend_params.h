@@ -25,7 +25,7 @@ class BackendFixture {
     BackendConfig c;
     c.kind = kind;
     c.memory.capacity_bytes = capacity;
-    if (kind == "local") {
+    if (kind == "local" || kind == "tiered") {
       dir_ = std::filesystem::temp_directory_path() /
              ("gdkv-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter()++));
       std::filesystem::create_directories(dir_);
@@ -33,7 +33,12 @@ class BackendFixture {
       c.local.capacity_bytes = std::max<uint64_t>(capacity, uint64_t{256} << 20);
       c.local.segment_bytes = 16u << 20;
     }
-    if (kind == "rados") {
+    if (kind == "tiered") {
+      // The local store in front of RADOS when there is a cluster, else of the memory backend.
+      const char* conf = std::getenv("GDKV_CEPH_CONF");
+      c.tiered_far = conf != nullptr && *conf != '\0' ? "rados" : "memory";
+    }
+    if (kind == "rados" || (kind == "tiered" && c.tiered_far == "rados")) {
       const char* conf = std::getenv("GDKV_CEPH_CONF");
       if (conf == nullptr || *conf == '\0') return nullptr;
       c.rados.ceph_conf = conf;

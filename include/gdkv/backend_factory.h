@@ -12,10 +12,13 @@
 namespace gdkv {
 
 struct BackendConfig {
-  std::string kind = "local";  // memory | local | rados
+  std::string kind = "local";  // memory | local | rados | tiered
   MemoryBackendOptions memory;
   LocalBackendOptions local;  // local.path empty: default_store_dir()
   RadosBackendOptions rados;
+  // tiered: the local store (`local`) in front of this far tier, "rados" (`rados`) or, for
+  // tests, "memory" (`memory`).
+  std::string tiered_far = "rados";
 };
 
 // The backends this build has ("memory", "local", and "rados" when librados was found).

@@ -40,7 +40,8 @@ cuda_build: bool = _core.cuda_build
 
 
 def backends() -> list[str]:
-    """The backends this build has: ``['memory', 'local', 'rados']`` (rados with librados)."""
+    """The backends this build has: ``['memory', 'local', 'rados', 'tiered']`` (the last two with
+    librados)."""
     return _core.backends()
 
 
@@ -57,6 +58,8 @@ def open(backend: str = "local", *, store: Optional[str] = None, capacity: int =
     - ``"memory"``: values in this process's memory.
     - ``"rados"``: the Ceph pool ``pool`` (``ceph_conf``, ``ceph_client``, ``ceph_keyring``;
       a dead cluster fails calls with NotReadyError after ``ceph_timeout_ms``).
+    - ``"tiered"``: the local store (``store``, ``capacity``) in front of the RADOS pool (the
+      rados options): misses are read from RADOS and kept locally, Stores written through.
 
     ``cache_bytes`` > 0 puts a host cache in front (``cache_policy``, ``prefetch_depth``).
     ``cuda_device``: CUDA copy engines for CUDA tensors (CUDA builds). Raises gdkv.Error with the

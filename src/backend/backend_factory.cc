@@ -1,5 +1,7 @@
 #include "gdkv/backend_factory.h"
 
+#include "gdkv/tiered_backend.h"
+
 #include <cstdlib>
 #include <stdexcept>
 
@@ -9,6 +11,7 @@ std::vector<std::string> available_backends() {
   std::vector<std::string> v{"memory", "local"};
 #ifdef GDKV_HAVE_RADOS
   v.push_back("rados");
+  v.push_back("tiered");
 #endif
   return v;
 }
@@ -38,7 +41,18 @@ std::shared_ptr<Backend> open_backend(const BackendConfig& config) {
     throw std::runtime_error("this gdkv was built without librados: the rados backend is missing");
 #endif
   }
-  throw std::runtime_error("unknown backend '" + config.kind + "' (memory, local or rados)");
+  if (config.kind == "tiered") {
+    if (config.tiered_far != "rados" && config.tiered_far != "memory") {
+      throw std::runtime_error("tiered: the far tier is rados or memory, not '" +
+                               config.tiered_far + "'");
+    }
+    BackendConfig near = config, far = config;
+    near.kind = "local";
+    far.kind = config.tiered_far;
+    return make_tiered_backend(open_backend(near), open_backend(far));
+  }
+  throw std::runtime_error("unknown backend '" + config.kind +
+                           "' (memory, local, rados or tiered)");
 }
 
 }  // namespace gdkv

@@ -405,8 +405,9 @@ int main(int argc, char** argv) {
   // A flag given twice (a default in an alias, then the user's own) takes the last value.
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   Options o;
-  app.add_option("--backend", o.backend.kind, "memory, local (default) or rados")
-      ->check(CLI::IsMember({"memory", "local", "rados"}));
+  app.add_option("--backend", o.backend.kind,
+                 "memory, local (default), rados or tiered (local in front of rados)")
+      ->check(CLI::IsMember(gdkv::available_backends()));
   app.add_option("--store", o.backend.local.path,
                  "local store directory (default $GDKV_STORE, else ~/.local/share/gdkv)");
   app.add_option("--capacity", o.backend.local.capacity_bytes, "local store capacity in bytes");

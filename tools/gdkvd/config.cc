@@ -273,16 +273,18 @@ std::string to_toml(const Config& c) {
   s << "msix_vectors = " << c.msix_vectors << "\n";
   s << "gpu = " << (c.gpu ? "true" : "false") << "\n\n[backend]\n";
   s << "kind = \"" << c.backend.kind << "\"\n";
-  if (c.backend.kind == "local") {
+  if (c.backend.kind == "local" || c.backend.kind == "tiered") {
     s << "store = \"" << c.backend.local.path << "\"\n";
     s << "capacity_bytes = " << c.backend.local.capacity_bytes << "\n";
     s << "segment_bytes = " << c.backend.local.segment_bytes << "\n";
-  } else if (c.backend.kind == "rados") {
+  }
+  if (c.backend.kind == "rados" || c.backend.kind == "tiered") {
     s << "pool = \"" << c.backend.rados.pool << "\"\n";
     s << "ceph_conf = \"" << c.backend.rados.ceph_conf << "\"\n";
     s << "ceph_client = \"" << c.backend.rados.client_name << "\"\n";
     s << "op_timeout_ms = " << c.backend.rados.op_timeout_ms << "\n";
-  } else {
+  }
+  if (c.backend.kind == "memory") {
     s << "memory_capacity_bytes = " << c.backend.memory.capacity_bytes << "\n";
   }
   s << "\n[controller]\nreactors = " << c.reactors << "\nmax_value_bytes = " << c.max_value_bytes
@@ -344,7 +346,8 @@ int load(int argc, char** argv, Config& c, std::string* error) {
       "GDKVD_METRICS_PORT")
       ->check(CLI::Range(-1, 65535));
   opt("--metrics-bind", c.metrics_bind, "address /metrics listens on", "GDKVD_METRICS_BIND");
-  opt("--backend", c.backend.kind, "memory, local or rados", "GDKVD_BACKEND")
+  opt("--backend", c.backend.kind, "memory, local, rados or tiered (local in front of rados)",
+      "GDKVD_BACKEND")
       ->check(CLI::IsMember({"memory", "local", "rados"}));
   opt("--store", c.backend.local.path, "local store directory", "GDKVD_STORE");
   opt("--capacity", c.backend.local.capacity_bytes, "local store capacity in bytes",
