@@ -49,8 +49,9 @@ uint64_t id_of(const CacheKey& k) {
   return id;
 }
 
+// `admit` (optional, one flag per reference): a missed block is cached only where it is set.
 Result simulate(const std::string& policy_name, const Trace& t, uint64_t capacity,
-                uint64_t history_entries = 0) {
+                uint64_t history_entries = 0, const std::vector<uint8_t>* admit = nullptr) {
   gdkv::cache::PolicyOptions po;
   po.capacity_bytes = capacity;
   po.expected_entries = capacity;
@@ -86,6 +87,7 @@ Result simulate(const std::string& policy_name, const Trace& t, uint64_t capacit
         continue;
       }
       in_prefix = false;
+      if (admit != nullptr && !(*admit)[i]) continue;
       policy->prepare_insert(key, 1, AddKind::kDemand);
       while (count >= capacity) {
         CacheKey victim;
@@ -186,45 +188,12 @@ Result simulate_static(const Trace& t, uint64_t capacity) {
 
 Result simulate_admit_oracle(const Trace& t, uint64_t capacity) {
   std::vector<uint8_t> again(t.refs.size(), 0);  // is refs[i] referenced again later?
-  {
-    std::vector<uint8_t> later(t.unique_blocks, 0);
-    for (uint64_t i = t.refs.size(); i-- > 0;) {
-      again[i] = later[t.refs[i]];
-      later[t.refs[i]] = 1;
-    }
+  std::vector<uint8_t> later(t.unique_blocks, 0);
+  for (uint64_t i = t.refs.size(); i-- > 0;) {
+    again[i] = later[t.refs[i]];
+    later[t.refs[i]] = 1;
   }
-  gdkv::cache::PolicyOptions po;
-  po.capacity_bytes = capacity;
-  auto lru = gdkv::cache::make_policy("lru", po);
-  std::vector<uint8_t> resident(t.unique_blocks, 0);
-  uint64_t count = 0, prefix_hits = 0, block_hits = 0, now = 0;
-  for (uint64_t r = 0; r + 1 < t.starts.size(); ++r) {
-    bool in_prefix = true;
-    for (uint64_t i = t.starts[r]; i < t.starts[r + 1]; ++i) {
-      const uint64_t b = t.refs[i];
-      const CacheKey key = gdkv::cache::numbered_key(b);
-      ++now;
-      if (resident[b]) {
-        ++block_hits;
-        if (in_prefix) ++prefix_hits;
-        lru->record_access(key, 1, now);
-        continue;
-      }
-      in_prefix = false;
-      if (!again[i]) continue;
-      while (count >= capacity) {
-        CacheKey victim;
-        if (!lru->evict(&victim)) break;
-        resident[id_of(victim)] = 0;
-        --count;
-      }
-      lru->add(key, 1, now, AddKind::kDemand);
-      resident[b] = 1;
-      ++count;
-    }
-  }
-  const double n = static_cast<double>(t.refs.size());
-  return Result{static_cast<double>(prefix_hits) / n, static_cast<double>(block_hits) / n, 0};
+  return simulate("lru", t, capacity, 0, &again);
 }
 
 TraceOptions mix(const std::string& name, uint64_t requests, uint64_t seed) {

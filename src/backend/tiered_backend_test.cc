@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <mutex>
 #include <set>
 
 #include "cache/cache_test_util.h"
@@ -34,19 +35,26 @@ class CorruptingBackend final : public Backend {
  public:
   explicit CorruptingBackend(std::shared_ptr<Backend> inner) : inner_(std::move(inner)) {}
   void submit(BackendOp* op) override {
-    if (op->kind == BackendOpKind::kGet && bad_.contains(op->key.view())) {
-      return op->complete(Status::kUnrecoveredError);
+    bool fail = false;
+    {
+      std::lock_guard lk(mu_);
+      const std::string k(op->key.view());
+      if (op->kind == BackendOpKind::kGet) fail = bad_.contains(k);
+      if (op->kind == BackendOpKind::kDelete) bad_.erase(k);  // a clean copy from now on
     }
-    if (op->kind == BackendOpKind::kDelete)
-      bad_.erase(std::string(op->key.view()));  // clean from now on
+    if (fail) return op->complete(Status::kUnrecoveredError);
     inner_->submit(op);
   }
   BackendInfo info() const override { return inner_->info(); }
-  void corrupt(const Key& k) { bad_.insert(std::string(k.view())); }
+  void corrupt(const Key& k) {
+    std::lock_guard lk(mu_);
+    bad_.insert(std::string(k.view()));
+  }
 
  private:
   std::shared_ptr<Backend> inner_;
-  std::set<std::string, std::less<>> bad_;
+  std::mutex mu_;
+  std::set<std::string> bad_;
 };
 
 struct Tiers {

@@ -166,8 +166,8 @@ TEST(LruKPolicy, MatchesReferenceModelOnRandomTraces) {
 }
 
 // Hits of `policy` on a trace of demand references, with room for `capacity` unit-size entries.
-double hit_ratio(const std::string& name, const std::vector<uint64_t>& trace, uint64_t capacity) {
-  PolicyOptions po;
+double hit_ratio(const std::string& name, const std::vector<uint64_t>& trace, uint64_t capacity,
+                 PolicyOptions po = {}) {
   po.capacity_bytes = capacity;
   auto policy = make_policy(name, po);
   std::unordered_set<uint64_t> resident;
@@ -224,25 +224,30 @@ TEST(AdaptivePolicy, FollowsFrequencyUnderScans) {
   EXPECT_GT(adaptive, lru2 - 0.05) << "adaptive " << adaptive << " lru-2 " << lru2;
 }
 
-// Every key is used twice, the second time shortly after the first: pure recency. LRU-2 evicts a
-// once-used key before any twice-used one, so it loses the short reuse that LRU catches.
-TEST(AdaptivePolicy, FollowsRecencyWhenReuseIsShort) {
+// `keys` new keys, each used a second time 20..60 references after its first.
+std::vector<uint64_t> short_reuse_trace(int keys) {
   std::vector<uint64_t> trace;
   std::mt19937_64 rng(3);
-  // A background of keys used twice far apart (they look "frequent" to LRU-2) ...
   std::vector<uint64_t> window;
   uint64_t next = 0;
-  for (int i = 0; i < 40000; ++i) {
+  for (int i = 0; i < keys; ++i) {
     const uint64_t id = next++;
     trace.push_back(id);
     window.push_back(id);
-    // ... reused after 20..60 other references.
     if (window.size() > 60) {
       const size_t j = rng() % 40;
       trace.push_back(window[j]);
       window.erase(window.begin() + static_cast<std::ptrdiff_t>(j));
     }
   }
+  return trace;
+}
+
+// Every key is used twice, the second time shortly after the first: pure recency. LRU-2 evicts a
+// once-used key before any twice-used one (twice-used keys look "frequent" to it), so it loses
+// the short reuse that LRU catches.
+TEST(AdaptivePolicy, FollowsRecencyWhenReuseIsShort) {
+  const std::vector<uint64_t> trace = short_reuse_trace(40000);
   const double lru = hit_ratio("lru", trace, 120);
   const double lru2 = hit_ratio("lru-k", trace, 120);
   const double adaptive = hit_ratio("adaptive", trace, 120);
@@ -783,43 +788,12 @@ TEST(PrefixPolicy, ResistsScansThatFlushLru) {
 // 1/64 of the cache loses every second use, so the hill climbing must grow it. Pinned at 1/64 it
 // stays that small and hits far less.
 TEST(PrefixPolicy, HillClimbingGrowsProbationWhenReuseIsShort) {
-  std::vector<uint64_t> trace;
-  std::mt19937_64 rng(3);
-  std::vector<uint64_t> window;
-  uint64_t next = 0;
-  for (int i = 0; i < 150000; ++i) {
-    trace.push_back(next);
-    window.push_back(next++);
-    if (window.size() > 60) {
-      const size_t j = rng() % 40;
-      trace.push_back(window[j]);
-      window.erase(window.begin() + static_cast<std::ptrdiff_t>(j));
-    }
-  }
+  const std::vector<uint64_t> trace = short_reuse_trace(150000);
   const double lru = hit_ratio("lru", trace, 120);
   const double climbed = hit_ratio("prefix", trace, 120);
   PolicyOptions pinned;
-  pinned.capacity_bytes = 120;
   pinned.probation_share = 1.0 / 64;
-  auto p = make_policy("prefix", pinned);
-  std::unordered_set<uint64_t> resident;
-  uint64_t hits = 0, now = 0;
-  for (uint64_t id : trace) {
-    ++now;
-    if (resident.contains(id)) {
-      ++hits;
-      p->record_access(numbered_key(id), 1, now);
-      continue;
-    }
-    while (resident.size() >= 120) {
-      CacheKey v;
-      ASSERT_TRUE(p->evict(&v));
-      resident.erase(id_of(v));
-    }
-    p->add(numbered_key(id), 1, now, AddKind::kDemand);
-    resident.insert(id);
-  }
-  const double fixed = static_cast<double>(hits) / static_cast<double>(trace.size());
+  const double fixed = hit_ratio("prefix", trace, 120, pinned);
   std::printf("short-reuse trace: lru %.3f prefix %.3f prefix pinned at 1/64 %.3f\n", lru, climbed,
               fixed);
   EXPECT_GT(climbed, fixed + 0.2);
