@@ -32,7 +32,7 @@
 #include "gdkv/key.h"
 #include "gdkv/vfio_user.h"
 #ifdef GDKV_HAVE_CUDA
-#include "gpu/runtime.h"
+#include "gdkv/gpu_runtime.h"
 #endif
 
 namespace nb = nanobind;

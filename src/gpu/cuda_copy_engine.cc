@@ -25,7 +25,7 @@
 
 #include "gpu/cuda_check.h"
 #include "gpu/region_cache.h"
-#include "gpu/runtime.h"
+#include "gdkv/gpu_runtime.h"
 
 namespace gdkv::gpu {
 namespace {

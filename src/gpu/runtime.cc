@@ -1,4 +1,4 @@
-#include "gpu/runtime.h"
+#include "gdkv/gpu_runtime.h"
 
 #include <cuda_runtime.h>
 

@@ -23,7 +23,7 @@
 
 #ifdef GDKVD_WITH_CUDA
 #include "cuda_importer.h"
-#include "gpu/runtime.h"
+#include "gdkv/gpu_runtime.h"
 #endif
 
 namespace {
