@@ -6,8 +6,9 @@
 // namespace, key length, value size, data pointer) before any data moves; bad input gets an NVMe
 // status, never a crash. Value bytes move through the reactor's CopyEngine.
 //
-// Transports plug in below the command layer: an in-process queue pair (create_queue) and the
-// vfio-user NVMe queues of gdkvd are both Pollers that turn SQEs into Commands and post CQEs.
+// Transports plug in below the command layer (gdkv/transport.h): an in-process queue pair
+// (create_queue) and the vfio-user NVMe queues of gdkvd are both Pollers that turn SQEs into
+// Commands and post CQEs.
 //
 // Thread safety: all public member functions are thread-safe. Poller::poll and the Command
 // callbacks run on the owning reactor thread only.
@@ -26,6 +27,7 @@
 #include "gdkv/metrics.h"
 #include "gdkv/nvme_kv.h"
 #include "gdkv/queue.h"
+#include "gdkv/transport.h"
 
 namespace gdkv {
 
@@ -57,52 +59,7 @@ struct ControllerOptions {
   std::function<double(CopyEngine&)> measure_dma_peak;
 };
 
-// A contiguous piece of a command's data buffer, resolved to memory the controller can reach.
-struct DataSegment {
-  std::byte* addr = nullptr;
-  size_t len = 0;
-  MemKind kind = MemKind::kHost;
-  uint64_t region = 0;  // the registered region it lies in (CopySegment::dst_region); 0: none
-};
-using DataSegments = std::vector<DataSegment>;
-
-// Resolves data pointers of one requester into memory, checking that every byte lies inside
-// memory that requester may use. `for_write` = the controller writes there (Retrieve, List).
-class AddressSpace {
- public:
-  virtual ~AddressSpace() = default;
-  // The data pointer of `sqe` (PRP or SGL), `len` bytes.
-  virtual nvme::Status map_data(const nvme::Sqe& sqe, size_t len, bool for_write,
-                                DataSegments& out) = 0;
-  // A plain address range (scatter entries).
-  virtual nvme::Status map_range(uint64_t addr, size_t len, bool for_write, DataSegments& out) = 0;
-};
-
-struct Command;
 class Reactor;
-
-// Per-command controller state (opaque to transports).
-struct CommandState;
-
-// One command as a transport hands it to the controller.
-struct Command {
-  nvme::Sqe sqe{};
-  AddressSpace* space = nullptr;
-  uint32_t stream = 0;  // the queue it came from
-  // Called on the owning reactor when the command is finished; the transport posts the CQE.
-  void (*complete)(Command* cmd, nvme::Status status, uint32_t dw0) = nullptr;
-  void* transport = nullptr;
-  std::unique_ptr<CommandState> state;  // created by the controller on first use
-  Command();
-  ~Command();
-};
-
-// Something a reactor polls: returns true if it did work.
-class Poller {
- public:
-  virtual ~Poller() = default;
-  virtual bool poll() = 0;
-};
 
 // An in-process queue pair created by Controller::create_queue.
 struct QueueOptions {
