@@ -23,9 +23,9 @@
 #include <stdexcept>
 #include <vector>
 
+#include "gdkv/gpu_runtime.h"
 #include "gpu/cuda_check.h"
 #include "gpu/region_cache.h"
-#include "gdkv/gpu_runtime.h"
 
 namespace gdkv::gpu {
 namespace {

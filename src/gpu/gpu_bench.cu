@@ -29,9 +29,9 @@
 
 #include "gdkv/controller.h"
 #include "gdkv/device.cuh"
+#include "gdkv/gpu_runtime.h"
 #include "gpu/cuda_check.h"
 #include "gpu/gpu_common.h"
-#include "gdkv/gpu_runtime.h"
 
 #define CK(call) ::gdkv::gpu::check((call), #call)
 
