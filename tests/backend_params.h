@@ -18,10 +18,12 @@ namespace gdkv::test {
 
 inline std::vector<std::string> backend_kinds() { return available_backends(); }
 
-// A fresh, empty backend of `kind`; skips the test if that backend can't run here.
+// A fresh, empty backend of `kind` (local and tiered: a local store of `segment_bytes` segments
+// in a directory of its own, removed with the fixture); null if that backend can't run here.
 class BackendFixture {
  public:
-  std::shared_ptr<Backend> open(const std::string& kind, uint64_t capacity = uint64_t{1} << 30) {
+  std::shared_ptr<Backend> open(const std::string& kind, uint64_t capacity = uint64_t{1} << 30,
+                                uint32_t segment_bytes = 16u << 20) {
     BackendConfig c;
     c.kind = kind;
     c.memory.capacity_bytes = capacity;
@@ -31,7 +33,7 @@ class BackendFixture {
       std::filesystem::create_directories(dir_);
       c.local.path = dir_.string();
       c.local.capacity_bytes = std::max<uint64_t>(capacity, uint64_t{256} << 20);
-      c.local.segment_bytes = 16u << 20;
+      c.local.segment_bytes = segment_bytes;
     }
     if (kind == "tiered") {
       // The local store in front of RADOS when there is a cluster, else of the memory backend.

@@ -1,12 +1,10 @@
 // Every opcode's semantics and every kind of bad input, through a queue pair and a real controller,
 // against each backend (one suite, parameterised).
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <mutex>
 #include <random>
 #include <set>
@@ -15,7 +13,6 @@
 #include "backend_params.h"
 #include "gdkv/client.h"
 #include "gdkv/commands.h"
-#include "gdkv/local_backend.h"
 
 namespace gdkv {
 namespace {
@@ -402,15 +399,8 @@ TEST(MemoryBackend, CapacityExceeded) {
 // Identify reads) that limit, not its own default of 64 MiB. A backend without a limit of its own
 // leaves the controller's.
 TEST(Controller, LargestValueIsTheBackendsWhenSmaller) {
-  const auto dir =
-      std::filesystem::temp_directory_path() / ("gdkv-max-value-" + std::to_string(::getpid()));
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  LocalBackendOptions lo;
-  lo.path = dir.string();
-  lo.capacity_bytes = 16 << 20;
-  lo.segment_bytes = 1 << 20;
-  auto local = make_local_backend(lo);
+  test::BackendFixture store;
+  auto local = store.open("local", 16 << 20, 1 << 20);
   const uint64_t max = local->info().max_value_bytes;
   EXPECT_EQ(max, (1u << 20) - 8192);
   {
@@ -428,7 +418,6 @@ TEST(Controller, LargestValueIsTheBackendsWhenSmaller) {
   }
   auto memory = Client::open(make_memory_backend());
   EXPECT_EQ(memory->controller()->options().max_value_bytes, ControllerOptions{}.max_value_bytes);
-  std::filesystem::remove_all(dir);
 }
 
 // A backend that holds every op until the test releases them.

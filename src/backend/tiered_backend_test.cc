@@ -5,14 +5,12 @@
 #include "gdkv/tiered_backend.h"
 
 #include <gtest/gtest.h>
-#include <unistd.h>
 
-#include <filesystem>
 #include <mutex>
 #include <set>
 
+#include "backend_params.h"
 #include "cache/cache_test_util.h"
-#include "gdkv/local_backend.h"
 
 namespace gdkv {
 namespace {
@@ -58,26 +56,15 @@ class CorruptingBackend final : public Backend {
 };
 
 struct Tiers {
-  std::filesystem::path dir;
+  test::BackendFixture store;  // the near tier's local store, in a directory of its own
   std::shared_ptr<GateBackend> near, far;
   std::shared_ptr<CorruptingBackend> corrupting;
   std::shared_ptr<Backend> tiered;
   Tiers() {
-    dir = std::filesystem::temp_directory_path() / ("gdkv-tiered-" + std::to_string(::getpid()));
-    std::filesystem::remove_all(dir);
-    std::filesystem::create_directories(dir);
-    LocalBackendOptions lo;
-    lo.path = dir.string();
-    lo.capacity_bytes = 64 << 20;
-    lo.segment_bytes = 4 << 20;
-    corrupting = std::make_shared<CorruptingBackend>(make_local_backend(lo));
+    corrupting = std::make_shared<CorruptingBackend>(store.open("local", 64 << 20, 4 << 20));
     near = std::make_shared<GateBackend>(corrupting);
     far = std::make_shared<GateBackend>(make_memory_backend());
     tiered = make_tiered_backend(near, far);
-  }
-  ~Tiers() {
-    tiered.reset();
-    std::filesystem::remove_all(dir);
   }
   Status get(Backend& b, const Key& k, std::string* v = nullptr) {
     SyncOp op(BackendOpKind::kGet, k);

@@ -3,20 +3,17 @@
 // backend interface and end to end through the controller and Client.
 #include <gtest/gtest.h>
 
-#include <unistd.h>
-
 #include <atomic>
 #include <barrier>
-#include <filesystem>
 #include <random>
 #include <thread>
 
+#include "backend_params.h"
 #include "cache/cache_test_util.h"
 #include "gdkv/cache.h"
 #include "gdkv/client.h"
 #include "gdkv/commands.h"
 #include "gdkv/controller.h"
-#include "gdkv/local_backend.h"
 
 namespace gdkv {
 namespace {
@@ -586,15 +583,8 @@ double dma_bytes(Client& c) {
 // A value the cache keeps is read into the slab and copied out (one copy), and hits then cost one
 // copy each. Concurrent misses of a value too large to keep still share one backend read.
 TEST(CacheDirectReads, ValuesTheCacheWillNotKeepAreNotCopied) {
-  const auto dir =
-      std::filesystem::temp_directory_path() / ("gdkv-cache-direct-" + std::to_string(::getpid()));
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  LocalBackendOptions lo;
-  lo.path = dir.string();
-  lo.capacity_bytes = 64 << 20;
-  lo.segment_bytes = 8 << 20;
-  auto local = make_local_backend(lo);
+  test::BackendFixture store;
+  auto local = store.open("local", 64 << 20, 8 << 20);
   const Key small = key("small"), big = key("big");
   const std::string small_v = block_value(small, 4096), big_v = block_value(big, 256 << 10);
   ASSERT_EQ(test::put(*local, small, small_v), Status::kSuccess);
@@ -657,7 +647,6 @@ TEST(CacheDirectReads, ValuesTheCacheWillNotKeepAreNotCopied) {
   for (auto& t : readers) t.join();
   EXPECT_EQ(good.load(), 16);
   EXPECT_LT(slow->count(BackendOpKind::kGet), 16u);
-  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
