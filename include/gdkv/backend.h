@@ -14,7 +14,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <mutex>
+#include <shared_mutex>
 #include <span>
 #include <string>
 #include <vector>
@@ -87,6 +90,38 @@ struct BackendInfo {
   // The largest value it can store (0: no limit of its own). The controller takes the smaller of
   // this and ControllerOptions::max_value_bytes as the one limit it enforces and Identify reports.
   uint64_t max_value_bytes = 0;
+  // A shared pool that evicts (rados): its fill against what it is measured by (its capacity or
+  // quota, else the cluster's raw space), and the blocks this node has evicted.
+  double fill_ratio = 0;
+  uint64_t fill_capacity_bytes = 0;
+  uint64_t evictions = 0;
+};
+
+// Told of keys removed behind a backend's back: another node deleted them from a shared backend
+// (RADOS), so copies held above it (host cache, local tier) must go. nsid 0 (with an empty key):
+// anything may have changed, because the backend missed notifications for a while.
+using InvalidationHandler = std::function<void(uint32_t nsid, const Key& key)>;
+
+// Holds one InvalidationHandler: set() and call() from any thread; set() waits for calls in
+// progress, so once set(nullptr) returns the old handler is never called again.
+class InvalidationHook {
+ public:
+  void set(InvalidationHandler h) {
+    std::unique_lock lk(mu_);
+    fn_ = std::move(h);
+  }
+  bool empty() const {
+    std::shared_lock lk(mu_);
+    return !fn_;
+  }
+  void operator()(uint32_t nsid, const Key& key) const {
+    std::shared_lock lk(mu_);
+    if (fn_) fn_(nsid, key);
+  }
+
+ private:
+  mutable std::shared_mutex mu_;
+  InvalidationHandler fn_;
 };
 
 class Backend {
@@ -98,6 +133,10 @@ class Backend {
   virtual void collect(MetricList& out) const { (void)out; }
   // Blocks until every acknowledged write is durable and every op submitted so far has completed.
   virtual void drain() {}
+  // Whoever keeps copies of this backend's values (a cache, a tier) registers here to hear of
+  // keys deleted by other nodes; nullptr unregisters (and waits for a call in progress). Only a
+  // shared backend calls it; the others ignore it. One handler per backend.
+  virtual void set_invalidation_handler(InvalidationHandler h) { (void)h; }
 };
 
 // The `memory` backend: a map per namespace, for tests and benchmarks. capacity_bytes counts key

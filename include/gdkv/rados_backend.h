@@ -31,6 +31,28 @@ struct RadosBackendOptions {
   // Objects without the "gdkv.hdr" xattr (stored by `rados put` or another tool) are returned as
   // they are, unverified and counted; false: they read as unrecovered errors (88h). Default true.
   bool allow_raw_objects = true;
+
+  // ---- The shared pool as a cache (docs/rados.md, "Eviction") ----
+  // Every Store stamps its object with an access time (xattr gdkv.atime, milliseconds since the
+  // epoch); a Retrieve refreshes it when it is older than this many milliseconds (default 60000).
+  // So recency costs one small RADOS write per block per interval per node at most, none per hit.
+  uint32_t atime_interval_ms = 60000;
+  // Eviction, off by default (one-shot tools; gdkvd turns it on): every evict_interval_ms each
+  // node reads the pool's fill, and when it passes evict_high_percent of the pool's capacity, the
+  // live nodes each remove the coldest blocks of their share of the object hash space until the
+  // pool is back at evict_low_percent. Only gdkv's objects (hex names in gdkv's namespaces) go.
+  bool evict = false;
+  uint32_t evict_high_percent = 90;  // 1..100, > evict_low_percent
+  uint32_t evict_low_percent = 80;
+  uint32_t evict_interval_ms = 10000;
+  // Bytes the pool may hold. 0 (default): the pool's quota (`ceph osd pool set-quota max_bytes`)
+  // when it has one, else the cluster's raw space (fill is then the cluster's raw fill).
+  uint64_t pool_capacity_bytes = 0;
+  // Delete notifications: a backend with an invalidation handler watches this object (in the
+  // pool's default namespace) and every Delete notifies it, so other nodes drop the key from
+  // the tiers above their backend. Evicting nodes also watch `<events_object>.evictors`: its
+  // watchers are the live nodes that split eviction. Empty: no watch, no notifications.
+  std::string events_object = "gdkv.events";
 };
 
 // Maps a librados return code to the NVMe status gdkv reports (docs/rados.md has the table).

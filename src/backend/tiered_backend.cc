@@ -10,6 +10,8 @@
 
 #include <array>
 #include <atomic>
+#include <condition_variable>
+#include <mutex>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -35,11 +37,31 @@ bool rejected_unchanged(Status s) {
 class TieredBackend final : public Backend {
  public:
   TieredBackend(std::shared_ptr<Backend> near, std::shared_ptr<Backend> far)
-      : near_(std::move(near)), far_(std::move(far)) {}
+      : near_(std::move(near)), far_(std::move(far)) {
+    far_->set_invalidation_handler(
+        [this](uint32_t nsid, const Key& key) { invalidate(nsid, key); });
+  }
 
-  ~TieredBackend() override { drain_own(); }
+  ~TieredBackend() override {
+    far_->set_invalidation_handler(nullptr);  // waits for a call in progress
+    {
+      std::lock_guard lk(check_mu_);
+      stop_check_ = true;
+    }
+    check_cv_.notify_all();
+    if (checker_.joinable()) checker_.join();
+    drain_own();
+  }
+
+  void set_invalidation_handler(InvalidationHandler h) override { upstream_.set(std::move(h)); }
 
   void submit(BackendOp* op) override {
+    if (op->nsid < kNsBits) {  // the namespaces a lost-watch check has to look through
+      auto& word = seen_ns_[op->nsid / 64];
+      const uint64_t bit = uint64_t{1} << (op->nsid % 64);
+      if ((word.load(std::memory_order_relaxed) & bit) == 0)
+        word.fetch_or(bit, std::memory_order_relaxed);
+    }
     switch (op->kind) {
       case BackendOpKind::kGet:
         return get(op);
@@ -85,6 +107,11 @@ class TieredBackend final : public Backend {
       n_.corrupt);
     c("tiered_near_drops_total", "near copies deleted to keep the near tier no newer than far",
       n_.drops);
+    c("tiered_remote_deletes_total", "near copies dropped because another node deleted the key",
+      n_.remote_deletes);
+    c("tiered_near_checks_total",
+      "near keys checked against the far tier after its delete notifications were lost",
+      n_.checked);
   }
 
   void drain() override {
@@ -139,6 +166,111 @@ class TieredBackend final : public Backend {
 
   void drain_own() {
     while (outstanding_.load(std::memory_order_acquire) != 0) std::this_thread::yield();
+  }
+
+  // ---- deletes by other nodes ----
+  // A key another node deleted leaves near at once; a fill in flight for it is stopped by the
+  // stripe's version. nsid 0 (far lost its notifications for a while): every near key of every
+  // namespace used is checked against far on a thread of ours, and those far lacks are dropped.
+  void invalidate(uint32_t nsid, const Key& key) {
+    if (nsid != 0) {
+      BackendOp like;
+      like.nsid = nsid;
+      like.key = key;
+      stripe(&like).version.fetch_add(1, std::memory_order_acq_rel);
+      n_.remote_deletes.fetch_add(1, std::memory_order_relaxed);
+      drop_near(&like);
+    } else {
+      std::lock_guard lk(check_mu_);
+      check_wanted_ = true;
+      if (!checker_.joinable()) checker_ = std::thread([this] { run_checks(); });
+      check_cv_.notify_all();
+    }
+    upstream_(nsid, key);
+  }
+
+  // One op on `b`, waited for: the checker's thread may block.
+  static Status call(Backend& b, BackendOp& op) {
+    struct Wait {
+      std::mutex mu;
+      std::condition_variable cv;
+      bool done = false;
+      Status s = Status::kSuccess;
+    } w;
+    op.user = &w;
+    op.done = [](BackendOp* o, Status s, uint64_t) {
+      auto* wt = static_cast<Wait*>(o->user);
+      std::lock_guard lk(wt->mu);
+      wt->s = s;
+      wt->done = true;
+      wt->cv.notify_all();
+    };
+    b.submit(&op);
+    std::unique_lock lk(w.mu);
+    w.cv.wait(lk, [&] { return w.done; });
+    return w.s;
+  }
+
+  void run_checks() {
+    std::unique_lock lk(check_mu_);
+    while (true) {
+      check_cv_.wait(lk, [this] { return stop_check_ || check_wanted_; });
+      if (stop_check_) return;
+      check_wanted_ = false;
+      lk.unlock();
+      for (uint32_t ns = 1; ns < kNsBits; ++ns) {
+        if ((seen_ns_[ns / 64].load(std::memory_order_relaxed) >> (ns % 64) & 1) != 0) check(ns);
+      }
+      lk.lock();
+    }
+  }
+
+  // Drops from near the keys of namespace `ns` far no longer has.
+  void check(uint32_t ns) {
+    Key from;  // empty: the first key
+    while (true) {
+      BackendOp list;
+      list.kind = BackendOpKind::kList;
+      list.nsid = ns;
+      list.key = from;
+      list.list_max = 1024;
+      if (call(*near_, list) != Status::kSuccess || list.keys.empty()) return;
+      for (const Key& k : list.keys) {
+        {
+          std::lock_guard lk(check_mu_);
+          if (stop_check_) return;
+        }
+        BackendOp e;
+        e.kind = BackendOpKind::kExists;
+        e.nsid = ns;
+        e.key = k;
+        n_.checked.fetch_add(1, std::memory_order_relaxed);
+        if (call(*far_, e) == Status::kKeyNotExist) {
+          n_.remote_deletes.fetch_add(1, std::memory_order_relaxed);
+          drop_near(&e);
+        }
+      }
+      if (list.keys.size() < list.list_max) return;
+      from = list.keys.back();  // List is inclusive: the next round starts after it
+      if (!next_key(from)) return;
+    }
+  }
+
+  // The smallest key greater than `k` in List order; false if there is none.
+  static bool next_key(Key& k) {
+    if (k.len < nvme::kMaxKeyLength) {
+      k.bytes[k.len++] = 0;
+      return true;
+    }
+    for (int i = k.len - 1; i >= 0; --i) {  // a full-length key: the next prefix up
+      if (k.bytes[i] != 0xff) {
+        ++k.bytes[i];
+        k.len = static_cast<uint8_t>(i + 1);
+        for (size_t j = static_cast<size_t>(i) + 1; j < nvme::kMaxKeyLength; ++j) k.bytes[j] = 0;
+        return true;
+      }
+    }
+    return false;
   }
 
   // ---- Retrieve ----
@@ -347,10 +479,18 @@ class TieredBackend final : public Backend {
 
   struct Counters {
     std::atomic<uint64_t> near_hits{0}, far_reads{0}, fills{0}, fills_skipped{0}, corrupt{0},
-        drops{0};
+        drops{0}, remote_deletes{0}, checked{0};
   };
 
   std::shared_ptr<Backend> near_, far_;
+  InvalidationHook upstream_;
+  static constexpr uint32_t kNsBits = 1024;
+  std::array<std::atomic<uint64_t>, kNsBits / 64> seen_ns_{};
+  std::mutex check_mu_;
+  std::condition_variable check_cv_;
+  bool check_wanted_ = false;
+  bool stop_check_ = false;
+  std::thread checker_;
   std::array<Stripe, kStripes> stripes_;
   Counters n_;
   std::atomic<uint64_t> outstanding_{0};  // our own ops and requests not finished

@@ -197,5 +197,48 @@ TEST(TieredBackend, AFillRacingAStoreNeverLeavesTheOlderValueInNear) {
   EXPECT_EQ(v, value_of("new"));
 }
 
+// Another node deleted a key from far (the shared pool): the notification drops the near copy,
+// so the next read is far's 87h, and is passed on to the cache above.
+TEST(TieredBackend, AnotherNodesDeleteDropsTheNearCopy) {
+  Tiers t;
+  ASSERT_TRUE(t.far->has_handler());
+  std::vector<std::string> up;
+  t.tiered->set_invalidation_handler(
+      [&](uint32_t, const Key& k) { up.emplace_back(std::string(k.view())); });
+  const Key k = key("block-6");
+  ASSERT_EQ(test::put(*t.tiered, k, value_of("block-6")), Status::kSuccess);
+  ASSERT_EQ(t.del(*t.far, k), Status::kSuccess);  // behind the tier's back
+  std::string v;
+  ASSERT_EQ(t.get(*t.tiered, k, &v), Status::kSuccess);  // near still has it
+  t.far->fire(1, k);
+  t.tiered->drain();
+  EXPECT_EQ(t.get(*t.near, k, nullptr), Status::kKeyNotExist);
+  EXPECT_EQ(t.get(*t.tiered, k, nullptr), Status::kKeyNotExist);
+  EXPECT_EQ(metric(*t.tiered, "tiered_remote_deletes_total"), 1);
+  EXPECT_EQ(up, std::vector<std::string>{"block-6"});
+}
+
+// Far lost its notifications for a while: every near key is checked against far, and those far
+// no longer has leave near; the others stay.
+TEST(TieredBackend, LostNotificationsAreCheckedAgainstFar) {
+  Tiers t;
+  std::vector<Key> keys;
+  for (int i = 0; i < 5; ++i) {
+    keys.push_back(key("check-" + std::to_string(i)));
+    ASSERT_EQ(test::put(*t.tiered, keys.back(), value_of("v" + std::to_string(i))),
+              Status::kSuccess);
+  }
+  ASSERT_EQ(t.del(*t.far, keys[1]), Status::kSuccess);
+  ASSERT_EQ(t.del(*t.far, keys[3]), Status::kSuccess);
+  t.far->fire(0, Key{});
+  ASSERT_TRUE(test::eventually([&] { return metric(*t.tiered, "tiered_near_checks_total") == 5; }));
+  t.tiered->drain();
+  for (int i = 0; i < 5; ++i) {
+    const Status want = (i == 1 || i == 3) ? Status::kKeyNotExist : Status::kSuccess;
+    EXPECT_EQ(t.get(*t.near, keys[i], nullptr), want) << i;
+  }
+  EXPECT_EQ(metric(*t.tiered, "tiered_remote_deletes_total"), 2);
+}
+
 }  // namespace
 }  // namespace gdkv

@@ -107,6 +107,12 @@ class GateBackend final : public Backend {
   void collect(MetricList& out) const override { inner_->collect(out); }
   void drain() override { inner_->drain(); }
 
+  // Plays a shared backend: keeps the handler a cache or tier registers; fire() calls it as a
+  // delete notification from another node would.
+  void set_invalidation_handler(InvalidationHandler h) override { hook_.set(std::move(h)); }
+  void fire(uint32_t nsid, const Key& k) { hook_(nsid, k); }
+  bool has_handler() const { return !hook_.empty(); }
+
   uint64_t count(BackendOpKind k) const { return counts_[static_cast<size_t>(k)].load(); }
   void hold_submit(BackendOpKind k, bool on) {
     std::lock_guard lk(mu_);
@@ -167,6 +173,8 @@ class GateBackend final : public Backend {
     void* user;
     std::span<std::byte> (*sink)(BackendOp*, uint64_t);
   };
+
+  InvalidationHook hook_;
 
   void forward(BackendOp* op) {
     bool hold;

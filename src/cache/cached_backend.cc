@@ -75,9 +75,13 @@ class CachedBackend final : public Backend {
         slab_(SlabAllocator::create(o.alloc, o.free, o.slab_page_bytes)),
         policy_(std::move(policy)),
         learning_(depth_ != 0 || policy_->uses_chains()),
-        chain_(o.chain_entries) {}
+        chain_(o.chain_entries) {
+    inner_->set_invalidation_handler(
+        [this](uint32_t nsid, const Key& key) { invalidate(nsid, key); });
+  }
 
   ~CachedBackend() override {
+    inner_->set_invalidation_handler(nullptr);  // waits for a call in progress
     {
       std::lock_guard lk(mu_);
       pending_.clear();
@@ -106,6 +110,8 @@ class CachedBackend final : public Backend {
 
   BackendInfo info() const override { return inner_->info(); }
 
+  void set_invalidation_handler(InvalidationHandler h) override { upstream_.set(std::move(h)); }
+
   void collect(MetricList& out) const override {
     auto add = [&](const char* name, const char* help, MetricType type, double v,
                    std::vector<std::pair<std::string, std::string>> labels = {}) {
@@ -133,6 +139,9 @@ class CachedBackend final : public Backend {
       add("cache_evictions_total", "entries evicted to make room", kC, d(c.evictions));
       add("cache_invalidations_total", "entries dropped by a write or delete", kC,
           d(c.invalidations));
+      add("cache_remote_invalidations_total",
+          "deletes by other nodes seen (each drops the key; a lost watch drops everything)", kC,
+          d(c.remote_invalidations));
       add("cache_exists_hits_total", "Exist commands answered from the cache", kC,
           d(c.exists_hits));
       add("cache_bytes", "value bytes cached", kG, d(bytes_));
@@ -211,7 +220,7 @@ class CachedBackend final : public Backend {
   };
   struct Counters {
     uint64_t hits = 0, misses = 0, merges = 0, fills = 0, write_fills = 0, evictions = 0,
-             invalidations = 0, exists_hits = 0, direct = 0;
+             invalidations = 0, exists_hits = 0, direct = 0, remote_invalidations = 0;
     uint64_t issued[2] = {}, used = 0, wasted = 0, failed = 0, dropped = 0;
   };
   // Per stream: the chain learning and readahead state.
@@ -573,6 +582,28 @@ class CachedBackend final : public Backend {
     return f;
   }
 
+  // Another node deleted `key` (nsid 0: anything): drop the copy, and keep a read in flight
+  // from caching what it fetched before the delete. Then tell whoever sits above.
+  void invalidate(uint32_t nsid, const Key& key) {
+    {
+      std::lock_guard lk(mu_);
+      if (nsid != 0) {
+        const CacheKey k{nsid, key};
+        detach(k);
+        erase(k);
+      } else {
+        for (auto& [k, f] : flights_) f->attached = false;
+        flights_.clear();
+        std::vector<CacheKey> all;
+        all.reserve(entries_.size());
+        for (const auto& [k, e] : entries_) all.push_back(k);
+        for (const CacheKey& k : all) erase(k);
+      }
+      ++n_.remote_invalidations;
+    }
+    upstream_(nsid, key);
+  }
+
   void detach(const CacheKey& key) {
     auto it = flights_.find(key);
     if (it == flights_.end()) return;
@@ -665,6 +696,7 @@ class CachedBackend final : public Backend {
   Counters n_;
 
   std::atomic<uint64_t> outstanding_{0};  // flights and writes not finished yet
+  InvalidationHook upstream_;
 };
 
 }  // namespace

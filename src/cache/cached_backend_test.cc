@@ -76,6 +76,47 @@ TEST(Cache, HitsAreServedWithoutTheBackend) {
   EXPECT_EQ(f.gate->count(BackendOpKind::kExists), 0u);
 }
 
+// Another node deleted a key from the shared backend: the notification drops the cached copy
+// (without it the cache would keep serving it), and a lost-notifications signal drops them all.
+// The cache passes both on to whoever sits above it, and unregisters when it goes.
+TEST(Cache, DeletesByOtherNodesDropCachedCopies) {
+  auto gate = std::make_shared<GateBackend>(make_memory_backend());
+  std::vector<std::pair<uint32_t, std::string>> seen;
+  {
+    auto cache = make_cached_backend(gate, {});
+    ASSERT_TRUE(gate->has_handler());
+    cache->set_invalidation_handler(
+        [&](uint32_t ns, const Key& k) { seen.emplace_back(ns, std::string(k.view())); });
+    const Key a = *Key::from_string("remote-a"), b = *Key::from_string("remote-b");
+    ASSERT_EQ(test::put(*cache, a, "value-a"), Status::kSuccess);
+    ASSERT_EQ(test::put(*cache, b, "value-b"), Status::kSuccess);
+    // Deleted behind the cache's back: it still serves its copies.
+    SyncOp da(BackendOpKind::kDelete, a), db(BackendOpKind::kDelete, b);
+    ASSERT_EQ(da.run(*gate), Status::kSuccess);
+    ASSERT_EQ(db.run(*gate), Status::kSuccess);
+    SyncOp stale(BackendOpKind::kGet, a);
+    ASSERT_EQ(stale.run(*cache), Status::kSuccess);
+    EXPECT_EQ(stale.value(), "value-a");
+    const uint64_t reads = gate->count(BackendOpKind::kGet);
+    gate->fire(1, a);
+    SyncOp ga(BackendOpKind::kGet, a);
+    EXPECT_EQ(ga.run(*cache), Status::kKeyNotExist);
+    EXPECT_EQ(gate->count(BackendOpKind::kGet), reads + 1);
+    SyncOp gb(BackendOpKind::kGet, b);  // a notification for another namespace drops nothing
+    gate->fire(2, b);
+    ASSERT_EQ(gb.run(*cache), Status::kSuccess);
+    gate->fire(0, Key{});  // notifications were lost: everything goes
+    SyncOp gb2(BackendOpKind::kGet, b);
+    EXPECT_EQ(gb2.run(*cache), Status::kKeyNotExist);
+    EXPECT_EQ(metric(*cache, "cache_remote_invalidations_total"), 3);
+    EXPECT_EQ(metric(*cache, "cache_entries"), 0);
+  }
+  EXPECT_FALSE(gate->has_handler());
+  ASSERT_EQ(seen.size(), 3u);
+  EXPECT_EQ(seen[0], (std::pair<uint32_t, std::string>{1, "remote-a"}));
+  EXPECT_EQ(seen[2].first, 0u);
+}
+
 TEST(Cache, ViewsOutliveEviction) {
   CacheOptions o;
   o.capacity_bytes = 8192;

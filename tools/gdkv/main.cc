@@ -389,6 +389,10 @@ int run_stat(gdkv::Client& client) {
   std::printf("used      %llu bytes\n", static_cast<unsigned long long>(info.bytes_used));
   std::printf("capacity  %llu bytes\n", static_cast<unsigned long long>(info.capacity_bytes));
   std::printf("segments  %llu\n", static_cast<unsigned long long>(info.segments));
+  if (info.fill_capacity_bytes != 0) {
+    std::printf("pool fill %.1f%% of %llu bytes\n", info.fill_ratio * 100,
+                static_cast<unsigned long long>(info.fill_capacity_bytes));
+  }
   gdkv::MetricList metrics;
   ctl->collect(metrics);
   std::printf("\n%s", gdkv::metrics_table(metrics).c_str());

@@ -171,7 +171,9 @@ bool load_toml(const std::string& text, const std::string& name, Config& c, std:
     r.known_keys(
         *b, "backend.",
         {"kind", "store", "capacity_bytes", "segment_bytes", "memory_capacity_bytes", "pool",
-         "ceph_conf", "ceph_client", "ceph_keyring", "namespace_prefix", "op_timeout_ms"});
+         "ceph_conf", "ceph_client", "ceph_keyring", "namespace_prefix", "op_timeout_ms", "evict",
+         "evict_high_percent", "evict_low_percent", "evict_interval_ms", "pool_capacity_bytes",
+         "atime_interval_ms", "events_object"});
     r.string(*b, "backend.", "kind", c.backend.kind);
     r.string(*b, "backend.", "store", c.backend.local.path);
     r.uint(*b, "backend.", "capacity_bytes", c.backend.local.capacity_bytes, 1);
@@ -183,6 +185,13 @@ bool load_toml(const std::string& text, const std::string& name, Config& c, std:
     r.string(*b, "backend.", "ceph_keyring", c.backend.rados.keyring);
     r.string(*b, "backend.", "namespace_prefix", c.backend.rados.namespace_prefix);
     r.uint(*b, "backend.", "op_timeout_ms", c.backend.rados.op_timeout_ms, 1);
+    r.boolean(*b, "backend.", "evict", c.backend.rados.evict);
+    r.uint(*b, "backend.", "evict_high_percent", c.backend.rados.evict_high_percent, 1, 100);
+    r.uint(*b, "backend.", "evict_low_percent", c.backend.rados.evict_low_percent, 0, 99);
+    r.uint(*b, "backend.", "evict_interval_ms", c.backend.rados.evict_interval_ms, 1);
+    r.uint(*b, "backend.", "pool_capacity_bytes", c.backend.rados.pool_capacity_bytes);
+    r.uint(*b, "backend.", "atime_interval_ms", c.backend.rados.atime_interval_ms);
+    r.string(*b, "backend.", "events_object", c.backend.rados.events_object);
   }
   if (const toml::table* t = r.table(root, "controller")) {
     r.known_keys(*t, "controller.", {"reactors", "max_value_bytes", "idle_spin_us", "never_sleep"});
@@ -243,6 +252,13 @@ bool validate(Config& c, std::string* error) {
     *error = "controller.max_value_bytes must be positive";
     return false;
   }
+  if (c.backend.rados.evict &&
+      c.backend.rados.evict_low_percent >= c.backend.rados.evict_high_percent) {
+    *error = "backend.evict_low_percent (" + std::to_string(c.backend.rados.evict_low_percent) +
+             ") must be below backend.evict_high_percent (" +
+             std::to_string(c.backend.rados.evict_high_percent) + ")";
+    return false;
+  }
   // Within one tenant's view every nsid must be unique; entries for different tenants may share
   // an nsid (each peer sees the first entry it is allowed).
   for (size_t i = 0; i < c.namespaces.size(); ++i) {
@@ -283,6 +299,13 @@ std::string to_toml(const Config& c) {
     s << "ceph_conf = \"" << c.backend.rados.ceph_conf << "\"\n";
     s << "ceph_client = \"" << c.backend.rados.client_name << "\"\n";
     s << "op_timeout_ms = " << c.backend.rados.op_timeout_ms << "\n";
+    s << "evict = " << (c.backend.rados.evict ? "true" : "false") << "\n";
+    s << "evict_high_percent = " << c.backend.rados.evict_high_percent << "\n";
+    s << "evict_low_percent = " << c.backend.rados.evict_low_percent << "\n";
+    s << "evict_interval_ms = " << c.backend.rados.evict_interval_ms << "\n";
+    s << "pool_capacity_bytes = " << c.backend.rados.pool_capacity_bytes << "\n";
+    s << "atime_interval_ms = " << c.backend.rados.atime_interval_ms << "\n";
+    s << "events_object = \"" << c.backend.rados.events_object << "\"\n";
   }
   if (c.backend.kind == "memory") {
     s << "memory_capacity_bytes = " << c.backend.memory.capacity_bytes << "\n";
@@ -348,7 +371,7 @@ int load(int argc, char** argv, Config& c, std::string* error) {
   opt("--metrics-bind", c.metrics_bind, "address /metrics listens on", "GDKVD_METRICS_BIND");
   opt("--backend", c.backend.kind, "memory, local, rados or tiered (local in front of rados)",
       "GDKVD_BACKEND")
-      ->check(CLI::IsMember({"memory", "local", "rados"}));
+      ->check(CLI::IsMember({"memory", "local", "rados", "tiered"}));
   opt("--store", c.backend.local.path, "local store directory", "GDKVD_STORE");
   opt("--capacity", c.backend.local.capacity_bytes, "local store capacity in bytes",
       "GDKVD_CAPACITY");
@@ -356,6 +379,26 @@ int load(int argc, char** argv, Config& c, std::string* error) {
   opt("--ceph-conf", c.backend.rados.ceph_conf, "ceph.conf", "GDKVD_CEPH_CONF");
   opt("--ceph-client", c.backend.rados.client_name, "Ceph client name", "GDKVD_CEPH_CLIENT");
   opt("--ceph-keyring", c.backend.rados.keyring, "Ceph keyring", "GDKVD_CEPH_KEYRING");
+  opt("--op-timeout-ms", c.backend.rados.op_timeout_ms,
+      "milliseconds a RADOS op may take before it fails with 82h", "GDKVD_OP_TIMEOUT_MS")
+      ->check(CLI::Range(1u, 3600000u));
+  app.add_flag("--evict,!--no-evict", c.backend.rados.evict,
+               "evict the coldest blocks when the RADOS pool passes its high watermark")
+      ->envname("GDKVD_EVICT");
+  opt("--evict-high-percent", c.backend.rados.evict_high_percent,
+      "pool fill (% of capacity) that starts eviction", "GDKVD_EVICT_HIGH_PERCENT")
+      ->check(CLI::Range(1u, 100u));
+  opt("--evict-low-percent", c.backend.rados.evict_low_percent,
+      "pool fill (% of capacity) eviction brings it back to", "GDKVD_EVICT_LOW_PERCENT")
+      ->check(CLI::Range(0u, 99u));
+  opt("--evict-interval-ms", c.backend.rados.evict_interval_ms,
+      "milliseconds between a node's pool fill checks", "GDKVD_EVICT_INTERVAL_MS")
+      ->check(CLI::Range(1u, 3600000u));
+  opt("--pool-capacity", c.backend.rados.pool_capacity_bytes,
+      "bytes the pool may hold (0: its quota, else the cluster's raw space)",
+      "GDKVD_POOL_CAPACITY");
+  opt("--atime-interval-ms", c.backend.rados.atime_interval_ms,
+      "milliseconds before a read refreshes a block's access time", "GDKVD_ATIME_INTERVAL_MS");
   opt("--reactors", c.reactors, "reactor threads", "GDKVD_REACTORS")->check(CLI::Range(1u, 256u));
   opt("--max-value", c.max_value_bytes, "largest value in bytes", "GDKVD_MAX_VALUE");
   opt("--idle-spin-us", c.idle_spin_us, "microseconds a reactor spins idle before sleeping",

@@ -14,6 +14,14 @@
 
 namespace gdkvd {
 
+// A long-running node's backend defaults: as the library's, but the RADOS pool evicts like a
+// cache (backend.evict).
+inline gdkv::BackendConfig daemon_backend() {
+  gdkv::BackendConfig b;
+  b.rados.evict = true;
+  return b;
+}
+
 struct Config {
   std::string config_file;                // --config / GDKVD_CONFIG
   std::string socket_dir = "/run/gdkvd";  // the vfio-user socket is <socket_dir>/cntrl
@@ -21,7 +29,7 @@ struct Config {
   int32_t metrics_port = 9464;  // -1: no /metrics; 0: any free port (logged)
   std::string metrics_bind = "0.0.0.0";
 
-  gdkv::BackendConfig backend;  // kind, local store, RADOS
+  gdkv::BackendConfig backend = daemon_backend();  // kind, local store, RADOS
   uint32_t reactors = 2;
   uint64_t max_value_bytes = uint64_t{64} << 20;
   uint32_t idle_spin_us = 200;

@@ -82,6 +82,7 @@ struct Pending {
   BackendOpKind kind = BackendOpKind::kGet;
   Key key;                // copies: the list worker reads them after a timeout may have
   uint32_t list_max = 0;  // completed (and released) the op
+  uint32_t nsid = 0;
   Clock::time_point deadline;
   std::atomic<int> refs{2};  // librados (or the list worker) + the in-flight list
   std::atomic<bool> claimed{false};
@@ -93,8 +94,10 @@ struct Pending {
   // librados' outputs.
   librados::bufferlist data;
   librados::bufferlist xattr;
+  librados::bufferlist atime;
   int read_rc = 0;
   int xattr_rc = 0;
+  int atime_rc = 0;
   uint64_t size = 0;
   time_t mtime = 0;
   uint64_t bytes = 0;  // Store: value bytes (metrics)
@@ -112,6 +115,13 @@ class RadosBackend final : public Backend {
  public:
   explicit RadosBackend(const RadosBackendOptions& o) : options_(o) {
     if (options_.op_timeout_ms == 0) throw std::runtime_error("rados: op_timeout_ms must be > 0");
+    if (options_.evict && (options_.evict_high_percent == 0 || options_.evict_high_percent > 100 ||
+                           options_.evict_low_percent >= options_.evict_high_percent ||
+                           options_.evict_interval_ms == 0)) {
+      throw std::runtime_error(
+          "rados: eviction needs 0 < evict_low_percent < evict_high_percent <= 100 and "
+          "evict_interval_ms > 0");
+    }
     std::string conf = options_.ceph_conf;
     if (conf.empty()) {
       const char* env = std::getenv("CEPH_CONF");
@@ -145,11 +155,30 @@ class RadosBackend final : public Backend {
     // Once here, where blocking is allowed (bounded by rados_mon_op_timeout): a one-shot caller
     // such as `gdkv stat` sees real numbers. Later refreshes run on the worker.
     refresh_stats();
+    if (!options_.events_object.empty()) {
+      // Notifications need the object; creating it is idempotent. Failure (a full pool, a
+      // read-only identity) only means Deletes cannot notify, which the counters show.
+      for (bool events : {true, false}) {
+        librados::ObjectWriteOperation create;
+        create.create(false);
+        base_.operate(watch_oid(events), &create, librados::OPERATION_FULL_TRY);
+      }
+    }
     watchdog_ = std::thread([this] { run_watchdog(); });
     worker_ = std::thread([this] { run_worker(); });
+    if (options_.evict || !options_.events_object.empty()) {
+      maintainer_ = std::thread([this] { run_maintenance(); });
+    }
   }
 
   ~RadosBackend() override {
+    {
+      std::lock_guard lk(maint_mu_);
+      stop_maint_ = true;
+    }
+    maint_cv_.notify_all();
+    if (maintainer_.joinable()) maintainer_.join();
+    unwatch_all();
     drain();
     {
       std::lock_guard lk(worker_mu_);
@@ -195,6 +224,7 @@ class RadosBackend final : public Backend {
     p->kind = op->kind;
     p->key = op->key;
     p->list_max = op->list_max;
+    p->nsid = op->nsid;
     p->ioctx = ioctx_for(op->nsid);
     live_.fetch_add(1, std::memory_order_relaxed);
     inflight_.fetch_add(1, std::memory_order_relaxed);
@@ -219,6 +249,8 @@ class RadosBackend final : public Backend {
       read.read(0, 0, &p->data, &p->read_rc);  // length 0: the whole object, one round trip
       read.getxattr(rados::kHeaderXattr, &p->xattr, &p->xattr_rc);
       read.set_op_flags2(librados::OP_FAILOK);  // a value without header still reads
+      read.getxattr(rados::kAtimeXattr, &p->atime, &p->atime_rc);
+      read.set_op_flags2(librados::OP_FAILOK);
     }
     link(p);
 
@@ -286,6 +318,46 @@ class RadosBackend final : public Backend {
             load(raw_reads_));
     counter("backend_read_bytes_total", "value bytes read", load(read_bytes_));
     counter("backend_written_bytes_total", "value bytes stored", load(written_bytes_));
+    counter("rados_atime_updates_total",
+            "access times refreshed by reads (at most one per block "
+            "per atime interval)",
+            load(atime_updates_));
+    counter("rados_atime_update_failures_total", "access time refreshes that failed",
+            load(touch_failures_));
+    counter("rados_delete_notifies_total", "Deletes announced to the other nodes",
+            load(notifies_sent_));
+    counter("rados_delete_notify_failures_total",
+            "delete notifications that failed or were not acknowledged by every node in time",
+            load(notify_failures_));
+    counter("rados_remote_deletes_total", "Deletes by other nodes this node was told of",
+            load(invalidations_received_));
+    counter("rados_watch_errors_total", "watches lost (notifications may have been missed)",
+            load(watch_errors_));
+    counter("rados_evict_passes_total", "eviction passes that found the pool over its high mark",
+            load(evict_passes_));
+    counter("rados_evictions_total", "blocks this node evicted from the pool", load(evictions_));
+    counter("rados_evicted_bytes_total", "value bytes this node evicted", load(evicted_bytes_));
+    counter("rados_evict_kept_total",
+            "eviction candidates kept because they were read or stored after the scan",
+            load(evict_kept_));
+    const auto gauge = [&](const char* name, const char* help, double v) {
+      out.push_back(Metric{name, help, MetricType::kGauge, {{"backend", "rados"}}, v});
+    };
+    gauge("rados_pool_fill_ratio",
+          "the pool's fill at the last eviction check (of its capacity or quota, else the "
+          "cluster's raw fill)",
+          static_cast<double>(load(fill_ppm_)) / 1e6);
+    gauge("rados_pool_used_bytes", "the pool's bytes at the last eviction check",
+          static_cast<double>(load(pool_used_bytes_)));
+    gauge("rados_pool_capacity_bytes", "what the pool's fill is measured against",
+          static_cast<double>(load(capacity_bytes_)));
+    gauge("rados_evict_nodes", "live evicting nodes sharing the last pass",
+          static_cast<double>(load(members_)));
+    gauge("rados_evictions_per_second",
+          "blocks this node evicted per second, between its last two evicting passes",
+          static_cast<double>(load(evict_rate_milli_)) / 1e3);
+    gauge("rados_evict_last_pass_seconds", "duration of the last eviction pass",
+          static_cast<double>(load(last_pass_ms_)) / 1e3);
     out.push_back(Metric{"backend_inflight",
                          "ops submitted and not yet completed",
                          MetricType::kGauge,
@@ -375,6 +447,83 @@ class RadosBackend final : public Backend {
     librados::bufferlist hbl;
     hbl.append(reinterpret_cast<const char*>(hdr), sizeof(hdr));
     w.setxattr(rados::kHeaderXattr, hbl);  // same op: data and header land together
+    librados::bufferlist abl;
+    abl.append(std::to_string(wall_ms()));
+    w.setxattr(rados::kAtimeXattr, abl);  // and the access time eviction orders by
+  }
+
+  static uint64_t wall_ms() {
+    return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                     std::chrono::system_clock::now().time_since_epoch())
+                                     .count());
+  }
+
+  // An access time xattr's value; 0 when absent or unreadable (the coldest there is).
+  static uint64_t parse_atime(const librados::bufferlist& bl, int rc) {
+    if (rc < 0 || bl.length() == 0 || bl.length() > 20) return 0;
+    std::string text;
+    bl.begin().copy(bl.length(), text);
+    return std::strtoull(text.c_str(), nullptr, 10);
+  }
+
+  // ---- background RADOS ops (access times, notifications) ----
+  // Nobody waits for them; live_ keeps the backend alive until their callbacks have run.
+  struct Background {
+    RadosBackend* self;
+    librados::AioCompletion* c = nullptr;
+    std::atomic<uint64_t>* failures;
+    librados::bufferlist payload;
+  };
+  Background* background(std::atomic<uint64_t>* failures) {
+    auto* b = new Background{this, nullptr, failures, {}};
+    live_.fetch_add(1, std::memory_order_relaxed);
+    b->c = librados::Rados::aio_create_completion(b, [](librados::completion_t, void* arg) {
+      auto* bg = static_cast<Background*>(arg);
+      if (bg->c->get_return_value() < 0) bg->failures->fetch_add(1, std::memory_order_relaxed);
+      bg->self->end_background(bg);
+    });
+    return b;
+  }
+  void end_background(Background* b) {
+    b->c->release();
+    delete b;
+    live_.fetch_sub(1, std::memory_order_release);
+  }
+
+  // A read found the block's access time older than the interval: refresh it. The object must
+  // still exist (assert_exists), so a touch never recreates a block deleted meanwhile.
+  void touch(librados::IoCtx* io, const Key& key) {
+    Background* b = background(&touch_failures_);
+    librados::ObjectWriteOperation w;
+    w.assert_exists();
+    librados::bufferlist abl;
+    abl.append(std::to_string(wall_ms()));
+    w.setxattr(rados::kAtimeXattr, abl);
+    atime_updates_.fetch_add(1, std::memory_order_relaxed);
+    if (io->aio_operate(key.hex(), b->c, &w, librados::OPERATION_FULL_TRY) < 0) {
+      touch_failures_.fetch_add(1, std::memory_order_relaxed);
+      end_background(b);
+    }
+  }
+
+  // Tells the other nodes' backends that `key` is gone: {nsid (le32), key length, key bytes,
+  // the RADOS namespace}. Receivers with another namespace prefix (another view of the pool)
+  // ignore it.
+  void notify_delete(uint32_t nsid, const Key& key) {
+    if (options_.events_object.empty()) return;
+    Background* b = background(&notify_failures_);
+    char head[5 + nvme::kMaxKeyLength];
+    std::memcpy(head, &nsid, 4);
+    head[4] = static_cast<char>(key.len);
+    std::memcpy(head + 5, key.bytes, key.len);
+    b->payload.append(head, 5 + key.len);
+    b->payload.append(options_.namespace_prefix + std::to_string(nsid));
+    notifies_sent_.fetch_add(1, std::memory_order_relaxed);
+    if (base_.aio_notify(options_.events_object, b->c, b->payload, options_.op_timeout_ms,
+                         nullptr) < 0) {
+      notify_failures_.fetch_add(1, std::memory_order_relaxed);
+      end_background(b);
+    }
   }
 
   static void on_complete(librados::completion_t, void* arg) {
@@ -395,6 +544,9 @@ class RadosBackend final : public Backend {
             break;
           case BackendOpKind::kPut:
             written_bytes_.fetch_add(p->bytes, std::memory_order_relaxed);
+            break;
+          case BackendOpKind::kDelete:
+            notify_delete(p->nsid, p->key);  // on its way before the caller hears back
             break;
           default:
             break;
@@ -431,6 +583,9 @@ class RadosBackend final : public Backend {
     }
     read_bytes_.fetch_add(len, std::memory_order_relaxed);
     *len_out = len;
+    if (wall_ms() >= parse_atime(p->atime, p->atime_rc) + options_.atime_interval_ms) {
+      touch(p->ioctx, p->key);
+    }
     if (op->sink != nullptr) {
       // One copy, from the messenger's receive buffer: msgr2 reads into buffers of its own, so a
       // bufferlist pre-filled over the caller's memory (create_static) would be replaced, not
@@ -510,6 +665,10 @@ class RadosBackend final : public Backend {
     }
     librados::cluster_stat_t cs{};
     if (rados_.cluster_stat(cs) == 0) i.capacity_bytes = cs.kb * 1024;  // raw, before replication
+    const Fill f = read_fill();
+    i.fill_ratio = f.ratio;
+    i.fill_capacity_bytes = f.capacity;
+    i.evictions = evictions_.load(std::memory_order_relaxed);
     std::lock_guard lk(info_mu_);
     info_ = i;
     stats_at_ = Clock::now();
@@ -629,6 +788,363 @@ class RadosBackend final : public Backend {
     }
   }
 
+  // ---- watches: delete notifications and the set of evicting nodes ----
+  class Watcher final : public librados::WatchCtx2 {
+   public:
+    Watcher(RadosBackend* b, bool events) : b_(b), events_(events) {}
+    void handle_notify(uint64_t notify_id, uint64_t cookie, uint64_t notifier,
+                       librados::bufferlist& bl) override {
+      if (events_) b_->on_notify(notifier, bl);
+      librados::bufferlist none;
+      b_->base_.notify_ack(b_->watch_oid(events_), notify_id, cookie, none);
+    }
+    void handle_error(uint64_t, int err) override { b_->on_watch_error(events_, err); }
+
+   private:
+    RadosBackend* b_;
+    bool events_;
+  };
+  struct Watch {
+    std::unique_ptr<Watcher> ctx;
+    uint64_t handle = 0;
+    bool wanted = false;
+    bool live = false;
+    bool lost = false;  // it broke since it was last established
+  };
+
+  std::string watch_oid(bool events) const {
+    return events ? options_.events_object : options_.events_object + ".evictors";
+  }
+
+ public:
+  void set_invalidation_handler(InvalidationHandler h) override {
+    const bool want = static_cast<bool>(h);
+    handler_.set(std::move(h));
+    if (!want || options_.events_object.empty()) return;
+    std::lock_guard lk(maint_mu_);
+    events_.wanted = true;
+    ensure_watch(events_, true);  // now, so notifications flow from the first op on
+  }
+
+ private:
+  void on_notify(uint64_t notifier, librados::bufferlist& bl) {
+    if (notifier == rados_.get_instance_id()) return;  // our own Delete: the caller knows
+    std::string m;
+    bl.begin().copy(bl.length(), m);
+    if (m.size() < 6) return;
+    uint32_t nsid = 0;
+    std::memcpy(&nsid, m.data(), 4);
+    Key key;
+    key.len = static_cast<uint8_t>(m[4]);
+    if (nsid == 0 || key.len == 0 || key.len > nvme::kMaxKeyLength || m.size() < 5u + key.len) {
+      return;
+    }
+    std::memcpy(key.bytes, m.data() + 5, key.len);
+    if (m.compare(5 + key.len, std::string::npos,
+                  options_.namespace_prefix + std::to_string(nsid)) != 0) {
+      return;  // another view of the pool
+    }
+    invalidations_received_.fetch_add(1, std::memory_order_relaxed);
+    handler_(nsid, key);
+  }
+
+  // The watch broke (our session to its OSD was lost for longer than the watch timeout, or
+  // notifications may have been missed): notifications may have been lost, so whoever keeps
+  // copies drops or rechecks them all, now and again once the watch is back.
+  void on_watch_error(bool events, int err) {
+    watch_errors_.fetch_add(1, std::memory_order_relaxed);
+    std::fprintf(stderr, "gdkv rados: watch on %s lost (%s); re-establishing\n",
+                 watch_oid(events).c_str(), std::strerror(-err));
+    {
+      std::lock_guard lk(maint_mu_);
+      Watch& w = events ? events_ : evictors_;
+      w.live = false;
+      w.lost = true;
+    }
+    maint_cv_.notify_all();
+    if (events) handler_(0, Key{});
+  }
+
+  // REQUIRES: maint_mu_ held. Blocks for up to the op timeout.
+  void ensure_watch(Watch& w, bool events) {
+    if (!w.wanted || w.live) return;
+    if (w.ctx) {
+      base_.unwatch2(w.handle);  // the broken one; its error is of no interest
+      w.ctx.reset();
+    }
+    w.ctx = std::make_unique<Watcher>(this, events);
+    const int r = base_.watch2(watch_oid(events), &w.handle, w.ctx.get());
+    if (r < 0) {
+      w.ctx.reset();
+      return;  // retried by the maintenance thread
+    }
+    const bool again = w.lost;
+    w.live = true;
+    w.lost = false;
+    // A watch that had broken is back: what was deleted in between was not notified.
+    if (events && again) handler_(0, Key{});
+  }
+
+  void unwatch_all() {
+    std::lock_guard lk(maint_mu_);
+    for (Watch* w : {&events_, &evictors_}) {
+      if (w->ctx) base_.unwatch2(w->handle);
+      w->live = false;
+    }
+    rados_.watch_flush();  // no watch callback runs after this
+    events_.ctx.reset();
+    evictors_.ctx.reset();
+  }
+
+  // Re-establishes broken watches (every second) and runs eviction passes.
+  void run_maintenance() {
+    std::unique_lock lk(maint_mu_);
+    evictors_.wanted = options_.evict;
+    auto next_pass = Clock::now() + std::chrono::milliseconds(options_.evict_interval_ms);
+    while (!stop_maint_) {
+      ensure_watch(events_, true);
+      ensure_watch(evictors_, false);
+      const auto wake = std::min(next_pass, Clock::now() + std::chrono::seconds(1));
+      maint_cv_.wait_until(lk, wake, [this] { return stop_maint_; });
+      if (stop_maint_ || !options_.evict || Clock::now() < next_pass) continue;
+      lk.unlock();
+      evict_pass();
+      lk.lock();
+      next_pass = Clock::now() + std::chrono::milliseconds(options_.evict_interval_ms);
+    }
+  }
+
+  // ---- eviction ----
+  struct Fill {
+    uint64_t used = 0;      // the pool's bytes
+    uint64_t capacity = 0;  // what they are measured against (0: unknown)
+    double ratio = 0;       // used / capacity, or the cluster's raw fill
+    bool quota = false;     // capacity is a byte budget (configured or the pool's quota)
+  };
+
+  Fill read_fill() const {
+    Fill f;
+    std::list<std::string> pools{options_.pool};
+    librados::stats_map stats;
+    if (rados_.get_pool_stats(pools, stats) == 0) {
+      if (auto it = stats.find(options_.pool); it != stats.end()) f.used = it->second.num_bytes;
+    }
+    f.capacity = options_.pool_capacity_bytes;
+    if (f.capacity == 0) f.capacity = pool_quota();
+    if (f.capacity != 0) {
+      f.quota = true;
+      f.ratio = static_cast<double>(f.used) / static_cast<double>(f.capacity);
+    } else {
+      librados::cluster_stat_t cs{};
+      if (rados_.cluster_stat(cs) == 0 && cs.kb != 0) {
+        f.capacity = cs.kb * 1024;
+        f.ratio = static_cast<double>(cs.kb_used) / static_cast<double>(cs.kb);
+      }
+    }
+    return f;
+  }
+
+  // The pool's byte quota (0: none or unknown).
+  uint64_t pool_quota() const {
+    const std::string cmd =
+        R"({"prefix": "osd pool get-quota", "pool": ")" + options_.pool + R"(", "format": "json"})";
+    librados::bufferlist in, out;
+    std::string outs;
+    if (rados_.mon_command(cmd, in, &out, &outs) < 0) return 0;
+    const std::string json(out.c_str(), out.length());
+    const auto at = json.find("\"quota_max_bytes\":");
+    if (at == std::string::npos) return 0;
+    return std::strtoull(json.c_str() + at + 18, nullptr, 10);
+  }
+
+  // The live evicting nodes, sorted, and our place among them; false if we are not among them.
+  bool membership(size_t* index, size_t* count) {
+    std::list<obj_watch_t> watchers;
+    if (base_.list_watchers(watch_oid(false), &watchers) < 0) return false;
+    std::vector<uint64_t> ids;
+    for (const auto& w : watchers) ids.push_back(static_cast<uint64_t>(w.watcher_id));
+    std::sort(ids.begin(), ids.end());
+    ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+    const auto me = std::find(ids.begin(), ids.end(), rados_.get_instance_id());
+    if (me == ids.end()) return false;
+    *index = static_cast<size_t>(me - ids.begin());
+    *count = ids.size();
+    return true;
+  }
+
+  struct Candidate {
+    std::string nspace;
+    std::string oid;
+    uint64_t size = 0;
+    time_t mtime = 0;
+    librados::bufferlist atime;
+    int stat_rc = 0;
+    int atime_rc = 0;
+    uint64_t atime_ms = 0;
+  };
+
+  librados::IoCtx& evict_ioctx(const std::string& nspace) {
+    auto& io = evict_ns_[nspace];
+    if (!io) {
+      io = std::make_unique<librados::IoCtx>();
+      io->dup(base_);
+      io->set_namespace(nspace);
+    }
+    return *io;
+  }
+
+  // Runs `issue` for items [0, n) with at most kWindow RADOS ops in flight; each returns its
+  // completion (nullptr: nothing issued). Every completion has been waited for on return.
+  template <typename Issue, typename Done>
+  static void windowed(size_t n, Issue issue, Done done) {
+    constexpr size_t kWindow = 64;
+    std::deque<std::pair<size_t, librados::AioCompletion*>> flight;
+    auto reap = [&] {
+      auto [i, c] = flight.front();
+      flight.pop_front();
+      c->wait_for_complete();
+      done(i, c->get_return_value());
+      c->release();
+    };
+    for (size_t i = 0; i < n; ++i) {
+      if (flight.size() == kWindow) reap();
+      if (librados::AioCompletion* c = issue(i)) flight.emplace_back(i, c);
+    }
+    while (!flight.empty()) reap();
+  }
+
+  // One pass: if the pool is past the high watermark, this node removes the coldest blocks of
+  // its slice of the hash space until its slice is at the low watermark's share. Each removal is
+  // conditional on the access time the scan saw (cmpxattr), so a block read or stored since is
+  // kept. A node that dies mid-pass leaves its slice to the next membership.
+  void evict_pass() {
+    const auto t0 = Clock::now();
+    const Fill f = read_fill();
+    fill_ppm_.store(static_cast<uint64_t>(f.ratio * 1e6), std::memory_order_relaxed);
+    capacity_bytes_.store(f.capacity, std::memory_order_relaxed);
+    pool_used_bytes_.store(f.used, std::memory_order_relaxed);
+    if (f.capacity == 0 || f.ratio * 100 < options_.evict_high_percent) return;
+    size_t index = 0, count = 1;
+    if (!membership(&index, &count)) return;  // our watch is not (yet) in: skip this pass
+    members_.store(count, std::memory_order_relaxed);
+    evict_passes_.fetch_add(1, std::memory_order_relaxed);
+
+    // Scan our slice: every gdkv object's size and access time.
+    librados::IoCtx all;
+    all.dup(base_);
+    all.set_namespace(librados::all_nspaces);
+    librados::ObjectCursor start, finish;
+    all.object_list_slice(all.object_list_begin(), all.object_list_end(), index, count, &start,
+                          &finish);
+    std::vector<Candidate> cands;
+    auto cursor = std::make_unique<librados::ObjectCursor>(start);
+    while (!all.object_list_is_end(*cursor) && *cursor < finish) {
+      std::vector<librados::ObjectItem> items;
+      auto next = std::make_unique<librados::ObjectCursor>();
+      if (all.object_list(*cursor, finish, 1024, {}, &items, next.get()) < 0) return;
+      for (auto& item : items) {
+        if (item.nspace.rfind(options_.namespace_prefix, 0) != 0) continue;
+        const auto k = Key::from_hex(item.oid);
+        if (!k || k->hex() != item.oid) continue;
+        cands.push_back(Candidate{item.nspace, item.oid, 0, 0, {}, 0, 0, 0});
+      }
+      if (items.empty()) break;
+      cursor = std::move(next);
+    }
+    std::vector<std::unique_ptr<librados::ObjectReadOperation>> reads(cands.size());
+    windowed(
+        cands.size(),
+        [&](size_t i) -> librados::AioCompletion* {
+          Candidate& c = cands[i];
+          reads[i] = std::make_unique<librados::ObjectReadOperation>();
+          reads[i]->stat(&c.size, &c.mtime, &c.stat_rc);
+          reads[i]->getxattr(rados::kAtimeXattr, &c.atime, &c.atime_rc);
+          reads[i]->set_op_flags2(librados::OP_FAILOK);
+          auto* comp = librados::Rados::aio_create_completion();
+          if (evict_ioctx(c.nspace).aio_operate(c.oid, comp, reads[i].get(), nullptr) < 0) {
+            comp->release();
+            c.stat_rc = -EIO;
+            return nullptr;
+          }
+          return comp;
+        },
+        [&](size_t i, int r) {
+          if (r < 0) cands[i].stat_rc = r;
+          cands[i].atime_ms = parse_atime(cands[i].atime, cands[i].atime_rc);
+        });
+    reads.clear();
+    std::erase_if(cands, [](const Candidate& c) { return c.stat_rc < 0; });
+    uint64_t slice_bytes = 0;
+    for (const auto& c : cands) slice_bytes += c.size;
+
+    // Our slice's share of the low watermark.
+    const double low = options_.evict_low_percent / 100.0;
+    uint64_t target = 0;
+    if (f.quota) {
+      target =
+          static_cast<uint64_t>(low * static_cast<double>(f.capacity) / static_cast<double>(count));
+    } else {
+      target = static_cast<uint64_t>(static_cast<double>(slice_bytes) * low / f.ratio);
+    }
+    if (slice_bytes <= target) return;  // the statistics were behind: nothing to do
+    const uint64_t to_free = slice_bytes - target;
+
+    std::sort(cands.begin(), cands.end(), [](const Candidate& a, const Candidate& b) {
+      return a.atime_ms != b.atime_ms ? a.atime_ms < b.atime_ms : a.size > b.size;
+    });
+    uint64_t freed = 0, planned = 0;
+    size_t next = 0;
+    while (freed < to_free && next < cands.size()) {
+      // Plan as many removals as would free the rest if they all succeed; a block touched
+      // since the scan (ECANCELED) or gone (ENOENT) frees nothing, and the next round goes on.
+      const size_t first = next;
+      planned = freed;
+      while (planned < to_free && next < cands.size()) planned += cands[next++].size;
+      std::vector<std::unique_ptr<librados::ObjectWriteOperation>> writes(next - first);
+      windowed(
+          next - first,
+          [&](size_t i) -> librados::AioCompletion* {
+            const Candidate& c = cands[first + i];
+            writes[i] = std::make_unique<librados::ObjectWriteOperation>();
+            if (c.atime_rc == 0 && c.atime.length() != 0) {
+              writes[i]->cmpxattr(rados::kAtimeXattr, LIBRADOS_CMPXATTR_OP_EQ, c.atime);
+            }
+            writes[i]->remove();
+            auto* comp = librados::Rados::aio_create_completion();
+            if (evict_ioctx(c.nspace).aio_operate(c.oid, comp, writes[i].get(),
+                                                  librados::OPERATION_FULL_TRY) < 0) {
+              comp->release();
+              return nullptr;
+            }
+            return comp;
+          },
+          [&](size_t i, int r) {
+            const Candidate& c = cands[first + i];
+            if (r == 0) {
+              freed += c.size;
+              evictions_.fetch_add(1, std::memory_order_relaxed);
+              evicted_bytes_.fetch_add(c.size, std::memory_order_relaxed);
+            } else if (r == -ECANCELED) {
+              evict_kept_.fetch_add(1, std::memory_order_relaxed);
+            }
+          });
+    }
+    const auto now = Clock::now();
+    const double since = std::chrono::duration<double>(now - last_pass_at_).count();
+    if (last_pass_at_ != Clock::time_point{} && since > 0) {
+      evict_rate_milli_.store(
+          static_cast<uint64_t>(static_cast<double>(evictions_.load() - evictions_at_last_pass_) /
+                                since * 1e3),
+          std::memory_order_relaxed);
+    }
+    last_pass_at_ = now;
+    evictions_at_last_pass_ = evictions_.load();
+    last_pass_ms_.store(
+        static_cast<uint64_t>(
+            std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count()),
+        std::memory_order_relaxed);
+  }
+
   librados::IoCtx* ioctx_for(uint32_t nsid) {
     {
       std::shared_lock lk(ns_mu_);
@@ -676,6 +1192,35 @@ class RadosBackend final : public Backend {
   mutable BackendInfo info_{.name = "rados"};
   mutable Clock::time_point stats_at_{};
   mutable bool stats_queued_ = false;
+
+  // Watches, eviction (the maintenance thread).
+  InvalidationHook handler_;
+  std::mutex maint_mu_;
+  std::condition_variable maint_cv_;
+  bool stop_maint_ = false;
+  Watch events_;
+  Watch evictors_;
+  std::thread maintainer_;
+  std::unordered_map<std::string, std::unique_ptr<librados::IoCtx>> evict_ns_;  // its thread's
+
+  std::atomic<uint64_t> fill_ppm_{0};
+  std::atomic<uint64_t> capacity_bytes_{0};
+  std::atomic<uint64_t> pool_used_bytes_{0};
+  std::atomic<uint64_t> members_{0};
+  std::atomic<uint64_t> evict_passes_{0};
+  std::atomic<uint64_t> evictions_{0};
+  std::atomic<uint64_t> evicted_bytes_{0};
+  std::atomic<uint64_t> evict_kept_{0};
+  std::atomic<uint64_t> last_pass_ms_{0};
+  std::atomic<uint64_t> evict_rate_milli_{0};
+  Clock::time_point last_pass_at_{};  // the maintenance thread's
+  uint64_t evictions_at_last_pass_ = 0;
+  std::atomic<uint64_t> atime_updates_{0};
+  std::atomic<uint64_t> touch_failures_{0};
+  std::atomic<uint64_t> notifies_sent_{0};
+  std::atomic<uint64_t> notify_failures_{0};
+  std::atomic<uint64_t> invalidations_received_{0};
+  std::atomic<uint64_t> watch_errors_{0};
 
   std::atomic<uint64_t> ops_{0};
   std::atomic<uint64_t> kind_ops_[kKinds] = {};

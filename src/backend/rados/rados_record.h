@@ -28,6 +28,8 @@
 namespace gdkv::rados {
 
 inline constexpr char kHeaderXattr[] = "gdkv.hdr";
+// The block's access time for eviction: milliseconds since the Unix epoch, in decimal.
+inline constexpr char kAtimeXattr[] = "gdkv.atime";
 inline constexpr uint32_t kRecordMagic = 0x564b4447;  // "GDKV" in memory order
 inline constexpr uint16_t kRecordVersion = 1;
 inline constexpr size_t kRecordHeaderSize = 64;
