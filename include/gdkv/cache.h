@@ -14,8 +14,9 @@
 // - Eviction: a policy chosen by name ("prefix", "adaptive", "lru-k", "lru", "arc");
 // docs/cache.md compares them.
 //
-// Coherence covers the writes that pass through this cache. Writes by another node to a shared
-// backend (RADOS) are seen once the cached copy is evicted; run one cache per backend view.
+// Coherence covers the writes that pass through this cache, and Deletes by other nodes that the
+// backend reports (set_invalidation_handler: RADOS notifications). Rewrites by another node to a
+// shared backend are seen once the cached copy is evicted; run one cache per backend view.
 //
 // Thread safety: as every Backend (see backend.h): submit() and collect() from any thread.
 #pragma once

@@ -11,6 +11,8 @@
 //   holds a value older than far's). No write-back mode: an acknowledged value is always in far.
 // - Delete: from far, then from near (whatever far answered); the status is far's.
 // - Exist: near, else far. List and Prefetch: far.
+// - Deletes by other nodes that far reports (set_invalidation_handler) drop the near copy; when far
+//   lost its notifications, every near key is checked against far in the background.
 // Near evicts by its own policy (the local store reclaims its oldest segment when full).
 //
 // Thread safety: as every Backend (see backend.h).
