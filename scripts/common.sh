@@ -16,6 +16,7 @@ GDKV_TEST_PACKAGES=(
   clang libclang-rt-14-dev
   hipcc
   e2fsprogs util-linux procps psmisc
+  iproute2 # scripts/netns-hosts: the multi-host tests
 )
 
 gdkv_log() { printf '\n== %s\n' "$*" >&2; }

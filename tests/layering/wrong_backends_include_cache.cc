@@ -1,0 +1,2 @@
+// Must not compile: backends sit below the cache.
+#include "gdkv/cache.h"

@@ -1,0 +1,2 @@
+// Must not compile: another layer's private header.
+#include "controller/reactor.h"

@@ -1,0 +1,2 @@
+// Must not compile: the cache knows the backend interface, not a backend.
+#include "gdkv/rados_backend.h"
