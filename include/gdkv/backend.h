@@ -29,19 +29,17 @@
 namespace gdkv {
 
 enum class BackendOpKind : uint8_t {
-  kPut,       // store op.value under op.key, honouring op.store_options (nvme::kStoreMust*)
-  kGet,       // read op.key's value (see sink/view)
-  kDelete,    // remove op.key; kKeyNotExist if absent
-  kExists,    // kSuccess if present, else kKeyNotExist
-  kList,      // keys >= op.key (all keys when op.key.len == 0), ascending, at most list_max
-  kPrefetch,  // a hint: the keys in op.keys will be read soon; backends without a cache ignore it
+  kPut,     // store op.value under op.key, honouring op.store_options (nvme::kStoreMust*)
+  kGet,     // read op.key's value (see sink/view)
+  kDelete,  // remove op.key; kKeyNotExist if absent
+  kExists,  // kSuccess if present, else kKeyNotExist
+  kList,    // keys >= op.key (all keys when op.key.len == 0), ascending, at most list_max
 };
-inline constexpr size_t kBackendOpKinds = 6;
+inline constexpr size_t kBackendOpKinds = 5;
 
-// The kind's name in metrics labels ("put", "get", "delete", "exists", "list", "prefetch").
+// The kind's name in metrics labels ("put", "get", "delete", "exists", "list").
 constexpr const char* backend_op_name(BackendOpKind k) noexcept {
-  constexpr const char* kNames[kBackendOpKinds] = {"put",    "get",  "delete",
-                                                   "exists", "list", "prefetch"};
+  constexpr const char* kNames[kBackendOpKinds] = {"put", "get", "delete", "exists", "list"};
   return static_cast<size_t>(k) < kBackendOpKinds ? kNames[static_cast<size_t>(k)] : "?";
 }
 
@@ -69,7 +67,7 @@ struct BackendOp {
   std::span<std::byte> (*sink)(BackendOp* op, uint64_t value_len) = nullptr;
   ValueView view;
 
-  // kList: results. kPrefetch: the keys to warm.
+  // kList: results.
   uint32_t list_max = 0;
   std::vector<Key> keys;
 
@@ -137,6 +135,13 @@ class Backend {
   // keys deleted by other nodes; nullptr unregisters (and waits for a call in progress). Only a
   // shared backend calls it; the others ignore it. One handler per backend.
   virtual void set_invalidation_handler(InvalidationHandler h) { (void)h; }
+  // A hint (the Prefetch command): the keys of namespace `nsid` will be read soon. The host cache
+  // warms them; a backend without a cache has nothing to do (the default), and a decorator
+  // passes it on. Never blocks; `keys` is only read during the call.
+  virtual void prefetch(uint32_t nsid, std::span<const Key> keys) {
+    (void)nsid;
+    (void)keys;
+  }
 };
 
 // The `memory` backend: a map per namespace, for tests and benchmarks. capacity_bytes counts key

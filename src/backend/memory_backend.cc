@@ -119,8 +119,6 @@ class MemoryBackend final : public Backend {
             op->keys.push_back(it->first);
           break;
         }
-        case BackendOpKind::kPrefetch:
-          break;
       }
     }
     op->complete(s, len);

@@ -54,6 +54,7 @@ class TieredBackend final : public Backend {
   }
 
   void set_invalidation_handler(InvalidationHandler h) override { upstream_.set(std::move(h)); }
+  void prefetch(uint32_t nsid, std::span<const Key> keys) override { far_->prefetch(nsid, keys); }
 
   void submit(BackendOp* op) override {
     if (op->nsid < kNsBits) {  // the namespaces a lost-watch check has to look through
@@ -71,7 +72,6 @@ class TieredBackend final : public Backend {
       case BackendOpKind::kExists:
         return exists(op);
       case BackendOpKind::kList:
-      case BackendOpKind::kPrefetch:
         break;
     }
     far_->submit(op);

@@ -91,7 +91,7 @@ class CachedBackend final : public Backend {
   }
 
   void submit(BackendOp* op) override {
-    if (!op->key.valid() && op->kind != BackendOpKind::kPrefetch) return inner_->submit(op);
+    if (!op->key.valid()) return inner_->submit(op);
     switch (op->kind) {
       case BackendOpKind::kGet:
         return get(op);
@@ -100,8 +100,6 @@ class CachedBackend final : public Backend {
         return write(op);
       case BackendOpKind::kExists:
         return exists(op);
-      case BackendOpKind::kPrefetch:
-        return prefetch(op);
       case BackendOpKind::kList:
         break;
     }
@@ -453,17 +451,16 @@ class CachedBackend final : public Backend {
 
   // ---- prefetch ----
 
-  void prefetch(BackendOp* op) {
+  void prefetch(uint32_t nsid, std::span<const Key> keys) override {
     Launch launch;
     if (max_inflight_ != 0) {
       std::lock_guard lk(mu_);
-      for (const Key& k : op->keys) {
+      for (const Key& k : keys) {
         if (!k.valid()) continue;
-        queue_prefetch(CacheKey{op->nsid, k}, kHint);
+        queue_prefetch(CacheKey{nsid, k}, kHint);
         pump(launch);  // the queue holds only what waits for a slot
       }
     }
-    op->complete(Status::kSuccess);
     start(launch);
   }
 

@@ -283,9 +283,9 @@ TEST(Cache, PrefetchIsBoundedAndDemandGoesFirst) {
   o.max_prefetch_inflight = 2;
   o.prefetch_queue = 10;
   auto cache = make_cached_backend(gate, o);
-  SyncOp hint(BackendOpKind::kPrefetch, Key{});
-  for (int i = 0; i < 20; ++i) hint.op.keys.push_back(block_key(3, i));
-  ASSERT_EQ(hint.run(*cache), Status::kSuccess);
+  std::vector<Key> hint;
+  for (int i = 0; i < 20; ++i) hint.push_back(block_key(3, i));
+  cache->prefetch(1, hint);
   // Two reads in flight, ten queued, eight dropped.
   EXPECT_EQ(metric(*cache, "cache_prefetch_inflight"), 2);
   EXPECT_EQ(metric(*cache, "cache_prefetch_queued"), 10);

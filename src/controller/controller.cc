@@ -184,9 +184,8 @@ void after_staging(Command* cmd) {
   if (st.phase == CmdPhase::kPrefetchStaging) {
     st.op.keys.clear();
     if (!parse_key_list(buf, st.op.keys)) return finish(cmd, Status::kInvalidField);
-    st.op.kind = BackendOpKind::kPrefetch;
-    submit_backend(cmd);
-    return;
+    st.ctl->backend->prefetch(cmd->sqe.nsid, st.op.keys);  // a hint: done once it is given
+    return finish(cmd, Status::kSuccess);
   }
   // Scatter: a header and `count` entries; each entry's destination must be mapped.
   nvme::ScatterHeader hdr;

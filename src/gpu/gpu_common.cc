@@ -76,8 +76,6 @@ class PinnedBackend final : public Backend {
         case BackendOpKind::kList:
           op->keys.clear();
           break;
-        case BackendOpKind::kPrefetch:
-          break;
       }
     }
     op->complete(s, len);

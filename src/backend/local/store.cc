@@ -221,8 +221,6 @@ void LocalStore::submit(BackendOp* op) {
     case BackendOpKind::kList:
       if (op->key.len > nvme::kMaxKeyLength) return op->complete(Status::kInvalidKeySize);
       break;
-    case BackendOpKind::kPrefetch:
-      return op->complete(Status::kSuccess);  // reads go straight to the device: nothing to warm
     case BackendOpKind::kPut:
       if (!op->key.valid()) return op->complete(Status::kInvalidKeySize);
       if (op->value.size() > max_value_) return op->complete(Status::kInvalidValueSize);
@@ -448,8 +446,6 @@ void LocalStore::dispatch(const Incoming& in) {
       return finish(op, index_.find(op->nsid, op->key) ? Status::kSuccess : Status::kKeyNotExist);
     case BackendOpKind::kList:
       return do_list(op);
-    case BackendOpKind::kPrefetch:
-      return finish(op, Status::kSuccess);
   }
 }
 

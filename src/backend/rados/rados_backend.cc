@@ -213,10 +213,6 @@ class RadosBackend final : public Backend {
       op->complete(s, 0);
       return;
     }
-    if (op->kind == BackendOpKind::kPrefetch) {  // no cache here: nothing to warm
-      op->complete(Status::kSuccess, 0);
-      return;
-    }
 
     auto* p = new Pending;
     p->backend = this;
@@ -408,8 +404,6 @@ class RadosBackend final : public Backend {
 
   static Status validate(const BackendOp& op) noexcept {
     switch (op.kind) {
-      case BackendOpKind::kPrefetch:
-        return Status::kSuccess;
       case BackendOpKind::kList:
         return op.key.len <= nvme::kMaxKeyLength ? Status::kSuccess : Status::kInvalidKeySize;
       case BackendOpKind::kPut:
