@@ -138,6 +138,16 @@ TEST(WireFormat, KeyListCodec) {
     EXPECT_FALSE(nvme::read_key_list(b.data(), b.size(), collect)) << int{bad};
     EXPECT_EQ(back.size(), 1u);
   }
+  // The extent a piecewise reader computes is the writer's; a smaller buffer or count cuts it.
+  auto read_len = [&](uint64_t off, uint16_t* len) {
+    if (off + 2 > buf.size()) return false;
+    *len = static_cast<uint16_t>(buf[off] | buf[off + 1] << 8);
+    return true;
+  };
+  EXPECT_EQ(nvme::key_list_extent(read_len, buf.size(), 16), want);
+  EXPECT_EQ(nvme::key_list_extent(read_len, buf.size(), 1), 4u + nvme::key_list_entry_size(1));
+  EXPECT_EQ(nvme::key_list_extent(read_len, 10, 16), 10u);
+  EXPECT_EQ(nvme::key_list_extent(read_len, buf.size(), 0), 4u);
   // An empty list.
   std::vector<unsigned char> empty(4, 0);
   nvme::KeyListWriter e(empty.data(), empty.size());

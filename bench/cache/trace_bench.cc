@@ -32,10 +32,10 @@
 
 namespace {
 
+using gdkv::NsKey;
 using gdkv::bench::Trace;
 using gdkv::bench::TraceOptions;
 using gdkv::cache::AddKind;
-using gdkv::cache::CacheKey;
 
 struct Result {
   double prefix_hit = 0;
@@ -43,7 +43,7 @@ struct Result {
   double refs_per_s = 0;
 };
 
-uint64_t id_of(const CacheKey& k) {
+uint64_t id_of(const NsKey& k) {
   uint64_t id;
   std::memcpy(&id, k.key.bytes, sizeof(id));
   return id;
@@ -59,7 +59,7 @@ Result simulate(const std::string& policy_name, const Trace& t, uint64_t capacit
   auto policy = gdkv::cache::make_policy(policy_name, po);
   std::vector<uint8_t> resident(t.unique_blocks, 0);
   gdkv::cache::ChainTable chain(gdkv::CacheOptions{}.chain_entries);
-  CacheKey last;
+  NsKey last;
   bool has_last = false;
   uint64_t count = 0, prefix_hits = 0, block_hits = 0, now = 0;
   const auto t0 = std::chrono::steady_clock::now();
@@ -67,16 +67,16 @@ Result simulate(const std::string& policy_name, const Trace& t, uint64_t capacit
     bool in_prefix = true;
     for (uint64_t i = t.starts[r]; i < t.starts[r + 1]; ++i) {
       const uint64_t b = t.refs[i];
-      const CacheKey key = gdkv::cache::numbered_key(b);
+      const NsKey key = gdkv::cache::numbered_key(b);
       ++now;
       // What the cache's learn() does: was this transition seen before?
       bool followed = false;
       if (has_last && !(last == key)) {
-        const CacheKey* next = chain.next(last);
+        const NsKey* next = chain.next(last);
         followed = next != nullptr && *next == key;
         if (!followed) chain.record(last, key);
       }
-      const CacheKey pred = last;
+      const NsKey pred = last;
       last = key;
       has_last = true;
       if (resident[b]) {
@@ -90,7 +90,7 @@ Result simulate(const std::string& policy_name, const Trace& t, uint64_t capacit
       if (admit != nullptr && !(*admit)[i]) continue;
       policy->prepare_insert(key, 1, AddKind::kDemand);
       while (count >= capacity) {
-        CacheKey victim;
+        NsKey victim;
         if (!policy->evict(&victim)) break;
         resident[id_of(victim)] = 0;
         --count;

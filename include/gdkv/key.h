@@ -7,6 +7,7 @@
 // below are pure functions.
 #pragma once
 
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -68,6 +69,49 @@ struct Key {
 
 struct KeyHash {
   size_t operator()(const Key& k) const noexcept;
+};
+
+// A key in one NVMe namespace: what the cache, the local store's index and the tiered backend's
+// write stripes look keys up by.
+static_assert(std::endian::native == std::endian::little, "NsKey's compare assumes it");
+struct NsKey {
+  uint32_t nsid = 0;
+  Key key;
+  // Only the key's `len` bytes count, as in Key's operator==; done with two masked 8-byte
+  // compares instead of a call to memcmp (the cache compares keys several times per request).
+  friend bool operator==(const NsKey& a, const NsKey& b) noexcept {
+    if (a.nsid != b.nsid || a.key.len != b.key.len) return false;
+    static_assert(sizeof(a.key.bytes) == 16);
+    uint64_t a0, a1, b0, b1;
+    std::memcpy(&a0, a.key.bytes, 8);
+    std::memcpy(&a1, a.key.bytes + 8, 8);
+    std::memcpy(&b0, b.key.bytes, 8);
+    std::memcpy(&b1, b.key.bytes + 8, 8);
+    const unsigned n = a.key.len < 16 ? a.key.len : 16;
+    // Little-endian byte i is bits 8i..8i+7: keep the first n bytes.
+    const uint64_t m0 = n >= 8 ? ~uint64_t{0} : (uint64_t{1} << (8 * n)) - 1;
+    const uint64_t m1 = n >= 16 ? ~uint64_t{0} : n <= 8 ? 0 : (uint64_t{1} << (8 * (n - 8))) - 1;
+    return (((a0 ^ b0) & m0) | ((a1 ^ b1) & m1)) == 0;
+  }
+};
+
+// Inline and cheap (the cache hashes a key several times per request); only the key's `len`
+// bytes count, as in Key's operator==.
+struct NsKeyHash {
+  size_t operator()(const NsKey& k) const noexcept {
+    uint8_t b[16] = {};
+    std::memcpy(b, k.key.bytes, k.key.len < 16 ? k.key.len : 16);
+    uint64_t lo, hi;
+    std::memcpy(&lo, b, 8);
+    std::memcpy(&hi, b + 8, 8);
+    uint64_t h = lo * 0x9E3779B97F4A7C15ull;
+    h ^= (hi ^ (uint64_t{k.nsid} << 8 | k.key.len)) * 0xC2B2AE3D27D4EB4Full;
+    h ^= h >> 33;  // murmur3's finalizer: every input bit reaches the low (bucket) bits
+    h *= 0xFF51AFD7ED558CCDull;
+    h ^= h >> 33;
+    h *= 0xC4CEB9FE1A85EC53ull;
+    return h ^ (h >> 33);
+  }
 };
 
 // Keys of every full block of `tokens` (a trailing partial block gets none): block i covers tokens

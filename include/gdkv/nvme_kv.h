@@ -288,6 +288,21 @@ GDKV_HD bool read_key_list(const void* buf, size_t len, F&& f) {
   return true;
 }
 
+// The bytes a KeyList of `count` entries occupies at the start of a buffer of `cap` bytes (at most
+// cap), for a reader that sees the buffer only piecewise (the vfio-user server copying a List's
+// result back out of bounce memory): read_len(offset, &len) fetches an entry's 16-bit length and
+// returns false if it cannot.
+template <class ReadLen>
+GDKV_HD uint64_t key_list_extent(ReadLen&& read_len, uint64_t cap, uint32_t count) {
+  uint64_t off = sizeof(KeyListHeader);
+  for (uint32_t i = 0; i < count && off + 2 <= cap; ++i) {
+    uint16_t len = 0;
+    if (!read_len(off, &len)) break;
+    off += key_list_entry_size(len);
+  }
+  return off < cap ? off : cap;
+}
+
 // Scatter Retrieve (82h): the data buffer holds a ScatterHeader then `count` ScatterEntry items.
 // The value is cut at the given value offsets and each piece lands at its own address, e.g. one
 // slot per layer of a paged KV layout. CDW10 = the size of this descriptor buffer in bytes.

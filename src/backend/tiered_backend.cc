@@ -128,9 +128,7 @@ class TieredBackend final : public Backend {
   };
   static constexpr size_t kStripes = 4096;
   Stripe& stripe(const BackendOp* op) {
-    uint64_t h = 1469598103934665603ull ^ op->nsid;
-    for (uint8_t i = 0; i < op->key.len; ++i) h = (h ^ op->key.bytes[i]) * 1099511628211ull;
-    return stripes_[h % kStripes];
+    return stripes_[NsKeyHash{}(NsKey{op->nsid, op->key}) % kStripes];
   }
 
   // An op of our own, kept until its backend is done with it.

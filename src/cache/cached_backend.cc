@@ -38,8 +38,6 @@ namespace {
 
 using cache::AddKind;
 using cache::Buffer;
-using cache::CacheKey;
-using cache::CacheKeyHash;
 using cache::SlabAllocator;
 using nvme::Status;
 
@@ -186,7 +184,7 @@ class CachedBackend final : public Backend {
   };
   struct Flight {
     CachedBackend* self = nullptr;
-    CacheKey key;
+    NsKey key;
     BackendOp op;
     std::vector<BackendOp*> waiters;
     std::shared_ptr<Buffer> buf;  // filled through the sink
@@ -195,7 +193,7 @@ class CachedBackend final : public Backend {
     bool prefetch = false;
     bool used = false;     // a demand read joined this prefetch
     bool chained = false;  // the read followed its chain predecessor `pred` on its stream
-    CacheKey pred;
+    NsKey pred;
     // A value the cache will not keep (larger than the cache) read by one request: the backend
     // writes it through that request's own sink, with no slab buffer and no copy.
     BackendOp* direct = nullptr;
@@ -206,14 +204,14 @@ class CachedBackend final : public Backend {
   };
   struct WriteCtx {
     CachedBackend* self;
-    CacheKey key;
+    NsKey key;
     void (*done)(BackendOp*, Status, uint64_t);
     void* user;
     bool chained = false;  // a Store that followed its chain predecessor `pred` on its stream
-    CacheKey pred;
+    NsKey pred;
   };
   struct Pending {
-    CacheKey key;
+    NsKey key;
     PrefetchSource source;
   };
   struct Counters {
@@ -223,9 +221,9 @@ class CachedBackend final : public Backend {
   };
   // Per stream: the chain learning and readahead state.
   struct Readahead {
-    CacheKey last;  // the key the stream read or stored last
+    NsKey last;  // the key the stream read or stored last
     bool has_last = false;
-    CacheKey frontier;    // the furthest key predicted for it
+    NsKey frontier;       // the furthest key predicted for it
     uint32_t ahead = 0;   // chain steps from last to frontier
     uint32_t window = 0;  // how far ahead to keep the frontier
   };
@@ -236,13 +234,13 @@ class CachedBackend final : public Backend {
   // ---- reads ----
 
   void get(BackendOp* op) {
-    const CacheKey key{op->nsid, op->key};
+    const NsKey key{op->nsid, op->key};
     std::shared_ptr<Buffer> hit;
     Flight* miss = nullptr;
     Launch launch;
     {
       std::lock_guard lk(mu_);
-      CacheKey pred;
+      NsKey pred;
       const bool chained = learning_ && learn(readahead_of(stream_id(op)), key, &pred);
       if (auto it = entries_.find(key); it != entries_.end()) {
         hit = it->second.buf;
@@ -380,7 +378,7 @@ class CachedBackend final : public Backend {
     bool hit;
     {
       std::lock_guard lk(mu_);
-      hit = entries_.contains(CacheKey{op->nsid, op->key});
+      hit = entries_.contains(NsKey{op->nsid, op->key});
       if (hit) ++n_.exists_hits;
     }
     if (hit) return op->complete(Status::kSuccess);
@@ -390,7 +388,7 @@ class CachedBackend final : public Backend {
   // ---- writes ----
 
   void write(BackendOp* op) {
-    auto* ctx = new WriteCtx{this, CacheKey{op->nsid, op->key}, op->done, op->user, false, {}};
+    auto* ctx = new WriteCtx{this, NsKey{op->nsid, op->key}, op->done, op->user, false, {}};
     {
       std::lock_guard lk(mu_);
       WriteState& w = writes_[ctx->key];
@@ -418,8 +416,7 @@ class CachedBackend final : public Backend {
     c.self->finish_write(op, c.key, s, len, c.chained ? &c.pred : nullptr);
   }
 
-  void finish_write(BackendOp* op, const CacheKey& key, Status s, uint64_t len,
-                    const CacheKey* pred) {
+  void finish_write(BackendOp* op, const NsKey& key, Status s, uint64_t len, const NsKey* pred) {
     const bool put = op->kind == BackendOpKind::kPut;
     std::shared_ptr<Buffer> buf;
     if (put && s == Status::kSuccess && op->value.size() <= capacity_) {
@@ -457,7 +454,7 @@ class CachedBackend final : public Backend {
       std::lock_guard lk(mu_);
       for (const Key& k : keys) {
         if (!k.valid()) continue;
-        queue_prefetch(CacheKey{nsid, k}, kHint);
+        queue_prefetch(NsKey{nsid, k}, kHint);
         pump(launch);  // the queue holds only what waits for a slot
       }
     }
@@ -477,10 +474,10 @@ class CachedBackend final : public Backend {
   // REQUIRES: mu_ held. Learns that `key` followed the stream's previous key; returns whether
   // that is what the chain predicted (then *pred = that previous key: key's chain predecessor, as
   // far as the cache can tell).
-  bool learn(Readahead& ra, const CacheKey& key, CacheKey* pred) {
+  bool learn(Readahead& ra, const NsKey& key, NsKey* pred) {
     bool followed = false;
     if (ra.has_last && !(ra.last == key)) {
-      const CacheKey* next = chain_.next(ra.last);
+      const NsKey* next = chain_.next(ra.last);
       followed = next != nullptr && *next == key;
       if (followed) {
         *pred = ra.last;
@@ -499,7 +496,7 @@ class CachedBackend final : public Backend {
   // doubles, up to depth_; when it jumps elsewhere the window closes (to one key if the read
   // missed, as a chain may start there), so random hits cost no chain walk and a sequential reader
   // one step per block.
-  void predict(uint64_t stream, const CacheKey& key, bool followed, bool miss, Launch& launch) {
+  void predict(uint64_t stream, const NsKey& key, bool followed, bool miss, Launch& launch) {
     if (depth_ == 0 || max_inflight_ == 0) return;
     Readahead& ra = readahead_of(stream);
     if (followed) {
@@ -514,7 +511,7 @@ class CachedBackend final : public Backend {
       ra.frontier = key;
     }
     while (ra.ahead < ra.window) {
-      const CacheKey* next = chain_.next(ra.frontier);
+      const NsKey* next = chain_.next(ra.frontier);
       if (next == nullptr || *next == key) break;
       ra.frontier = *next;
       ++ra.ahead;
@@ -524,7 +521,7 @@ class CachedBackend final : public Backend {
   }
 
   // REQUIRES: mu_ held.
-  void queue_prefetch(const CacheKey& key, PrefetchSource source) {
+  void queue_prefetch(const NsKey& key, PrefetchSource source) {
     if (entries_.contains(key) || flights_.contains(key) || queued_.contains(key)) return;
     if (pending_.size() >= queue_cap_) {
       ++n_.dropped;
@@ -560,7 +557,7 @@ class CachedBackend final : public Backend {
     return last_tick_ = t;
   }
 
-  Flight* start_flight(const CacheKey& key, bool prefetch, uint32_t stream) {
+  Flight* start_flight(const NsKey& key, bool prefetch, uint32_t stream) {
     auto* f = new Flight;
     f->self = this;
     f->key = key;
@@ -585,23 +582,23 @@ class CachedBackend final : public Backend {
     {
       std::lock_guard lk(mu_);
       if (nsid != 0) {
-        const CacheKey k{nsid, key};
+        const NsKey k{nsid, key};
         detach(k);
         erase(k);
       } else {
         for (auto& [k, f] : flights_) f->attached = false;
         flights_.clear();
-        std::vector<CacheKey> all;
+        std::vector<NsKey> all;
         all.reserve(entries_.size());
         for (const auto& [k, e] : entries_) all.push_back(k);
-        for (const CacheKey& k : all) erase(k);
+        for (const NsKey& k : all) erase(k);
       }
       ++n_.remote_invalidations;
     }
     upstream_(nsid, key);
   }
 
-  void detach(const CacheKey& key) {
+  void detach(const NsKey& key) {
     auto it = flights_.find(key);
     if (it == flights_.end()) return;
     it->second->attached = false;
@@ -609,8 +606,8 @@ class CachedBackend final : public Backend {
   }
 
   // `pred`: the key's chain predecessor when it was read or stored right after it.
-  void insert(const CacheKey& key, std::shared_ptr<Buffer> buf, AddKind kind,
-              const CacheKey* pred = nullptr) {
+  void insert(const NsKey& key, std::shared_ptr<Buffer> buf, AddKind kind,
+              const NsKey* pred = nullptr) {
     const uint64_t size = buf->len;
     auto it = entries_.find(key);
     if (size > capacity_) {
@@ -639,7 +636,7 @@ class CachedBackend final : public Backend {
   }
 
   bool evict_one() {
-    CacheKey victim;
+    NsKey victim;
     if (!policy_->evict(&victim)) return false;
     auto it = entries_.find(victim);
     if (it == entries_.end()) return true;  // cannot happen: the policy holds resident keys only
@@ -650,7 +647,7 @@ class CachedBackend final : public Backend {
     return true;
   }
 
-  void erase(const CacheKey& key) {
+  void erase(const NsKey& key) {
     auto it = entries_.find(key);
     if (it == entries_.end()) return;
     policy_->remove(key);
@@ -677,17 +674,17 @@ class CachedBackend final : public Backend {
 
   mutable std::mutex mu_;
   std::unique_ptr<cache::EvictionPolicy> policy_;
-  std::unordered_map<CacheKey, Entry, CacheKeyHash> entries_;
+  std::unordered_map<NsKey, Entry, NsKeyHash> entries_;
   uint64_t bytes_ = 0;
-  std::unordered_map<CacheKey, Flight*, CacheKeyHash> flights_;  // attached flights
-  std::unordered_map<CacheKey, WriteState, CacheKeyHash> writes_;
+  std::unordered_map<NsKey, Flight*, NsKeyHash> flights_;  // attached flights
+  std::unordered_map<NsKey, WriteState, NsKeyHash> writes_;
   const bool learning_;  // learn chains: for prefetch or a policy that orders by them
   cache::ChainTable chain_;
   std::unordered_map<uint64_t, Readahead> readahead_;  // per stream
   Readahead* last_ra_ = nullptr;                       // readahead_of's memory
   uint64_t last_stream_ = 0;
   std::deque<Pending> pending_;
-  std::unordered_set<CacheKey, CacheKeyHash> queued_;  // keys in pending_
+  std::unordered_set<NsKey, NsKeyHash> queued_;  // keys in pending_
   uint32_t prefetch_inflight_ = 0;
   uint64_t last_tick_ = 0;
   Counters n_;

@@ -34,7 +34,7 @@ class ChainTable {
   }
 
   // The key that followed `key` last time, or null.
-  const CacheKey* next(const CacheKey& key) const {
+  const NsKey* next(const NsKey& key) const {
     const Slot* set = set_of(key);
     for (int i = 0; i < 2; ++i) {
       if (set[i].used && set[i].from == key) return &set[i].to;
@@ -43,7 +43,7 @@ class ChainTable {
   }
 
   // `to` was requested right after `from` on one stream.
-  void record(const CacheKey& from, const CacheKey& to) {
+  void record(const NsKey& from, const NsKey& to) {
     Slot* set = set_of(from);
     for (int i = 0; i < 2; ++i) {
       if (set[i].used && set[i].from == from) {
@@ -61,8 +61,8 @@ class ChainTable {
 
  private:
   struct Slot {
-    CacheKey from;
-    CacheKey to;
+    NsKey from;
+    NsKey to;
     bool used;
   };
   // All-zero bytes are an unused slot.
@@ -71,7 +71,7 @@ class ChainTable {
     void operator()(Slot* p) const { std::free(p); }
   };
 
-  Slot* set_of(const CacheKey& k) const { return &slots_[2 * (CacheKeyHash{}(k) & (sets_ - 1))]; }
+  Slot* set_of(const NsKey& k) const { return &slots_[2 * (NsKeyHash{}(k) & (sets_ - 1))]; }
 
   uint64_t sets_;
   std::unique_ptr<Slot[], Free> slots_;

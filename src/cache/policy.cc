@@ -96,7 +96,7 @@ template <uint32_t M>
 struct NodeT : std::conditional_t<(M & bit(kLruK)) != 0, LruKPart<NodeT<M>>, Empty<0>>,
                std::conditional_t<(M & bit(kArc)) != 0, ArcPart, Empty<1>> {
   using Link = LinkT<NodeT>;
-  CacheKey key;
+  NsKey key;
   uint64_t size = 0;
   bool resident = false;
   Link lru;
@@ -182,7 +182,7 @@ class Engine final : public EvictionPolicy {
 
   const char* name() const override { return name_; }
 
-  void prepare_insert(const CacheKey& key, uint64_t size, AddKind kind) override {
+  void prepare_insert(const NsKey& key, uint64_t size, AddKind kind) override {
     pending_b2_ = false;
     if constexpr (has(kArc)) {
       if (kind != AddKind::kDemand) return;
@@ -202,7 +202,7 @@ class Engine final : public EvictionPolicy {
     }
   }
 
-  void add(const CacheKey& key, uint64_t size, uint64_t now, AddKind kind) override {
+  void add(const NsKey& key, uint64_t size, uint64_t now, AddKind kind) override {
     auto [it, fresh] = nodes_.try_emplace(key);
     Node* n = &it->second;
     if (fresh) n->key = key;
@@ -225,12 +225,12 @@ class Engine final : public EvictionPolicy {
     }
   }
 
-  void record_access(const CacheKey& key, uint64_t size, uint64_t now) override {
+  void record_access(const NsKey& key, uint64_t size, uint64_t now) override {
     if (Node* n = find_resident(key)) touch(n, size, now);
   }
 
   void touch(Node* n, uint64_t size, uint64_t now) {
-    const CacheKey& key = n->key;
+    const NsKey& key = n->key;
     resident_bytes_ = resident_bytes_ - n->size + size;
     if constexpr (has(kArc)) arc_access(n, size, now);
     n->size = size;
@@ -241,7 +241,7 @@ class Engine final : public EvictionPolicy {
     }
   }
 
-  void remove(const CacheKey& key) override {
+  void remove(const NsKey& key) override {
     auto it = nodes_.find(key);
     if (it == nodes_.end() || !it->second.resident) return;
     Node* n = &it->second;
@@ -260,7 +260,7 @@ class Engine final : public EvictionPolicy {
     }
   }
 
-  bool evict(CacheKey* victim) override {
+  bool evict(NsKey* victim) override {
     if (resident_ == 0) return false;
     Node* n = nullptr;
     if constexpr (has(kLru)) {
@@ -281,7 +281,7 @@ class Engine final : public EvictionPolicy {
     return true;
   }
 
-  void evict_key(const CacheKey& key) override {
+  void evict_key(const NsKey& key) override {
     auto it = nodes_.find(key);
     if (it != nodes_.end() && it->second.resident) evict_node(&it->second);
   }
@@ -326,7 +326,7 @@ class Engine final : public EvictionPolicy {
     }
   }
 
-  Node* find_resident(const CacheKey& key) {
+  Node* find_resident(const NsKey& key) {
     auto it = nodes_.find(key);
     return it != nodes_.end() && it->second.resident ? &it->second : nullptr;
   }
@@ -534,11 +534,11 @@ class Engine final : public EvictionPolicy {
     shadow_lru_ = std::make_unique<Engine<bit(kLru)>>(kExpertNames[kLru], so);
   }
 
-  bool sampled(const CacheKey& key) const {
-    return shift_ == 0 || (CacheKeyHash{}(key)*0x2545F4914F6CDD1Dull) >> (64 - shift_) == 0;
+  bool sampled(const NsKey& key) const {
+    return shift_ == 0 || (NsKeyHash{}(key)*0x2545F4914F6CDD1Dull) >> (64 - shift_) == 0;
   }
 
-  void observe(const CacheKey& key, uint64_t size, uint64_t now, AddKind kind) {
+  void observe(const NsKey& key, uint64_t size, uint64_t now, AddKind kind) {
     if (sampled(key)) {
       for (uint8_t e = 0; e < kExperts; ++e) {
         with_shadow(e, [&](auto& s) { shadow_reference(s, e, key, size, now, kind); });
@@ -590,9 +590,9 @@ class Engine final : public EvictionPolicy {
   }
 
   template <class Shadow>
-  void shadow_reference(Shadow& s, uint8_t e, const CacheKey& key, uint64_t size, uint64_t now,
+  void shadow_reference(Shadow& s, uint8_t e, const NsKey& key, uint64_t size, uint64_t now,
                         AddKind kind) {
-    CacheKey v;
+    NsKey v;
     if (auto* n = s.find_resident(key)) {
       if (kind == AddKind::kPrefetch) return;  // a prefetch is not a reference
       score_[e] += 1;
@@ -614,7 +614,7 @@ class Engine final : public EvictionPolicy {
   const uint64_t window_;
   const uint64_t c_;
 
-  std::unordered_map<CacheKey, Node, CacheKeyHash> nodes_;
+  std::unordered_map<NsKey, Node, NsKeyHash> nodes_;
   size_t resident_ = 0;
   uint64_t resident_bytes_ = 0;
   // LRU

@@ -101,7 +101,7 @@ class LruKModel {
   std::vector<E> history_;  // oldest evicted first
 };
 
-uint64_t id_of(const CacheKey& k) {
+uint64_t id_of(const NsKey& k) {
   uint64_t id;
   std::memcpy(&id, k.key.bytes, sizeof(id));
   return id;
@@ -131,11 +131,11 @@ TEST(LruKPolicy, MatchesReferenceModelOnRandomTraces) {
           for (int step = 0; step < 1500; ++step) {
             now += 1 + rng() % 3;
             const uint64_t id = pick(rng);
-            const CacheKey key = numbered_key(id);
+            const NsKey key = numbered_key(id);
             const unsigned what = rng() % 20;
             auto make_room = [&] {
               while (model.size() >= capacity) {
-                CacheKey victim;
+                NsKey victim;
                 ASSERT_TRUE(policy->evict(&victim));
                 ASSERT_EQ(id_of(victim), model.evict())
                     << "k=" << k << " window=" << window << " history=" << history
@@ -173,7 +173,7 @@ double hit_ratio(const std::string& name, const std::vector<uint64_t>& trace, ui
   std::unordered_set<uint64_t> resident;
   uint64_t hits = 0, now = 0;
   for (uint64_t id : trace) {
-    const CacheKey key = numbered_key(id);
+    const NsKey key = numbered_key(id);
     ++now;
     if (resident.contains(id)) {
       ++hits;
@@ -182,7 +182,7 @@ double hit_ratio(const std::string& name, const std::vector<uint64_t>& trace, ui
     }
     policy->prepare_insert(key, 1, AddKind::kDemand);
     while (resident.size() >= capacity) {
-      CacheKey victim;
+      NsKey victim;
       EXPECT_TRUE(policy->evict(&victim));
       resident.erase(id_of(victim));
     }
@@ -265,14 +265,14 @@ TEST(LruPolicy, EqualsLruKWithKOne) {
   std::unordered_set<uint64_t> resident;
   for (uint64_t now = 1; now < 20000; ++now) {
     const uint64_t id = rng() % 64;
-    const CacheKey key = numbered_key(id);
+    const NsKey key = numbered_key(id);
     if (resident.contains(id)) {
       lru->record_access(key, 1, now);
       lru1->record_access(key, 1, now);
       continue;
     }
     while (resident.size() >= 16) {
-      CacheKey a, b;
+      NsKey a, b;
       ASSERT_TRUE(lru->evict(&a));
       ASSERT_TRUE(lru1->evict(&b));
       ASSERT_EQ(id_of(a), id_of(b));
@@ -304,7 +304,7 @@ TEST(AdaptivePolicy, PinnedToAnExpertBehavesAsThatPolicy) {
       uint64_t bytes = 0;
       for (uint64_t now = 1; now < 4000; ++now) {
         const uint64_t id = rng() % 60;
-        const CacheKey key = numbered_key(id);
+        const NsKey key = numbered_key(id);
         const uint64_t size = 10 + rng() % 90;
         const unsigned what = rng() % 10;
         if (what == 0) {
@@ -326,7 +326,7 @@ TEST(AdaptivePolicy, PinnedToAnExpertBehavesAsThatPolicy) {
           alone->prepare_insert(key, size, kind);
           adaptive->prepare_insert(key, size, kind);
           while (bytes + size > po.capacity_bytes) {
-            CacheKey a, b;
+            NsKey a, b;
             ASSERT_TRUE(alone->evict(&a));
             ASSERT_TRUE(adaptive->evict(&b));
             ASSERT_EQ(id_of(a), id_of(b)) << expert << " rep " << rep << " at " << now;
@@ -344,12 +344,12 @@ TEST(AdaptivePolicy, PinnedToAnExpertBehavesAsThatPolicy) {
   }
 }
 
-// CacheKey's masked compare agrees with Key's for every length, whatever lies past a key's
+// NsKey's masked compare agrees with Key's for every length, whatever lies past a key's
 // length, and the namespace counts.
-TEST(CacheKeys, EqualityIsKeyEqualityPerNamespace) {
+TEST(NsKeys, EqualityIsKeyEqualityPerNamespace) {
   std::mt19937_64 rng(17);
   for (int i = 0; i < 20000; ++i) {
-    CacheKey a, b;
+    NsKey a, b;
     a.nsid = 1 + rng() % 2;
     b.nsid = 1 + rng() % 2;
     a.key.len = static_cast<uint8_t>(rng() % 17);
@@ -361,7 +361,7 @@ TEST(CacheKeys, EqualityIsKeyEqualityPerNamespace) {
     const bool expect = a.nsid == b.nsid && a.key == b.key;
     ASSERT_EQ(a == b, expect) << int{a.key.len} << " " << int{b.key.len};
     if (expect) {
-      ASSERT_EQ(CacheKeyHash{}(a), CacheKeyHash{}(b));
+      ASSERT_EQ(NsKeyHash{}(a), NsKeyHash{}(b));
     }
   }
 }
@@ -393,7 +393,7 @@ TEST(LruKPolicy, PrefetchIsNotAReference) {
   p->add(numbered_key(2), 1, 3, AddKind::kPrefetch);
   p->record_access(numbered_key(2), 1, 4);  // key 2: one reference
   p->add(numbered_key(3), 1, 5, AddKind::kDemand);
-  CacheKey v;
+  NsKey v;
   ASSERT_TRUE(p->evict(&v));
   EXPECT_EQ(id_of(v), 2u);  // one reference, older than key 3's
   ASSERT_TRUE(p->evict(&v));
@@ -445,7 +445,7 @@ TEST(ArcPolicy, ZeroLengthValuesAndGhostHits) {
     p->record_access(numbered_key(5), 50, ++now);  // a zero-length entry that grows
     auto drain = [&](size_t expect) {
       std::unordered_set<uint64_t> evicted;
-      CacheKey v;
+      NsKey v;
       while (p->evict(&v)) EXPECT_TRUE(evicted.insert(id_of(v)).second);
       EXPECT_EQ(evicted.size(), expect);
     };
@@ -464,7 +464,7 @@ TEST(ArcPolicy, ZeroLengthValuesAndGhostHits) {
       }
       p->prepare_insert(numbered_key(id), size, AddKind::kDemand);
       while (bytes + size > po.capacity_bytes || sizes.size() >= 50) {
-        CacheKey v;
+        NsKey v;
         ASSERT_TRUE(p->evict(&v));
         auto it = sizes.find(id_of(v));
         ASSERT_NE(it, sizes.end());
@@ -643,7 +643,7 @@ TEST(PrefixPolicy, MatchesReferenceModelOnRandomTraces) {
         uint64_t bytes = 0, now = 0;
         auto make_room = [&](uint64_t need) {
           while (bytes + need > po.capacity_bytes) {
-            CacheKey victim;
+            NsKey victim;
             const bool any = policy->evict(&victim);
             const std::optional<uint64_t> expect = model.evict();
             ASSERT_EQ(any, expect.has_value());
@@ -677,7 +677,7 @@ TEST(PrefixPolicy, MatchesReferenceModelOnRandomTraces) {
           const auto path = path_to(parent, some);
           for (size_t i = 0; i < path.size(); ++i) {
             const uint64_t id = path[i];
-            const CacheKey key = numbered_key(id);
+            const NsKey key = numbered_key(id);
             ++now;
             if (auto it = held.find(id); it != held.end()) {
               const uint64_t size = rng() % 8 == 0 ? rng() % (po.capacity_bytes + 1) : it->second;
@@ -737,7 +737,7 @@ TEST(PrefixPolicy, ChainsAreEvictedFromTheirTails) {
         const auto path = path_to(parent, pick(rng));
         for (size_t i = 0; i < path.size(); ++i) {
           const uint64_t id = path[i];
-          const CacheKey key = numbered_key(id);
+          const NsKey key = numbered_key(id);
           ++now;
           if (held.contains(id)) {
             policy->record_access(key, 1, now);
@@ -745,7 +745,7 @@ TEST(PrefixPolicy, ChainsAreEvictedFromTheirTails) {
             policy->prepare_insert(key, 1, AddKind::kDemand);
             while (held.size() >= po.capacity_bytes) {
               const uint64_t probation_before = gauge(*policy, "cache_prefix_probation_bytes");
-              CacheKey victim;
+              NsKey victim;
               ASSERT_TRUE(policy->evict(&victim));
               const uint64_t v = id_of(victim);
               const bool from_protected =
@@ -817,7 +817,7 @@ TEST(PrefixPolicy, PrefetchIsNotAReference) {
   EXPECT_EQ(gauge(*p, "cache_prefix_protected_bytes"), 1u);
   p->add(numbered_key(2), 1, 5, AddKind::kDemand);
   p->record_access(numbered_key(1), 1, 6);  // its first read
-  CacheKey v;
+  NsKey v;
   ASSERT_TRUE(p->evict(&v));  // probation (key 2) over its share goes first
   EXPECT_EQ(id_of(v), 2u);
 }
@@ -828,7 +828,7 @@ TEST(PrefixPolicy, OneEntryCacheAndForgottenKeys) {
   PolicyOptions po;
   po.capacity_bytes = 1;
   auto p = make_policy("prefix", po);
-  CacheKey v;
+  NsKey v;
   for (uint64_t id = 0; id < 100; ++id) {
     if (id > 0) {
       ASSERT_TRUE(p->evict(&v));

@@ -28,7 +28,7 @@ namespace {
 enum Where : uint8_t { kProbation, kProtected, kGhost };
 
 struct PNode {
-  CacheKey key;
+  NsKey key;
   uint64_t size = 0;
   PNode* prev = nullptr;  // in its segment's list, or in the ghost FIFO
   PNode* next = nullptr;
@@ -92,7 +92,7 @@ class PrefixPolicy final : public EvictionPolicy {
   const char* name() const override { return "prefix"; }
   bool uses_chains() const override { return true; }
 
-  void add(const CacheKey& key, uint64_t size, uint64_t now, AddKind kind) override {
+  void add(const NsKey& key, uint64_t size, uint64_t now, AddKind kind) override {
     (void)now;
     auto [it, fresh] = nodes_.try_emplace(key);
     PNode* n = &it->second;
@@ -114,7 +114,7 @@ class PrefixPolicy final : public EvictionPolicy {
     list(n->where).push_back(n);
   }
 
-  void record_access(const CacheKey& key, uint64_t size, uint64_t now) override {
+  void record_access(const NsKey& key, uint64_t size, uint64_t now) override {
     (void)now;
     auto it = nodes_.find(key);
     if (it == nodes_.end() || it->second.where == kGhost) return;
@@ -127,7 +127,7 @@ class PrefixPolicy final : public EvictionPolicy {
     list(n->where).push_back(n);
   }
 
-  void record_chain(const CacheKey& key, const CacheKey& pred) override {
+  void record_chain(const NsKey& key, const NsKey& pred) override {
     auto k = nodes_.find(key);
     auto p = nodes_.find(pred);
     if (k == nodes_.end() || p == nodes_.end() || k == p) return;
@@ -147,7 +147,7 @@ class PrefixPolicy final : public EvictionPolicy {
     l.insert_before(kn, pn);
   }
 
-  void remove(const CacheKey& key) override {
+  void remove(const NsKey& key) override {
     auto it = nodes_.find(key);
     if (it == nodes_.end()) return;
     PNode* n = &it->second;
@@ -155,7 +155,7 @@ class PrefixPolicy final : public EvictionPolicy {
     nodes_.erase(it);
   }
 
-  bool evict(CacheKey* victim) override {
+  bool evict(NsKey* victim) override {
     PNode* n = nullptr;
     if (!probation_.empty() && (protected_.empty() || static_cast<double>(probation_.bytes()) >
                                                           share_ * static_cast<double>(c_))) {
@@ -170,7 +170,7 @@ class PrefixPolicy final : public EvictionPolicy {
     return true;
   }
 
-  void evict_key(const CacheKey& key) override {
+  void evict_key(const NsKey& key) override {
     auto it = nodes_.find(key);
     if (it == nodes_.end() || it->second.where == kGhost) return;
     to_ghost(&it->second);
@@ -238,7 +238,7 @@ class PrefixPolicy final : public EvictionPolicy {
   double last_ratio_ = 0;
   uint64_t refs_ = 0, hits_ = 0;
   PList probation_, protected_, ghost_;
-  std::unordered_map<CacheKey, PNode, CacheKeyHash> nodes_;
+  std::unordered_map<NsKey, PNode, NsKeyHash> nodes_;
 };
 
 }  // namespace

@@ -96,13 +96,8 @@ inline bool read_segments(const DataSegments& segs, uint64_t off, void* dst, siz
 
 // Bytes a successful List (dw0 keys) wrote at the start of its buffer of `cap` bytes.
 inline uint64_t list_bytes(const DataSegments& segs, uint32_t cap, uint32_t count) {
-  uint64_t off = sizeof(nvme::KeyListHeader);
-  for (uint32_t i = 0; i < count && off + 2 <= cap; ++i) {
-    uint16_t len = 0;
-    if (!read_segments(segs, off, &len, 2)) break;
-    off += nvme::key_list_entry_size(len);
-  }
-  return std::min<uint64_t>(off, cap);
+  return nvme::key_list_extent(
+      [&](uint64_t off, uint16_t* len) { return read_segments(segs, off, len, 2); }, cap, count);
 }
 
 // The data pointer length and direction of opcodes that have one (cdw10 bytes), for staging.

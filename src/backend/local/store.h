@@ -84,17 +84,6 @@ inline AlignedBuf alloc_aligned(size_t n, size_t align) {
   return AlignedBuf(static_cast<std::byte*>(p));
 }
 
-struct NsKey {
-  uint32_t nsid;
-  Key key;
-  friend bool operator==(const NsKey& a, const NsKey& b) noexcept {
-    return a.nsid == b.nsid && a.key == b.key;
-  }
-};
-struct NsKeyHash {
-  size_t operator()(const NsKey& k) const noexcept { return KeyHash{}(k.key) ^ k.nsid; }
-};
-
 // What submit() hands the I/O thread: the op, and for a Store its value's checksum and digest.
 struct Incoming {
   BackendOp* op;
