@@ -50,7 +50,7 @@ class BackendFixture {
       c.rados.namespace_prefix =
           "t" + std::to_string(::getpid()) + "-" + std::to_string(rd()) + "-";
     }
-    return open_backend(c);
+    return open_backend(c).value();
   }
   ~BackendFixture() {
     if (!dir_.empty()) {

@@ -136,7 +136,7 @@ int main(int argc, char** argv) {
     co.prefetch_depth = depth;
     co.capacity_bytes = uint64_t{keys_n} * size * 2;
     std::shared_ptr<gdkv::Backend> b = gdkv::make_memory_backend();
-    if (only == "cache") b = gdkv::make_cached_backend(b, co);
+    if (only == "cache") b = gdkv::make_cached_backend(b, co).value();
     struct Op {
       gdkv::BackendOp op;
       bool done = false;
@@ -166,7 +166,7 @@ int main(int argc, char** argv) {
   co.policy = policy;
   co.prefetch_depth = depth;
   co.capacity_bytes = uint64_t{keys_n} * size * 2;
-  auto cache = gdkv::make_cached_backend(gdkv::make_memory_backend(), co);
+  auto cache = gdkv::make_cached_backend(gdkv::make_memory_backend(), co).value();
   auto cached = gdkv::Client::open(cache);
   for (const auto& k : keys) {
     if (!plain->put(k, value).ok() || !cached->put(k, value).ok()) {
@@ -180,7 +180,7 @@ int main(int argc, char** argv) {
       size, keys_n, policy.c_str(), depth, rounds, seconds);
   {
     auto mem = gdkv::make_memory_backend();
-    auto c2 = gdkv::make_cached_backend(mem, co);
+    auto c2 = gdkv::make_cached_backend(mem, co).value();
     for (const auto& k : keys) {
       struct W {
         gdkv::BackendOp op;

@@ -82,7 +82,7 @@ int main(int argc, char** argv) {
   bc.rados.namespace_prefix = "cache-bench-" + std::to_string(::getpid()) + "-";
   std::shared_ptr<gdkv::Backend> inner;
   try {
-    inner = gdkv::open_backend(bc);
+    inner = gdkv::open_backend(bc).value();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "cache_prefetch_bench: %s\n", e.what());
     return 1;
@@ -128,7 +128,7 @@ int main(int argc, char** argv) {
     gdkv::CacheOptions co;
     co.capacity_bytes = data_bytes / 8;
     co.prefetch_depth = m.depth;
-    auto cache = gdkv::make_cached_backend(inner, co);
+    auto cache = gdkv::make_cached_backend(inner, co).value();
     gdkv::Controller ctl(cache);
     std::vector<std::unique_ptr<gdkv::Client>> clients;
     for (uint32_t r = 0; r < readers; ++r) {

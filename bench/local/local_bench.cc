@@ -175,7 +175,7 @@ void print_latency(const Histogram& h) {
 
 int run_loop(const Args& a, bool write) {
   if (write) fresh_store(a.dir);
-  auto store = make_local_backend(store_options(a));
+  auto store = make_local_backend(store_options(a)).value();
   Loop l;
   l.store = store.get();
   l.write = write;
@@ -287,7 +287,7 @@ int run_rebuild(const Args& a) {
   fresh_store(a.dir);
   auto o = store_options(a);
   {
-    auto store = make_local_backend(o);
+    auto store = make_local_backend(o).value();
     std::vector<BackendOp> ops(4096);
     std::vector<uint64_t> vals(4096);
     std::atomic<uint64_t> errors{0};
@@ -310,7 +310,7 @@ int run_rebuild(const Args& a) {
     if (errors.load() != 0) throw std::runtime_error("stores failed while filling");
   }
   const auto t0 = Clock::now();
-  auto store = make_local_backend(o);
+  auto store = make_local_backend(o).value();
   const double open_s = std::chrono::duration<double>(Clock::now() - t0).count();
   const double keys = static_cast<double>(store->info().keys);
   const double rebuild_s = metric(*store, "local_rebuild_seconds");

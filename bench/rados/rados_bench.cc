@@ -182,7 +182,7 @@ int main(int argc, char** argv) {
   o.namespace_prefix = "bench-" + std::to_string(::getpid()) + "-ns";
   std::shared_ptr<gdkv::Backend> backend;
   try {
-    backend = gdkv::make_rados_backend(o);
+    backend = gdkv::make_rados_backend(o).value();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s\n", e.what());
     return 1;

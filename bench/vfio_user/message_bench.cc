@@ -47,7 +47,7 @@ double run(const Options& o, uint32_t size, bool message_only) {
   so.socket_dir = dir.path();
   so.log = [](const std::string&) {};
   gdkv::VfioUserServer server(ctl, so);
-  server.start();
+  server.start().value();
   double result = 0;
   {
     const uint64_t area = uint64_t{o.qd} * size;

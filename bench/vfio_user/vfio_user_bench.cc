@@ -240,14 +240,14 @@ struct Remote {
       so.socket_dir = dir;
       so.log = [](const std::string&) {};
       server = std::make_unique<gdkv::VfioUserServer>(*ctl, so);
-      server->start();
+      server->start().value();
     }
     gdkv::VfioUserClientOptions vo;
     vo.queue_depth = 256;
     const size_t need = (size_t{o.qd} * o.threads + 2) * size + (size_t{64} << 20);
     vo.shared_memory_bytes = std::max<size_t>(vo.shared_memory_bytes, need);
-    dev = gdkv::VfioUserDevice::open(dir, vo);
-    client = dev->make_client();
+    dev = gdkv::VfioUserDevice::open(dir, vo).value();
+    client = dev->make_client().value();
   }
   ~Remote() {
     for (void* p : shm) dev->free(p);

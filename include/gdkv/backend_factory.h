@@ -24,8 +24,8 @@ struct BackendConfig {
 // The backends this build has ("memory", "local", and "rados" when librados was found).
 std::vector<std::string> available_backends();
 
-// Opens the backend; throws std::runtime_error (clear message) on an unknown kind or a failure.
-std::shared_ptr<Backend> open_backend(const BackendConfig& config);
+// Opens the backend; an Error (gdkv/result.h, a clear message) on an unknown kind or a failure.
+Result<std::shared_ptr<Backend>> open_backend(const BackendConfig& config);
 
 // $GDKV_STORE, else $XDG_DATA_HOME/gdkv, else $HOME/.local/share/gdkv.
 std::string default_store_dir();

@@ -7,7 +7,8 @@
 // - Concurrent misses on one key share one backend read (single flight).
 // - Stores are written through: the Store completes once the backend has the value, and from then
 //   on this cache serves the new value or nothing, never an older one. Deletes likewise.
-// - Prefetch: Backend::prefetch hints (the vendor opcode's key list) and chain prediction (per stream, the
+// - Prefetch: Backend::prefetch hints (the vendor opcode's key list) and chain prediction (per
+// stream, the
 //   key that followed each key last time) warm the cache ahead of demand reads. At most
 //   max_prefetch_inflight prefetch reads are outstanding, so they never queue ahead of demand
 //   reads in any number; the rest wait in a bounded queue.
@@ -29,6 +30,7 @@
 #include <vector>
 
 #include "gdkv/backend.h"
+#include "gdkv/result.h"
 
 namespace gdkv {
 
@@ -61,9 +63,9 @@ struct CacheOptions {
 // The policies make_cached_backend accepts.
 std::vector<std::string> cache_policies();
 
-// Wraps `inner` in a cache. Throws std::invalid_argument on bad options (unknown policy, k out of
+// Wraps `inner` in a cache. An Error (gdkv/result.h) on bad options (unknown policy, k out of
 // range, no inner backend).
-std::shared_ptr<Backend> make_cached_backend(std::shared_ptr<Backend> inner,
-                                             const CacheOptions& options = {});
+Result<std::shared_ptr<Backend>> make_cached_backend(std::shared_ptr<Backend> inner,
+                                                     const CacheOptions& options = {});
 
 }  // namespace gdkv

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "gdkv/backend.h"
+#include "gdkv/result.h"
 
 namespace gdkv {
 
@@ -30,11 +31,11 @@ struct LocalBackendOptions {
   uint32_t lock_wait_ms = 2000;
 };
 
-// Opens (creating if needed) the store and rebuilds its index. Throws std::runtime_error with a
+// Opens (creating if needed) the store and rebuilds its index. An Error (gdkv/result.h) with a
 // clear message when the path cannot be used, another process has the store open (flock), or
 // io_uring lacks what the store needs. An existing store keeps the segment size it was created
 // with, and never shrinks below the segments its file holds. Values up to segment_bytes − 8 KiB
 // are accepted (larger: 85h). Format, durability and reclaim: docs/local-store.md.
-std::shared_ptr<Backend> make_local_backend(const LocalBackendOptions& options);
+Result<std::shared_ptr<Backend>> make_local_backend(const LocalBackendOptions& options);
 
 }  // namespace gdkv

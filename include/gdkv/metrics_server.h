@@ -22,6 +22,7 @@
 
 #include "gdkv/copy_engine.h"
 #include "gdkv/metrics.h"
+#include "gdkv/result.h"
 
 namespace gdkv {
 
@@ -34,9 +35,10 @@ std::string metrics_table(const MetricList& metrics);
 class MetricsServer {
  public:
   // Listens on bind_address:port (port 0: the kernel picks a free one, see port()) and serves
-  // `source()` at /metrics. Throws std::runtime_error with a clear message when it cannot listen.
-  MetricsServer(uint16_t port, std::function<MetricList()> source,
-                const std::string& bind_address = "0.0.0.0");
+  // `source()` at /metrics. An Error (gdkv/result.h) with a clear message when it cannot listen.
+  static Result<std::unique_ptr<MetricsServer>> start(uint16_t port,
+                                                      std::function<MetricList()> source,
+                                                      const std::string& bind_address = "0.0.0.0");
   ~MetricsServer();  // stops the thread and closes every connection
   MetricsServer(const MetricsServer&) = delete;
   MetricsServer& operator=(const MetricsServer&) = delete;
@@ -44,6 +46,7 @@ class MetricsServer {
   uint16_t port() const;  // the port it listens on
 
  private:
+  MetricsServer(uint16_t port, std::function<MetricList()> source, const std::string& bind_address);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

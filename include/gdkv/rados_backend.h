@@ -13,6 +13,7 @@
 #include <string>
 
 #include "gdkv/backend.h"
+#include "gdkv/result.h"
 
 namespace gdkv {
 
@@ -58,8 +59,8 @@ struct RadosBackendOptions {
 // Maps a librados return code to the NVMe status gdkv reports (docs/rados.md has the table).
 nvme::Status rados_status(int rados_rc) noexcept;
 
-// Connects to the cluster and opens the pool. Throws std::runtime_error with a clear message on
-// failure (no cluster, no pool, bad credentials).
-std::shared_ptr<Backend> make_rados_backend(const RadosBackendOptions& options);
+// Connects to the cluster and opens the pool. An Error (gdkv/result.h) with a clear message on
+// failure (no cluster, no pool, bad credentials, bad options).
+Result<std::shared_ptr<Backend>> make_rados_backend(const RadosBackendOptions& options);
 
 }  // namespace gdkv

@@ -21,11 +21,12 @@
 #include <memory>
 
 #include "gdkv/backend.h"
+#include "gdkv/result.h"
 
 namespace gdkv {
 
-// REQUIRES: near and far non-null.
-std::shared_ptr<Backend> make_tiered_backend(std::shared_ptr<Backend> near,
-                                             std::shared_ptr<Backend> far);
+// An Error when near or far is null.
+Result<std::shared_ptr<Backend>> make_tiered_backend(std::shared_ptr<Backend> near,
+                                                     std::shared_ptr<Backend> far);
 
 }  // namespace gdkv

@@ -30,6 +30,7 @@
 #include "gdkv/controller.h"
 #include "gdkv/metrics.h"
 #include "gdkv/queue.h"
+#include "gdkv/result.h"
 
 namespace gdkv {
 
@@ -94,9 +95,10 @@ class VfioUserServer {
   VfioUserServer(const VfioUserServer&) = delete;
   VfioUserServer& operator=(const VfioUserServer&) = delete;
 
-  // Creates the socket and starts accepting. Throws std::runtime_error with a clear message (the
-  // directory is unusable, another gdkvd serves it).
-  void start();
+  // Checks the options, creates the socket and starts accepting. An Error (gdkv/result.h) with a
+  // clear message on bad options (a namespace beyond the controller's), an unusable directory, or
+  // another gdkvd serving it. The constructor only stores the options.
+  Result<void> start();
   // Stops accepting, lets every client's in-flight commands finish (their completions are
   // posted), then closes every connection and removes the socket. Idempotent.
   void stop();
@@ -109,6 +111,7 @@ class VfioUserServer {
   struct Impl;
 
  private:
+  void start_listening();  // start(), throwing
   std::unique_ptr<Impl> impl_;
 };
 
@@ -129,15 +132,15 @@ struct VfioUserClientOptions {
 // An open connection to a gdkvd: its controller, shared memory and admin queue.
 class VfioUserDevice : public std::enable_shared_from_this<VfioUserDevice> {
  public:
-  // Connects to <socket_dir>/cntrl and brings the controller up. Throws std::runtime_error with a
-  // clear message (no daemon, a refused connection, a controller that does not become ready).
-  static std::shared_ptr<VfioUserDevice> open(const std::string& socket_dir,
-                                              const VfioUserClientOptions& options = {});
+  // Connects to <socket_dir>/cntrl and brings the controller up. An Error (gdkv/result.h) with a
+  // clear message: no daemon, a refused connection, a controller that does not become ready.
+  static Result<std::shared_ptr<VfioUserDevice>> open(const std::string& socket_dir,
+                                                      const VfioUserClientOptions& options = {});
   virtual ~VfioUserDevice() = default;
 
-  // A Client on a new I/O queue pair (depth 0: the options' depth). Throws when the controller
-  // refuses the queue (31 pairs per connection at most).
-  virtual std::unique_ptr<Client> make_client(uint32_t depth = 0) = 0;
+  // A Client on a new I/O queue pair (depth 0: the options' depth). An Error when the controller
+  // refuses the queue (31 pairs per connection at most) or the connection has failed.
+  virtual Result<std::unique_ptr<Client>> make_client(uint32_t depth = 0) = 0;
 
   // Memory in the shared region: usable directly as data buffers of asynchronous commands.
   // Null when exhausted. free() takes what alloc() returned.
@@ -159,8 +162,8 @@ class VfioUserDevice : public std::enable_shared_from_this<VfioUserDevice> {
   virtual bool device_memory_supported() const = 0;
 };
 
-// A Client on a running gdkvd: VfioUserDevice::open(socket_dir, options)->make_client().
-std::unique_ptr<Client> connect_vfio_user(const std::string& socket_dir,
-                                          const VfioUserClientOptions& options = {});
+// A Client on a running gdkvd: VfioUserDevice::open(socket_dir, options), then make_client().
+Result<std::unique_ptr<Client>> connect_vfio_user(const std::string& socket_dir,
+                                                  const VfioUserClientOptions& options = {});
 
 }  // namespace gdkv

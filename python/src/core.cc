@@ -741,12 +741,12 @@ std::unique_ptr<PyClient> open_in_process(const OpenOptions& o, uint32_t nsid) {
   std::string error;
   {
     nb::gil_scoped_release nogil;
-    try {
-      std::shared_ptr<gdkv::Backend> backend = gdkv::open_backend(bc);
-      if (o.cache_bytes > 0) backend = gdkv::make_cached_backend(backend, cache);
-      c = gdkv::Client::open(backend, co);
-    } catch (const std::exception& e) {
-      error = e.what();
+    auto backend = gdkv::open_backend(bc);
+    if (backend && o.cache_bytes > 0) backend = gdkv::make_cached_backend(*backend, cache);
+    if (backend) {
+      c = gdkv::Client::open(*backend, co);
+    } else {
+      error = backend.error();
     }
   }
   if (!c) raise_error("open", nullptr, -1, kOpenFailed, error);
@@ -766,11 +766,17 @@ std::unique_ptr<PyClient> connect(const std::string& socket_dir, const ConnectOp
   std::string error;
   {
     nb::gil_scoped_release nogil;
-    try {
-      dev = gdkv::VfioUserDevice::open(socket_dir, vo);
-      c = dev->make_client();
-    } catch (const std::exception& e) {
-      error = e.what();
+    auto opened = gdkv::VfioUserDevice::open(socket_dir, vo);
+    if (opened) {
+      dev = *opened;
+      auto client = dev->make_client();
+      if (client) {
+        c = std::move(*client);
+      } else {
+        error = client.error();
+      }
+    } else {
+      error = opened.error();
     }
   }
   if (!c) raise_error("connect", nullptr, -1, kConnectFailed, error);

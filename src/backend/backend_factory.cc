@@ -27,7 +27,7 @@ std::string default_store_dir() {
   return "/tmp/gdkv-store";
 }
 
-std::shared_ptr<Backend> open_backend(const BackendConfig& config) {
+Result<std::shared_ptr<Backend>> open_backend(const BackendConfig& config) {
   if (config.kind == "memory") return make_memory_backend(config.memory);
   if (config.kind == "local") {
     LocalBackendOptions o = config.local;
@@ -38,21 +38,23 @@ std::shared_ptr<Backend> open_backend(const BackendConfig& config) {
 #ifdef GDKV_HAVE_RADOS
     return make_rados_backend(config.rados);
 #else
-    throw std::runtime_error("this gdkv was built without librados: the rados backend is missing");
+    return Error{"this gdkv was built without librados: the rados backend is missing"};
 #endif
   }
   if (config.kind == "tiered") {
     if (config.tiered_far != "rados" && config.tiered_far != "memory") {
-      throw std::runtime_error("tiered: the far tier is rados or memory, not '" +
-                               config.tiered_far + "'");
+      return Error{"tiered: the far tier is rados or memory, not '" + config.tiered_far + "'"};
     }
     BackendConfig near = config, far = config;
     near.kind = "local";
     far.kind = config.tiered_far;
-    return make_tiered_backend(open_backend(near), open_backend(far));
+    auto n = open_backend(near);
+    if (!n) return Error{n.error()};
+    auto f = open_backend(far);
+    if (!f) return Error{f.error()};
+    return make_tiered_backend(std::move(*n), std::move(*f));
   }
-  throw std::runtime_error("unknown backend '" + config.kind +
-                           "' (memory, local, rados or tiered)");
+  return Error{"unknown backend '" + config.kind + "' (memory, local, rados or tiered)"};
 }
 
 }  // namespace gdkv

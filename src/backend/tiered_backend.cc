@@ -496,10 +496,10 @@ class TieredBackend final : public Backend {
 
 }  // namespace
 
-std::shared_ptr<Backend> make_tiered_backend(std::shared_ptr<Backend> near,
-                                             std::shared_ptr<Backend> far) {
-  if (!near || !far) throw std::invalid_argument("tiered backend needs a near and a far backend");
-  return std::make_shared<TieredBackend>(std::move(near), std::move(far));
+Result<std::shared_ptr<Backend>> make_tiered_backend(std::shared_ptr<Backend> near,
+                                                     std::shared_ptr<Backend> far) {
+  if (!near || !far) return Error{"tiered backend needs a near and a far backend"};
+  return std::shared_ptr<Backend>(std::make_shared<TieredBackend>(std::move(near), std::move(far)));
 }
 
 }  // namespace gdkv

@@ -64,7 +64,7 @@ struct Tiers {
     corrupting = std::make_shared<CorruptingBackend>(store.open("local", 64 << 20, 4 << 20));
     near = std::make_shared<GateBackend>(corrupting);
     far = std::make_shared<GateBackend>(make_memory_backend());
-    tiered = make_tiered_backend(near, far);
+    tiered = make_tiered_backend(near, far).value();
   }
   Status get(Backend& b, const Key& k, std::string* v = nullptr) {
     SyncOp op(BackendOpKind::kGet, k);
@@ -163,7 +163,7 @@ TEST(TieredBackend, FarFailuresAreTheRequestsOwn) {
   tiny.capacity_bytes = 1000;
   auto near = t.near;
   auto small_far = std::make_shared<GateBackend>(make_memory_backend(tiny));
-  auto tiered = make_tiered_backend(near, small_far);
+  auto tiered = make_tiered_backend(near, small_far).value();
   const Key k = key("block-4");
   EXPECT_EQ(test::put(*tiered, k, value_of("block-4")), Status::kCapacityExceeded);
   EXPECT_EQ(t.get(*near, k, nullptr), Status::kKeyNotExist);

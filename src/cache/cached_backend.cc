@@ -697,9 +697,9 @@ class CachedBackend final : public Backend {
 
 std::vector<std::string> cache_policies() { return {"prefix", "adaptive", "lru-k", "lru", "arc"}; }
 
-std::shared_ptr<Backend> make_cached_backend(std::shared_ptr<Backend> inner,
-                                             const CacheOptions& options) {
-  if (!inner) throw std::invalid_argument("cache: no backend to cache");
+Result<std::shared_ptr<Backend>> make_cached_backend(std::shared_ptr<Backend> inner,
+                                                     const CacheOptions& options) {
+  if (!inner) return Error{"cache: no backend to cache"};
   cache::PolicyOptions po;
   po.capacity_bytes = options.capacity_bytes;
   po.k = options.k;
@@ -710,13 +710,15 @@ std::shared_ptr<Backend> make_cached_backend(std::shared_ptr<Backend> inner,
   auto policy = cache::make_policy(options.policy, po);
   if (!policy) {
     if (options.policy == "lru-k") {
-      throw std::invalid_argument("cache: k must be 1.." + std::to_string(cache::kMaxK) + ", not " +
-                                  std::to_string(options.k));
+      return Error{"cache: k must be 1.." + std::to_string(cache::kMaxK) + ", not " +
+                   std::to_string(options.k)};
     }
-    throw std::invalid_argument("cache: unknown policy '" + options.policy +
-                                "' (prefix, adaptive, lru-k, lru or arc)");
+    return Error{"cache: unknown policy '" + options.policy +
+                 "' (prefix, adaptive, lru-k, lru or arc)"};
   }
-  return std::make_shared<CachedBackend>(std::move(inner), options, std::move(policy));
+  return catch_error([&]() -> std::shared_ptr<Backend> {
+    return std::make_shared<CachedBackend>(std::move(inner), options, std::move(policy));
+  });
 }
 
 }  // namespace gdkv

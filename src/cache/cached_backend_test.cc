@@ -44,7 +44,7 @@ struct Fixture {
   explicit Fixture(CacheOptions o = {}, MemoryBackendOptions mo = {}) {
     memory = make_memory_backend(mo);
     gate = std::make_shared<GateBackend>(memory);
-    cache = make_cached_backend(gate, o);
+    cache = make_cached_backend(gate, o).value();
   }
   std::string get(const Key& k, Status* s = nullptr) {
     SyncOp op(BackendOpKind::kGet, k);
@@ -83,7 +83,7 @@ TEST(Cache, DeletesByOtherNodesDropCachedCopies) {
   auto gate = std::make_shared<GateBackend>(make_memory_backend());
   std::vector<std::pair<uint32_t, std::string>> seen;
   {
-    auto cache = make_cached_backend(gate, {});
+    auto cache = make_cached_backend(gate, {}).value();
     ASSERT_TRUE(gate->has_handler());
     cache->set_invalidation_handler(
         [&](uint32_t ns, const Key& k) { seen.emplace_back(ns, std::string(k.view())); });
@@ -166,7 +166,7 @@ TEST(Cache, SingleFlightThroughTheController) {
   mo.delay_us = 20000;  // every backend op takes 20 ms: the 16 Retrieves overlap
   auto memory = make_memory_backend(mo);
   auto gate = std::make_shared<GateBackend>(memory);
-  auto cache = make_cached_backend(gate);
+  auto cache = make_cached_backend(gate).value();
   ASSERT_EQ(test::put(*memory, key("shared"), block_value(key("shared"))), Status::kSuccess);
   auto client = Client::open(cache);
   std::vector<std::vector<std::byte>> bufs(16, std::vector<std::byte>(4096));
@@ -193,7 +193,7 @@ MetricList run_chain(uint32_t depth, uint64_t* backend_gets) {
   CacheOptions o;
   o.capacity_bytes = 8 * 4096;  // far less than the chain: reads must go to the backend
   o.prefetch_depth = depth;
-  auto cache = make_cached_backend(gate, o);
+  auto cache = make_cached_backend(gate, o).value();
   auto client = Client::open(cache);
   constexpr int kBlocks = 64;
   for (int i = 0; i < kBlocks; ++i) {
@@ -246,7 +246,7 @@ TEST(Cache, PrefetchOpcodeWarmsTheCache) {
   auto gate = std::make_shared<GateBackend>(memory);
   CacheOptions o;
   o.prefetch_depth = 0;  // hints only
-  auto cache = make_cached_backend(gate, o);
+  auto cache = make_cached_backend(gate, o).value();
   std::vector<Key> keys;
   for (int i = 0; i < 16; ++i) {
     keys.push_back(block_key(2, i));
@@ -282,7 +282,7 @@ TEST(Cache, PrefetchIsBoundedAndDemandGoesFirst) {
   CacheOptions o;
   o.max_prefetch_inflight = 2;
   o.prefetch_queue = 10;
-  auto cache = make_cached_backend(gate, o);
+  auto cache = make_cached_backend(gate, o).value();
   std::vector<Key> hint;
   for (int i = 0; i < 20; ++i) hint.push_back(block_key(3, i));
   cache->prefetch(1, hint);
@@ -485,7 +485,7 @@ TEST(CacheConsistency, RandomRacesNeverReturnStaleValues) {
 
 TEST(CacheEndToEnd, CommandsThroughTheController) {
   auto memory = make_memory_backend();
-  auto cache = make_cached_backend(memory);
+  auto cache = make_cached_backend(memory).value();
   auto client = Client::open(cache);
   std::vector<std::byte> buf(4096);
   for (int i = 0; i < 10; ++i) {
@@ -527,15 +527,22 @@ TEST(CacheEndToEnd, CommandsThroughTheController) {
 TEST(CacheOptionsTest, BadOptionsAreRejected) {
   CacheOptions o;
   o.policy = "fifo";
-  EXPECT_THROW(make_cached_backend(make_memory_backend(), o), std::invalid_argument);
+  auto fifo = make_cached_backend(make_memory_backend(), o);  // an Error, not an exception
+  ASSERT_FALSE(fifo);
+  EXPECT_NE(fifo.error().find("unknown policy 'fifo'"), std::string::npos) << fifo.error();
   o.policy = "lru-k";
   o.k = 0;
-  EXPECT_THROW(make_cached_backend(make_memory_backend(), o), std::invalid_argument);
-  EXPECT_THROW(make_cached_backend(nullptr), std::invalid_argument);
+  auto k0 = make_cached_backend(make_memory_backend(), o);
+  ASSERT_FALSE(k0);
+  EXPECT_NE(k0.error().find("k must be 1..8, not 0"), std::string::npos) << k0.error();
+  auto none = make_cached_backend(nullptr);
+  ASSERT_FALSE(none);
+  EXPECT_EQ(none.error(), "cache: no backend to cache");
+  EXPECT_THROW(make_cached_backend(nullptr).value(), std::runtime_error);  // value() throws it
   for (const std::string& p : cache_policies()) {
     CacheOptions ok;
     ok.policy = p;
-    EXPECT_NE(make_cached_backend(make_memory_backend(), ok), nullptr);
+    EXPECT_NE(make_cached_backend(make_memory_backend(), ok).value(), nullptr);
   }
 }
 
@@ -559,7 +566,7 @@ TEST(CacheConcurrency, ReactorsShareOneCache) {
   mo.delay_us = 50;
   CacheOptions o;
   o.capacity_bytes = 24 * 4096;
-  auto cache = make_cached_backend(make_memory_backend(mo), o);
+  auto cache = make_cached_backend(make_memory_backend(mo), o).value();
   ControllerOptions co;
   co.reactors = 2;
   co.idle_spin_us = 0;
@@ -635,7 +642,7 @@ TEST(CacheDirectReads, ValuesTheCacheWillNotKeepAreNotCopied) {
     CacheOptions o;
     o.capacity_bytes = capacity;
     auto gate = std::make_shared<GateBackend>(local);
-    auto cache = make_cached_backend(gate, o);
+    auto cache = make_cached_backend(gate, o).value();
     auto client = Client::open(cache);
     std::vector<std::byte> buf(big_v.size());
     for (int round = 0; round < 2; ++round) {
@@ -675,7 +682,7 @@ TEST(CacheDirectReads, ValuesTheCacheWillNotKeepAreNotCopied) {
   MemoryBackendOptions mo;
   mo.delay_us = 20000;
   auto slow = std::make_shared<GateBackend>(make_memory_backend(mo));
-  auto cache = make_cached_backend(slow, o);
+  auto cache = make_cached_backend(slow, o).value();
   ASSERT_EQ(test::put(*cache, big, big_v), Status::kSuccess);
   std::vector<std::thread> readers;
   std::atomic<int> good{0};

@@ -263,6 +263,14 @@ MetricsServer::MetricsServer(uint16_t port, std::function<MetricList()> source,
   impl_->thread = std::thread([impl = impl_.get()] { impl->run(); });
 }
 
+Result<std::unique_ptr<MetricsServer>> MetricsServer::start(uint16_t port,
+                                                            std::function<MetricList()> source,
+                                                            const std::string& bind_address) {
+  return catch_error([&] {
+    return std::unique_ptr<MetricsServer>(new MetricsServer(port, std::move(source), bind_address));
+  });
+}
+
 MetricsServer::~MetricsServer() {
   const uint64_t one = 1;
   [[maybe_unused]] ssize_t r = ::write(impl_->wake_fd, &one, sizeof(one));

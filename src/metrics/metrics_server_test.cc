@@ -251,16 +251,17 @@ Scrape scrape(uint16_t port) {
 class MetricsServerTest : public testing::Test {
  protected:
   void SetUp() override {
-    cache_ = make_cached_backend(make_memory_backend());
+    cache_ = make_cached_backend(make_memory_backend()).value();
     client_ = Client::open(cache_);
-    server_ = std::make_unique<MetricsServer>(
-        0,
-        [this] {
-          MetricList ms;
-          client_->controller()->collect(ms);
-          return ms;
-        },
-        "127.0.0.1");
+    server_ = MetricsServer::start(
+                  0,
+                  [this] {
+                    MetricList ms;
+                    client_->controller()->collect(ms);
+                    return ms;
+                  },
+                  "127.0.0.1")
+                  .value();
     ASSERT_NE(server_->port(), 0);
   }
   std::shared_ptr<Backend> cache_;
@@ -354,23 +355,22 @@ TEST_F(MetricsServerTest, SlowAndBrokenClientsDoNotStallIt) {
 }
 
 TEST(MetricsServerSetup, PortInUseIsAClearError) {
-  MetricsServer a(
+  auto a = MetricsServer::start(
       0, [] { return MetricList{}; }, "127.0.0.1");
-  try {
-    MetricsServer b(
-        a.port(), [] { return MetricList{}; }, "127.0.0.1");
-    FAIL() << "second server on one port";
-  } catch (const std::runtime_error& e) {
-    EXPECT_NE(std::string(e.what()).find("cannot listen"), std::string::npos) << e.what();
-  }
-  EXPECT_THROW(MetricsServer(
-                   0, [] { return MetricList{}; }, "not-an-address"),
-               std::runtime_error);
+  ASSERT_TRUE(a) << a.error();
+  auto b = MetricsServer::start((*a)->port(), [] { return MetricList{}; }, "127.0.0.1");
+  ASSERT_FALSE(b) << "second server on one port";
+  EXPECT_NE(b.error().find("cannot listen"), std::string::npos) << b.error();
+  auto bad = MetricsServer::start(
+      0, [] { return MetricList{}; }, "not-an-address");
+  ASSERT_FALSE(bad);
+  EXPECT_NE(bad.error().find("not an IPv4 address"), std::string::npos) << bad.error();
   // A source that throws gets a 500, and the server lives on.
-  MetricsServer c(
+  auto c = MetricsServer::start(
       0, []() -> MetricList { throw std::runtime_error("boom"); }, "127.0.0.1");
-  EXPECT_TRUE(request(c.port(), "GET /metrics HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 500"));
-  EXPECT_TRUE(request(c.port(), "GET / HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 404"));
+  ASSERT_TRUE(c) << c.error();
+  EXPECT_TRUE(request(c->port(), "GET /metrics HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 500"));
+  EXPECT_TRUE(request(c->port(), "GET / HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 404"));
 }
 
 TEST(CopyPeak, HostEngine) {

@@ -220,7 +220,10 @@ class Driver final : public VfioUserDevice {
     ::shutdown(sock_.get(), SHUT_RDWR);
   }
 
-  std::unique_ptr<Client> make_client(uint32_t depth) override;
+  Result<std::unique_ptr<Client>> make_client(uint32_t depth) override {
+    return catch_error([&] { return open_client(depth); });
+  }
+  std::unique_ptr<Client> open_client(uint32_t depth);
   void* alloc(size_t bytes, size_t align) override { return alloc_.alloc(bytes, align); }
   void free(void* p) override { alloc_.free(p); }
   bool contains(const void* p, size_t len) const override { return alloc_.contains(p, len); }
@@ -619,7 +622,7 @@ std::vector<uint32_t> Driver::namespaces() {
   return out;
 }
 
-std::unique_ptr<Client> Driver::make_client(uint32_t depth) {
+std::unique_ptr<Client> Driver::open_client(uint32_t depth) {
   if (depth == 0) depth = options_.queue_depth;
   if (!valid_queue_depth(depth) || depth > max_entries_) {
     throw std::invalid_argument("queue depth must be a power of two in [2, " +
@@ -727,17 +730,21 @@ CmdResult Driver::unregister_device_memory(uint64_t iova, uint64_t size) {
 
 }  // namespace
 
-std::shared_ptr<VfioUserDevice> VfioUserDevice::open(const std::string& socket_dir,
-                                                     const VfioUserClientOptions& options) {
+Result<std::shared_ptr<VfioUserDevice>> VfioUserDevice::open(const std::string& socket_dir,
+                                                             const VfioUserClientOptions& options) {
   if (!valid_queue_depth(options.queue_depth)) {
-    throw std::invalid_argument("queue depth must be a power of two in [2, 4096]");
+    return Error{"queue depth must be a power of two in [2, 4096]"};
   }
-  return std::make_shared<Driver>(socket_dir, options);
+  return catch_error([&]() -> std::shared_ptr<VfioUserDevice> {
+    return std::make_shared<Driver>(socket_dir, options);
+  });
 }
 
-std::unique_ptr<Client> connect_vfio_user(const std::string& socket_dir,
-                                          const VfioUserClientOptions& options) {
-  return VfioUserDevice::open(socket_dir, options)->make_client();
+Result<std::unique_ptr<Client>> connect_vfio_user(const std::string& socket_dir,
+                                                  const VfioUserClientOptions& options) {
+  auto dev = VfioUserDevice::open(socket_dir, options);
+  if (!dev) return Error{dev.error()};
+  return (*dev)->make_client();
 }
 
 }  // namespace gdkv

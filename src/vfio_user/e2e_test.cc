@@ -64,7 +64,7 @@ class VfioUserE2E : public ::testing::Test {
     so.log = [](const std::string&) {};
     so.namespaces = {{1, 1, "one", {}, {}}, {2, 5, "two", {}, {}}};
     server_ = std::make_unique<VfioUserServer>(*ctl_, so);
-    server_->start();
+    server_->start().value();
   }
   void TearDown() override {
     server_->stop();
@@ -73,7 +73,7 @@ class VfioUserE2E : public ::testing::Test {
 
   // The stored value of `k` in namespace 1, read back through a fresh client (its own memfd).
   bool backend_get(const Key& k, std::vector<std::byte>& out) {
-    auto c = connect_vfio_user(dir_.path());
+    auto c = connect_vfio_user(dir_.path()).value();
     return c->get(k, out).ok();
   }
 
@@ -84,8 +84,8 @@ class VfioUserE2E : public ::testing::Test {
 };
 
 TEST_F(VfioUserE2E, EveryOpcode) {
-  auto dev = VfioUserDevice::open(dir_.path());
-  auto c = dev->make_client();
+  auto dev = VfioUserDevice::open(dir_.path()).value();
+  auto c = dev->make_client().value();
   const Key k = *Key::from_string("hello");
   const auto v = pattern(10000, 1);
 
@@ -150,9 +150,9 @@ TEST_F(VfioUserE2E, EveryOpcode) {
 }
 
 TEST_F(VfioUserE2E, NamespacesMapToBackendNamespaces) {
-  auto dev = VfioUserDevice::open(dir_.path());
+  auto dev = VfioUserDevice::open(dir_.path()).value();
   EXPECT_EQ(dev->namespaces(), (std::vector<uint32_t>{1, 2}));
-  auto c = dev->make_client();
+  auto c = dev->make_client().value();
   const Key k = *Key::from_string("shared-name");
   ASSERT_TRUE(c->put(k, pattern(64, 1), 0, 1).ok());
   ASSERT_TRUE(c->put(k, pattern(64, 2), 0, 2).ok());
@@ -170,7 +170,7 @@ TEST_F(VfioUserE2E, NamespacesMapToBackendNamespaces) {
 }
 
 TEST_F(VfioUserE2E, IdentifyAndAdmin) {
-  auto dev = VfioUserDevice::open(dir_.path());
+  auto dev = VfioUserDevice::open(dir_.path()).value();
   using namespace vfio_user;  // NOLINT
   IdentifyController id;
   nvme::Sqe s{};
@@ -243,9 +243,9 @@ TEST_F(VfioUserE2E, IdentifyAndAdmin) {
 }
 
 TEST_F(VfioUserE2E, ManyQueuesAndThreads) {
-  auto dev = VfioUserDevice::open(dir_.path());
+  auto dev = VfioUserDevice::open(dir_.path()).value();
   std::vector<std::unique_ptr<Client>> clients;
-  for (int i = 0; i < 4; ++i) clients.push_back(dev->make_client(64));
+  for (int i = 0; i < 4; ++i) clients.push_back(dev->make_client(64).value());
   std::vector<std::thread> ts;
   std::atomic<int> failures{0};
   for (int t = 0; t < 4; ++t) {
@@ -265,13 +265,13 @@ TEST_F(VfioUserE2E, ManyQueuesAndThreads) {
   clients.clear();  // deletes the queues
   // All 31 I/O queues can be had, and no more.
   std::vector<std::unique_ptr<Client>> all;
-  for (int i = 0; i < 31; ++i) all.push_back(dev->make_client(4));
-  EXPECT_THROW(dev->make_client(4), std::runtime_error);
+  for (int i = 0; i < 31; ++i) all.push_back(dev->make_client(4).value());
+  EXPECT_THROW(dev->make_client(4).value(), std::runtime_error);
 }
 
 TEST_F(VfioUserE2E, AsyncBatchInSharedMemory) {
-  auto dev = VfioUserDevice::open(dir_.path());
-  auto c = dev->make_client(128);
+  auto dev = VfioUserDevice::open(dir_.path()).value();
+  auto c = dev->make_client(128).value();
   constexpr int kN = 500;
   constexpr uint32_t kSize = 4096;
   auto* buf = static_cast<std::byte*>(dev->alloc(size_t{kN} * kSize, 4096));
@@ -311,8 +311,8 @@ TEST_F(VfioUserE2E, AsyncBatchInSharedMemory) {
 
 TEST_F(VfioUserE2E, DisconnectTearsDown) {
   {
-    auto dev = VfioUserDevice::open(dir_.path());
-    auto c = dev->make_client();
+    auto dev = VfioUserDevice::open(dir_.path()).value();
+    auto c = dev->make_client().value();
     ASSERT_TRUE(c->put(*Key::from_string("x"), pattern(10, 1)).ok());
     EXPECT_EQ(server_->clients(), 1u);
   }
@@ -331,7 +331,7 @@ TEST_F(VfioUserE2E, DisconnectTearsDown) {
   }
   EXPECT_TRUE(found);
   // A new client gets a fresh controller.
-  auto c2 = connect_vfio_user(dir_.path());
+  auto c2 = connect_vfio_user(dir_.path()).value();
   std::vector<std::byte> out;
   EXPECT_TRUE(c2->get(*Key::from_string("x"), out).ok());
 }
@@ -552,7 +552,7 @@ TEST(VfioUserDeviceMemory, RegisterUseUnregisterTeardown) {
   so.log = [](const std::string&) {};
   so.device_memory = &importer;
   VfioUserServer server(ctl, so);
-  server.start();
+  server.start().value();
   constexpr size_t kGpu = 1 << 20, kValue = 64 << 10;
   std::vector<std::byte> gpu(kGpu);  // "device memory": its address is the DMA address
   importer.add(7, gpu.data(), kGpu);
@@ -561,7 +561,7 @@ TEST(VfioUserDeviceMemory, RegisterUseUnregisterTeardown) {
   unknown[0] = 9;
   const auto iova = reinterpret_cast<uint64_t>(gpu.data());
   {
-    auto dev = VfioUserDevice::open(dir.path());
+    auto dev = VfioUserDevice::open(dir.path()).value();
     ASSERT_TRUE(dev->device_memory_supported());
     ASSERT_TRUE(dev->register_device_memory(handle, iova, kGpu).ok());
     CmdResult r = dev->register_device_memory(handle, iova + 4096, 4096);
@@ -573,7 +573,7 @@ TEST(VfioUserDeviceMemory, RegisterUseUnregisterTeardown) {
     r = dev->register_device_memory(handle, iova + kGpu, 0);
     EXPECT_EQ(r.dw0, vfio_user::kDevMemErrBadRequest);
     // Store from and Retrieve into the registered region.
-    auto c = dev->make_client();
+    auto c = dev->make_client().value();
     const auto v = pattern(kValue, 5);
     std::memcpy(gpu.data(), v.data(), kValue);
     const Key k = *Key::from_string("devmem");
@@ -651,10 +651,10 @@ TEST(VfioUserDeviceMemory, SlowImportDoesNotStallIoQueues) {
   so.log = [](const std::string&) {};
   so.device_memory = &importer;
   VfioUserServer server(ctl, so);
-  server.start();
+  server.start().value();
   {
-    auto dev = VfioUserDevice::open(dir.path());
-    auto c = dev->make_client();
+    auto dev = VfioUserDevice::open(dir.path()).value();
+    auto c = dev->make_client().value();
     const auto iova = reinterpret_cast<uint64_t>(gpu.data());
     uint8_t handle[64] = {};
     std::atomic<bool> registered{false};
@@ -702,18 +702,23 @@ TEST(VfioUserServerSetup, Errors) {
   TempDir dir("setup");
   auto backend = make_memory_backend();
   Controller ctl(backend);
-  EXPECT_THROW(connect_vfio_user(dir.path()), std::runtime_error);  // nobody listening
+  EXPECT_THROW(connect_vfio_user(dir.path()).value(), std::runtime_error);  // nobody listening
   VfioUserServerOptions so;
   so.socket_dir = dir.path();
   so.log = [](const std::string&) {};
   VfioUserServer a(ctl, so);
-  a.start();
+  a.start().value();
   VfioUserServer b(ctl, so);
-  EXPECT_THROW(b.start(), std::runtime_error);  // a live server owns the socket
+  const Result<void> second = b.start();  // a live server owns the socket
+  ASSERT_FALSE(second);
+  EXPECT_NE(second.error().find("another gdkvd is serving"), std::string::npos) << second.error();
   a.stop();
   EXPECT_FALSE(std::filesystem::exists(a.socket_path()));
   so.namespaces = {{1, 9, "beyond", {}, {}}};  // controller has 1 namespace
-  EXPECT_THROW(VfioUserServer(ctl, so), std::invalid_argument);
+  VfioUserServer beyond(ctl, so);
+  const Result<void> bad = beyond.start();
+  ASSERT_FALSE(bad);
+  EXPECT_NE(bad.error().find("beyond the controller's 1"), std::string::npos) << bad.error();
   ctl.stop();
 }
 

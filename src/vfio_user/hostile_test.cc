@@ -60,9 +60,9 @@ class Hostile : public ::testing::Test {
     so.dma_reply_timeout_ms = 300;
     so.message_bounce_bytes = 64 << 10;
     server_ = std::make_unique<VfioUserServer>(*ctl_, so);
-    server_->start();
+    server_->start().value();
     // A well-behaved client that must keep working whatever the others do.
-    good_ = connect_vfio_user(dir_.path());
+    good_ = connect_vfio_user(dir_.path()).value();
     ASSERT_TRUE(good_->put(*Key::from_string("good"), std::vector<std::byte>(100)).ok());
   }
   void TearDown() override {
@@ -286,7 +286,7 @@ TEST_F(Hostile, BadDescriptorsAndMaps) {
 }
 
 TEST_F(Hostile, QueuesAndSqesOutsideTheMaps) {
-  auto dev = VfioUserDevice::open(dir_.path());
+  auto dev = VfioUserDevice::open(dir_.path()).value();
   // Create I/O CQ/SQ with hostile parameters.
   nvme::Sqe q{};
   q.opcode = static_cast<uint8_t>(AdminOp::kCreateIoCq);
@@ -323,7 +323,7 @@ TEST_F(Hostile, QueuesAndSqesOutsideTheMaps) {
   dev->free(ring);
 
   // I/O: data pointers outside the maps, PRP lists outside, malformed PRPs, SGL oddities.
-  auto cl = dev->make_client(16);
+  auto cl = dev->make_client(16).value();
   const Key k = *Key::from_string("victim");
   ASSERT_TRUE(cl->put(k, std::vector<std::byte>(20000, std::byte{7})).ok());
   auto* buf = static_cast<std::byte*>(dev->alloc(5 * 4096, 4096));
@@ -368,8 +368,8 @@ TEST_F(Hostile, QueuesAndSqesOutsideTheMaps) {
 }
 
 TEST_F(Hostile, GarbageDoorbells) {
-  auto dev = VfioUserDevice::open(dir_.path());
-  auto cl = dev->make_client(16);
+  auto dev = VfioUserDevice::open(dir_.path()).value();
+  auto cl = dev->make_client(16).value();
   const Key k = *Key::from_string("db");
   ASSERT_TRUE(cl->put(k, std::vector<std::byte>(10)).ok());
   // Far ahead and behind: both ignored (counter doorbells compare by signed difference).

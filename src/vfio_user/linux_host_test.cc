@@ -52,7 +52,7 @@ class LinuxHost : public ::testing::Test {
       log_ += line + "\n";
     };
     server_ = std::make_unique<VfioUserServer>(*ctl_, so);
-    server_->start();
+    server_->start().value();
   }
   void TearDown() override {
     if (server_) server_->stop();

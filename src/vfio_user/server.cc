@@ -290,32 +290,37 @@ void VfioUserServer::Impl::reap(bool all) {
 
 VfioUserServer::VfioUserServer(Controller& controller, VfioUserServerOptions options)
     : impl_(std::make_unique<Impl>(controller, std::move(options))) {
-  if (impl_->options.socket_dir.empty()) {
-    throw std::invalid_argument("vfio-user server: socket_dir is required");
-  }
   impl_->path = impl_->options.socket_dir + "/cntrl";
-  if (impl_->options.msix_vectors == 0 || impl_->options.msix_vectors > 256) {
-    throw std::invalid_argument("vfio-user server: msix_vectors must be in [1, 256]");
-  }
-  for (const auto& ns : impl_->options.namespaces) {
-    if (ns.nsid == 0 || ns.nsid > 1024) {
-      throw std::invalid_argument("vfio-user server: namespace ids are 1..1024");
-    }
-    if (ns.backend_namespace == 0 || ns.backend_namespace > controller.options().namespaces) {
-      throw std::invalid_argument(
-          "vfio-user server: backend namespace " + std::to_string(ns.backend_namespace) +
-          " is beyond the controller's " + std::to_string(controller.options().namespaces));
-    }
-  }
 }
 
 VfioUserServer::~VfioUserServer() { stop(); }
 
 std::string VfioUserServer::socket_path() const { return impl_->path; }
 
-void VfioUserServer::start() {
+Result<void> VfioUserServer::start() {
+  return catch_error([this] { start_listening(); });
+}
+
+void VfioUserServer::start_listening() {
   Impl& s = *impl_;
   if (s.running.load()) return;
+  // The options are checked here, not in the constructor: start() reports every failure.
+  if (s.options.socket_dir.empty())
+    throw std::runtime_error("vfio-user server: socket_dir is required");
+  if (s.options.msix_vectors == 0 || s.options.msix_vectors > 256) {
+    throw std::runtime_error("vfio-user server: msix_vectors must be in [1, 256]");
+  }
+  const uint32_t backend_ns = s.ctl.options().namespaces;
+  for (const auto& ns : s.options.namespaces) {
+    if (ns.nsid == 0 || ns.nsid > 1024) {
+      throw std::runtime_error("vfio-user server: namespace ids are 1..1024");
+    }
+    if (ns.backend_namespace == 0 || ns.backend_namespace > backend_ns) {
+      throw std::runtime_error("vfio-user server: backend namespace " +
+                               std::to_string(ns.backend_namespace) +
+                               " is beyond the controller's " + std::to_string(backend_ns));
+    }
+  }
   std::error_code ec;
   std::filesystem::create_directories(s.options.socket_dir, ec);
   if (ec) {

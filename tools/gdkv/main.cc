@@ -104,16 +104,17 @@ std::unique_ptr<gdkv::Client> open_client(const Options& o) {
     gdkv::VfioUserClientOptions vo;
     vo.queue_depth = 1024;
     vo.shared_memory_bytes = size_t{1} << 30;  // committed only when touched
-    g_device = gdkv::VfioUserDevice::open(o.connect, vo);
-    return g_device->make_client();
+    // A failure to open is this program's error: value() throws it to main's handler.
+    g_device = gdkv::VfioUserDevice::open(o.connect, vo).value();
+    return g_device->make_client().value();
   }
   gdkv::ClientOptions co;
   co.controller.reactors = o.reactors;
   co.controller.max_value_bytes = o.max_value;
   co.controller.namespaces = std::max<uint32_t>(o.nsid, 1);
   co.queue.depth = 1024;
-  std::shared_ptr<gdkv::Backend> backend = gdkv::open_backend(o.backend);
-  if (o.cache.capacity_bytes > 0) backend = gdkv::make_cached_backend(backend, o.cache);
+  std::shared_ptr<gdkv::Backend> backend = gdkv::open_backend(o.backend).value();
+  if (o.cache.capacity_bytes > 0) backend = gdkv::make_cached_backend(backend, o.cache).value();
   return gdkv::Client::open(backend, co);
 }
 
@@ -514,11 +515,11 @@ int main(int argc, char** argv) {
     std::unique_ptr<gdkv::MetricsServer> metrics;
     if (o.metrics_port >= 0 && client->controller() != nullptr) {
       gdkv::Controller* ctl = client->controller();
-      metrics = std::make_unique<gdkv::MetricsServer>(static_cast<uint16_t>(o.metrics_port), [ctl] {
-        gdkv::MetricList m;
-        ctl->collect(m);
-        return m;
-      });
+      metrics = gdkv::MetricsServer::start(static_cast<uint16_t>(o.metrics_port), [ctl] {
+                  gdkv::MetricList m;
+                  ctl->collect(m);
+                  return m;
+                }).value();
       std::fprintf(stderr, "gdkv: metrics on http://127.0.0.1:%u/metrics\n", metrics->port());
     }
     if (put->parsed()) {

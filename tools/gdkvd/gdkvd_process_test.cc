@@ -188,8 +188,8 @@ TEST(GdkvdProcess, EveryOpcodeThroughTheDaemon) {
   TempDir dir("proc");
   Daemon d(dir.path(), {"--backend", "memory", "--cache-bytes", "16777216"});
   ASSERT_TRUE(d.wait_ready()) << d.log();
-  auto dev = gdkv::VfioUserDevice::open(d.socket_dir());
-  auto c = dev->make_client();
+  auto dev = gdkv::VfioUserDevice::open(d.socket_dir()).value();
+  auto c = dev->make_client().value();
   const Key k = *Key::from_string("alpha");
   const auto v = pattern(300000, 3);  // spans many pages
   ASSERT_TRUE(c->put(k, v).ok());
@@ -231,8 +231,8 @@ TEST(GdkvdProcess, DaemonKilledMidCallFailsTheClientInBoundedTime) {
   gdkv::VfioUserClientOptions o;
   o.timeout_ms = 500;
   o.io_timeout_ms = 60000;  // far longer than the test may take: the liveness check must act
-  auto dev = gdkv::VfioUserDevice::open(d.socket_dir(), o);
-  auto c = dev->make_client();
+  auto dev = gdkv::VfioUserDevice::open(d.socket_dir(), o).value();
+  auto c = dev->make_client().value();
   const Key k = *Key::from_string("k");
   ASSERT_TRUE(c->put(k, pattern(4096, 1)).ok());
   ASSERT_EQ(::kill(d.pid(), SIGSTOP), 0);  // the next call is in flight when the daemon dies
@@ -268,8 +268,8 @@ TEST(GdkvdProcess, FrozenDaemonTimesOut) {
   gdkv::VfioUserClientOptions o;
   o.timeout_ms = 500;
   o.io_timeout_ms = 300;
-  auto dev = gdkv::VfioUserDevice::open(d.socket_dir(), o);
-  auto c = dev->make_client();
+  auto dev = gdkv::VfioUserDevice::open(d.socket_dir(), o).value();
+  auto c = dev->make_client().value();
   const Key k = *Key::from_string("k");
   ASSERT_TRUE(c->put(k, pattern(100, 1)).ok());
   ASSERT_EQ(::kill(d.pid(), SIGSTOP), 0);
@@ -287,7 +287,7 @@ TEST(GdkvdProcess, FrozenDaemonTimesOut) {
   EXPECT_LT(Clock::now() - t1, std::chrono::seconds(1));
   ASSERT_EQ(::kill(d.pid(), SIGCONT), 0);
   // The daemon is back; a new connection works.
-  auto c2 = gdkv::connect_vfio_user(d.socket_dir(), o);
+  auto c2 = gdkv::connect_vfio_user(d.socket_dir(), o).value();
   EXPECT_TRUE(c2->exists(k).ok());
   c2.reset();
   EXPECT_EQ(d.stop(), 0) << d.log();
@@ -300,7 +300,7 @@ TEST(GdkvdProcess, FourClientProcessesAtOnce) {
   std::vector<pid_t> kids;
   for (int p = 0; p < 4; ++p) {
     kids.push_back(spawn([&, p] {
-      auto c = gdkv::connect_vfio_user(d.socket_dir());
+      auto c = gdkv::connect_vfio_user(d.socket_dir()).value();
       for (int i = 0; i < 40; ++i) {
         std::string prefix = "p";
         prefix += std::to_string(p);
@@ -317,7 +317,7 @@ TEST(GdkvdProcess, FourClientProcessesAtOnce) {
     }));
   }
   for (pid_t k : kids) EXPECT_EQ(wait_child(k), 0);
-  auto c = gdkv::connect_vfio_user(d.socket_dir());
+  auto c = gdkv::connect_vfio_user(d.socket_dir()).value();
   std::vector<Key> all;
   ASSERT_TRUE(c->list_all(all).ok());
   EXPECT_EQ(all.size(), 160u);
@@ -330,8 +330,8 @@ TEST(GdkvdProcess, ClientKilledMidIo) {
   Daemon d(dir.path(), {"--backend", "memory"});
   ASSERT_TRUE(d.wait_ready()) << d.log();
   // A bystander that must keep working.
-  auto dev = gdkv::VfioUserDevice::open(d.socket_dir());
-  auto bystander = dev->make_client();
+  auto dev = gdkv::VfioUserDevice::open(d.socket_dir()).value();
+  auto bystander = dev->make_client().value();
   ASSERT_TRUE(bystander->put(*Key::from_string("safe"), pattern(100, 1)).ok());
   for (int i = 0; i < 30 && d.metric("gdkv_vfio_user_dma_maps") != 1; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -347,8 +347,8 @@ TEST(GdkvdProcess, ClientKilledMidIo) {
   int ready[2];
   ASSERT_EQ(::pipe(ready), 0);
   const pid_t victim = spawn([&] {
-    auto vdev = gdkv::VfioUserDevice::open(d.socket_dir());
-    auto c = vdev->make_client(64);
+    auto vdev = gdkv::VfioUserDevice::open(d.socket_dir()).value();
+    auto c = vdev->make_client(64).value();
     constexpr uint32_t kSize = 256 * 1024;
     auto* buf = static_cast<std::byte*>(vdev->alloc(size_t{32} * kSize, 4096));
     const Key k = *Key::from_string("big");
@@ -387,7 +387,7 @@ TEST(GdkvdProcess, ClientKilledMidIo) {
   EXPECT_LE(d.open_fds(), fds_before);
   std::vector<std::byte> out;
   EXPECT_TRUE(bystander->get(*Key::from_string("safe"), out).ok());
-  auto fresh = gdkv::connect_vfio_user(d.socket_dir());
+  auto fresh = gdkv::connect_vfio_user(d.socket_dir()).value();
   EXPECT_TRUE(fresh->get(*Key::from_string("big"), out).ok());
   EXPECT_EQ(out.size(), 256u * 1024);
   ::close(ready[0]);
@@ -425,9 +425,9 @@ TEST(GdkvdProcess, TenantsSeeOnlyTheirNamespaces) {
   // Tenant A: namespace 1 only; B's namespace 2 does not exist for it.
   EXPECT_EQ(as_user(4101,
                     [&] {
-                      auto dev = gdkv::VfioUserDevice::open(sock);
+                      auto dev = gdkv::VfioUserDevice::open(sock).value();
                       if (dev->namespaces() != std::vector<uint32_t>{1}) return 1;
-                      auto c = dev->make_client();
+                      auto c = dev->make_client().value();
                       const Key k = *Key::from_string("secret");
                       if (!c->put(k, pattern(50, 1), 0, 1).ok()) return 2;
                       if (c->exists(k, 2).status != Status::kInvalidNamespace) return 3;
@@ -440,9 +440,9 @@ TEST(GdkvdProcess, TenantsSeeOnlyTheirNamespaces) {
   // Tenant B: nsid 1 is its own namespace (backend 3): A's key is not there; nsid 2 is B's.
   EXPECT_EQ(as_user(4102,
                     [&] {
-                      auto dev = gdkv::VfioUserDevice::open(sock);
+                      auto dev = gdkv::VfioUserDevice::open(sock).value();
                       if (dev->namespaces() != std::vector<uint32_t>{1, 2}) return 1;
-                      auto c = dev->make_client();
+                      auto c = dev->make_client().value();
                       const Key k = *Key::from_string("secret");
                       std::vector<std::byte> out;
                       if (c->get(k, out, 1).status != Status::kKeyNotExist) return 2;
@@ -455,9 +455,9 @@ TEST(GdkvdProcess, TenantsSeeOnlyTheirNamespaces) {
   // A stranger (another uid) sees no namespace at all.
   EXPECT_EQ(as_user(4103,
                     [&] {
-                      auto dev = gdkv::VfioUserDevice::open(sock);
+                      auto dev = gdkv::VfioUserDevice::open(sock).value();
                       if (!dev->namespaces().empty()) return 1;
-                      auto c = dev->make_client();
+                      auto c = dev->make_client().value();
                       return c->exists(*Key::from_string("secret"), 1).status ==
                                      Status::kInvalidNamespace
                                  ? 0
@@ -467,7 +467,7 @@ TEST(GdkvdProcess, TenantsSeeOnlyTheirNamespaces) {
   // A's value is still A's.
   EXPECT_EQ(as_user(4101,
                     [&] {
-                      auto c = gdkv::connect_vfio_user(sock);
+                      auto c = gdkv::connect_vfio_user(sock).value();
                       std::vector<std::byte> out;
                       return c->get(*Key::from_string("secret"), out, 1).ok() &&
                                      out == pattern(50, 1)
@@ -486,7 +486,7 @@ TEST(GdkvdProcess, SigtermIsCleanAndDurable) {
   {
     Daemon d(dir.path(), args);
     ASSERT_TRUE(d.wait_ready()) << d.log();
-    auto c = gdkv::connect_vfio_user(d.socket_dir());
+    auto c = gdkv::connect_vfio_user(d.socket_dir()).value();
     for (int i = 0; i < 50; ++i) ASSERT_TRUE(c->put(key_of("durable", i), pattern(5000, i)).ok());
     // SIGTERM with the client still connected: the daemon closes it and exits 0.
     EXPECT_EQ(d.stop(SIGTERM), 0) << d.log();
@@ -495,7 +495,7 @@ TEST(GdkvdProcess, SigtermIsCleanAndDurable) {
   }
   Daemon d2(dir.path(), args);
   ASSERT_TRUE(d2.wait_ready()) << d2.log();
-  auto c = gdkv::connect_vfio_user(d2.socket_dir());
+  auto c = gdkv::connect_vfio_user(d2.socket_dir()).value();
   for (int i = 0; i < 50; ++i) {
     std::vector<std::byte> out;
     ASSERT_TRUE(c->get(key_of("durable", i), out).ok()) << i;

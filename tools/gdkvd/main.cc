@@ -62,12 +62,13 @@ int main(int argc, char** argv) {
   }
 
   try {
-    std::shared_ptr<gdkv::Backend> backend = gdkv::open_backend(cfg.backend);
+    // Failures to open are reported by main's handler (exit 3): value() throws them there.
+    std::shared_ptr<gdkv::Backend> backend = gdkv::open_backend(cfg.backend).value();
     if (cfg.cache_bytes > 0) {
       gdkv::CacheOptions co;
       co.capacity_bytes = cfg.cache_bytes;
       co.policy = cfg.cache_policy;
-      backend = gdkv::make_cached_backend(backend, co);
+      backend = gdkv::make_cached_backend(backend, co).value();
     }
     gdkv::ControllerOptions co;
     co.reactors = cfg.reactors;
@@ -102,18 +103,19 @@ int main(int argc, char** argv) {
 
     gdkv::Controller ctl(backend, co);
     gdkv::VfioUserServer server(ctl, so);
-    server.start();
+    server.start().value();
     std::unique_ptr<gdkv::MetricsServer> metrics;
     if (cfg.metrics_port >= 0) {
-      metrics = std::make_unique<gdkv::MetricsServer>(
-          static_cast<uint16_t>(cfg.metrics_port),
-          [&ctl, &server] {
-            gdkv::MetricList m;
-            ctl.collect(m);
-            server.collect(m);
-            return m;
-          },
-          cfg.metrics_bind);
+      metrics = gdkv::MetricsServer::start(
+                    static_cast<uint16_t>(cfg.metrics_port),
+                    [&ctl, &server] {
+                      gdkv::MetricList m;
+                      ctl.collect(m);
+                      server.collect(m);
+                      return m;
+                    },
+                    cfg.metrics_bind)
+                    .value();
       log("metrics on http://" + cfg.metrics_bind + ":" + std::to_string(metrics->port()) +
           "/metrics");
     }

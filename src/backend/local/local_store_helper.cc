@@ -98,7 +98,7 @@ int writer(const std::string& dir, const std::string& log, bool big) {
   WriterShared sh;
   sh.log_fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
   if (sh.log_fd < 0) return 2;
-  auto store = make_local_backend(writer_options(dir));
+  auto store = make_local_backend(writer_options(dir)).value();
   log_line(sh.log_fd, "ready\n");
   std::mt19937_64 rng(std::random_device{}());
   // Versions grow across runs too (microseconds since the epoch), so they never repeat.
@@ -196,7 +196,7 @@ bool fill_until_full(const std::string& dir, bool preallocate, const char* what)
   uint64_t version = 1;
   uint32_t next_key = 0;
   {
-    auto store = make_local_backend(o);
+    auto store = make_local_backend(o).value();
     const uint64_t cap0 = store->info().capacity_bytes;
     for (int i = 0; i < 400 && !saw_full; ++i, ++version) {
       const uint32_t k = next_key++;
@@ -238,7 +238,7 @@ bool fill_until_full(const std::string& dir, bool preallocate, const char* what)
   }
   // Reopen: every key the index has reads back byte-exact, the newest ones are there, and what
   // is gone is gone because it was reclaimed (oldest first), never because of the failure.
-  auto store = make_local_backend(o);
+  auto store = make_local_backend(o).value();
   const auto keys = list(*store, Key{}, 1u << 20);
   CHECK(!keys.empty());
   uint32_t oldest_present = ~0u;

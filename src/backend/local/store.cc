@@ -471,8 +471,9 @@ void LocalStore::do_list(BackendOp* op) {
 
 namespace gdkv {
 
-std::shared_ptr<Backend> make_local_backend(const LocalBackendOptions& options) {
-  return std::make_shared<local::LocalStore>(options);
+Result<std::shared_ptr<Backend>> make_local_backend(const LocalBackendOptions& options) {
+  return catch_error(
+      [&]() -> std::shared_ptr<Backend> { return std::make_shared<local::LocalStore>(options); });
 }
 
 }  // namespace gdkv

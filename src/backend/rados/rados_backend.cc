@@ -531,6 +531,10 @@ class RadosBackend final : public Backend {
       if (r == -ETIMEDOUT) timeouts_.fetch_add(1, std::memory_order_relaxed);
       uint64_t len = 0;
       Status s = rados_status(r);
+      if (s == Status::kCapacityExceeded && p->kind == BackendOpKind::kPut && options_.evict &&
+          !full_seen_.exchange(true, std::memory_order_acq_rel)) {
+        maint_cv_.notify_all();  // evict now, not at the next interval
+      }
       if (s == Status::kSuccess) {
         switch (p->kind) {
           case BackendOpKind::kGet:
@@ -660,6 +664,7 @@ class RadosBackend final : public Backend {
     librados::cluster_stat_t cs{};
     if (rados_.cluster_stat(cs) == 0) i.capacity_bytes = cs.kb * 1024;  // raw, before replication
     const Fill f = read_fill();
+    if (f.capacity != 0) i.bytes_used = f.used;  // one copy, not every replica
     i.fill_ratio = f.ratio;
     i.fill_capacity_bytes = f.capacity;
     i.evictions = evictions_.load(std::memory_order_relaxed);
@@ -899,8 +904,9 @@ class RadosBackend final : public Backend {
       ensure_watch(events_, true);
       ensure_watch(evictors_, false);
       const auto wake = std::min(next_pass, Clock::now() + std::chrono::seconds(1));
-      maint_cv_.wait_until(lk, wake, [this] { return stop_maint_; });
-      if (stop_maint_ || !options_.evict || Clock::now() < next_pass) continue;
+      maint_cv_.wait_until(lk, wake, [this] { return stop_maint_ || full_seen_.load(); });
+      if (stop_maint_ || !options_.evict) continue;
+      if (Clock::now() < next_pass && !full_seen_.load()) continue;
       lk.unlock();
       evict_pass();
       lk.lock();
@@ -916,25 +922,40 @@ class RadosBackend final : public Backend {
     bool quota = false;     // capacity is a byte budget (configured or the pool's quota)
   };
 
+  // The pool's stored bytes (one copy: what quotas count; librados' pool statistics count every
+  // replica) and the bytes it can still take (max_avail: the cluster's free space over the pool's
+  // replication or coding, below the full ratio), from the monitor's `df`.
+  bool pool_df(uint64_t* stored, uint64_t* max_avail) const {
+    librados::bufferlist in, out;
+    std::string outs;
+    if (rados_.mon_command(R"({"prefix": "df", "format": "json"})", in, &out, &outs) < 0) {
+      return false;
+    }
+    const std::string json(out.c_str(), out.length());
+    size_t at = std::string::npos;
+    for (const char* form : {"\"name\":\"", "\"name\": \""}) {
+      at = json.find(form + options_.pool + "\"");
+      if (at != std::string::npos) break;
+    }
+    if (at == std::string::npos) return false;
+    const auto number = [&](const char* field, uint64_t* v) {
+      const auto f = json.find(field, at);
+      if (f == std::string::npos) return false;
+      *v = std::strtoull(json.c_str() + f + std::strlen(field), nullptr, 10);  // skips spaces
+      return true;
+    };
+    return number("\"stored\":", stored) && number("\"max_avail\":", max_avail);
+  }
+
   Fill read_fill() const {
     Fill f;
-    std::list<std::string> pools{options_.pool};
-    librados::stats_map stats;
-    if (rados_.get_pool_stats(pools, stats) == 0) {
-      if (auto it = stats.find(options_.pool); it != stats.end()) f.used = it->second.num_bytes;
-    }
+    uint64_t avail = 0;
+    if (!pool_df(&f.used, &avail)) return f;
     f.capacity = options_.pool_capacity_bytes;
     if (f.capacity == 0) f.capacity = pool_quota();
-    if (f.capacity != 0) {
-      f.quota = true;
-      f.ratio = static_cast<double>(f.used) / static_cast<double>(f.capacity);
-    } else {
-      librados::cluster_stat_t cs{};
-      if (rados_.cluster_stat(cs) == 0 && cs.kb != 0) {
-        f.capacity = cs.kb * 1024;
-        f.ratio = static_cast<double>(cs.kb_used) / static_cast<double>(cs.kb);
-      }
-    }
+    f.quota = f.capacity != 0;
+    if (!f.quota) f.capacity = f.used + avail;  // what the pool holds and can still take
+    if (f.capacity != 0) f.ratio = static_cast<double>(f.used) / static_cast<double>(f.capacity);
     return f;
   }
 
@@ -1017,7 +1038,10 @@ class RadosBackend final : public Backend {
     fill_ppm_.store(static_cast<uint64_t>(f.ratio * 1e6), std::memory_order_relaxed);
     capacity_bytes_.store(f.capacity, std::memory_order_relaxed);
     pool_used_bytes_.store(f.used, std::memory_order_relaxed);
-    if (f.capacity == 0 || f.ratio * 100 < options_.evict_high_percent) return;
+    // A Store refused for space (81h) forces the pass: the pool is full in the monitor's view,
+    // whatever the statistics, which lag, say.
+    const bool forced = full_seen_.exchange(false, std::memory_order_acq_rel);
+    if (f.capacity == 0 || (f.ratio * 100 < options_.evict_high_percent && !forced)) return;
     size_t index = 0, count = 1;
     if (!membership(&index, &count)) return;  // our watch is not (yet) in: skip this pass
     members_.store(count, std::memory_order_relaxed);
@@ -1078,7 +1102,8 @@ class RadosBackend final : public Backend {
       target =
           static_cast<uint64_t>(low * static_cast<double>(f.capacity) / static_cast<double>(count));
     } else {
-      target = static_cast<uint64_t>(static_cast<double>(slice_bytes) * low / f.ratio);
+      const double fill = std::max(f.ratio, options_.evict_high_percent / 100.0);
+      target = static_cast<uint64_t>(static_cast<double>(slice_bytes) * low / fill);
     }
     if (slice_bytes <= target) return;  // the statistics were behind: nothing to do
     const uint64_t to_free = slice_bytes - target;
@@ -1197,6 +1222,7 @@ class RadosBackend final : public Backend {
   std::thread maintainer_;
   std::unordered_map<std::string, std::unique_ptr<librados::IoCtx>> evict_ns_;  // its thread's
 
+  std::atomic<bool> full_seen_{false};  // a Store got 81h since the last pass
   std::atomic<uint64_t> fill_ppm_{0};
   std::atomic<uint64_t> capacity_bytes_{0};
   std::atomic<uint64_t> pool_used_bytes_{0};
@@ -1228,8 +1254,9 @@ class RadosBackend final : public Backend {
 
 }  // namespace
 
-std::shared_ptr<Backend> make_rados_backend(const RadosBackendOptions& options) {
-  return std::make_shared<RadosBackend>(options);
+Result<std::shared_ptr<Backend>> make_rados_backend(const RadosBackendOptions& options) {
+  return catch_error(
+      [&]() -> std::shared_ptr<Backend> { return std::make_shared<RadosBackend>(options); });
 }
 
 }  // namespace gdkv

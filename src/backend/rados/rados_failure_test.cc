@@ -153,7 +153,7 @@ class RadosOsdFailureTest : public ::testing::TestWithParam<std::string> {
 
 TEST_P(RadosOsdFailureTest, KillOneOsdUnderLoadLosesNothing) {
   ASSERT_EQ(cluster("wait-clean 60"), 0);
-  auto backend = make_rados_backend(options_for(GetParam()));  // default op timeout
+  auto backend = make_rados_backend(options_for(GetParam())).value();  // default op timeout
   Finally restore{[] {
     cluster("start-osd 1");
     cluster("wait-clean 120");
@@ -194,7 +194,7 @@ class RadosClusterGoneTest : public ::testing::Test {
     GDKV_REQUIRE_CEPH();
     opts_ = options_for("gdkv-rep3");
     opts_.op_timeout_ms = kTimeoutMs;
-    backend_ = make_rados_backend(opts_);
+    backend_ = make_rados_backend(opts_).value();
     kv_ = std::make_unique<Sync>(backend_);
     kv_->limit = std::chrono::milliseconds(kTimeoutMs + 10000);
     ASSERT_EQ(kv_->put(key_, value_).status, Status::kSuccess);
@@ -275,7 +275,7 @@ TEST_F(RadosClusterGoneTest, MonitorStopped) {
   RadosBackendOptions o = opts_;
   o.connect_timeout_ms = 2000;
   const auto t0 = Clock::now();
-  EXPECT_THROW(make_rados_backend(o), std::runtime_error);
+  EXPECT_THROW(make_rados_backend(o).value(), std::runtime_error);
   EXPECT_LT(Clock::now() - t0, 10s);
 
   ASSERT_EQ(cluster("start-mon"), 0);
