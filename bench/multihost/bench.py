@@ -276,14 +276,11 @@ def store_run(net: mh.Net, a: mh.Host, pool: str, evict: bool, count: int, size:
     return r
 
 
-def run(net: mh.Net, opts) -> dict:
-    a, b = mh.Host(net, 0), mh.Host(net, 1)
-    salt = "bench-" + uuid.uuid4().hex
+def run_retrieve(net: mh.Net, a: mh.Host, b: mh.Host, opts, salt: str) -> dict:
     sizes = {"4 KiB": 4 * KIB, "2 MiB": 2 * MIB}
     hot = {4 * KIB: salted_keys(salt, "hot4k", 16), 2 * MIB: salted_keys(salt, "hot2m", 8)}
     n_far = {4 * KIB: opts.far_4k, 2 * MIB: opts.far_2m}
     rados_node = {"backend": {"kind": "rados"}, "cache": {"bytes": 0}}
-    res: dict = {"load_before": os.getloadavg(), "retrieve": {}, "store": {}}
 
     def store(keys: list[str], size: int) -> None:  # from h0, into RADOS, 64 MiB a client
         step = max(1, (64 * MIB) // size)
@@ -292,68 +289,78 @@ def run(net: mh.Net, opts) -> dict:
             assert a.client(mh.STORE_BLOCKS, keys=part, sizes=[size] * len(part),
                             timeout=300) == {"stored": len(part)}
 
+    # h0 is a rados node (nothing kept on its tiers): it stores what h1 reads.
+    a.start(rados_node)
+    for size in sizes.values():
+        store(hot[size], size)
+    ret = {label: {} for label in sizes}
+
+    for label, size in sizes.items():
+        ret[label]["floor"] = timed_get(b, hot[size], size, opts.seconds,
+                                        open_args={"backend": "memory"})
+
+    b.start()  # tiered, 64 MiB host cache
+    for label, size in sizes.items():
+        fill(b, hot[size], size)
+        ret[label]["dram"] = timed_get(b, hot[size], size, opts.seconds)
+
+    b.start({"cache": {"bytes": 0}})  # tiered, no host cache, a fresh local store
+    for label, size in sizes.items():
+        fill(b, hot[size], size)
+        ret[label]["local"] = timed_get(b, hot[size], size, opts.seconds)
+
+    # RADOS: every set of distinct keys is stored by h0 right before h1 reads it once, as
+    # rados bench seq reads what its write phase just wrote.
+    for label, size in sizes.items():
+        b.start(rados_node)
+        ret[label]["rados_bench"] = rados_bench(net, b, size, opts.rados_seconds)
+        keys = salted_keys(salt, f"far{size}", n_far[size])
+        store(keys, size)
+        ret[label]["rados"] = timed_get(b, keys, size, opts.seconds * 4, once=True)
+        if opts.nospin:  # gdkvd's reactor sleeping at once instead of spinning 200 µs idle
+            b.start({**rados_node, "controller": {"reactors": 1, "idle_spin_us": 0}})
+            keys = salted_keys(salt, f"far{size}-nospin", n_far[size])
+            store(keys, size)
+            ret[label]["rados_nospin"] = timed_get(b, keys, size, opts.seconds * 4, once=True)
+        b.cleanup()
+        # The controller in the client's own process (no gdkvd, no vfio-user hop), then the
+        # C++ backend alone and raw librados.
+        keys = salted_keys(salt, f"far{size}-inproc", n_far[size])
+        store(keys, size)
+        ret[label]["rados_inproc"] = timed_get(
+            b, keys, size, opts.seconds * 4, once=True,
+            open_args={"backend": "rados", "pool": POOL, "ceph_conf": net.ceph_conf})
+        ret[label]["backend"] = backend_bench(net, b, size, opts.seconds)
+    a.cleanup()
+    return ret
+
+
+def run_store(net: mh.Net, a: mh.Host, opts, salt: str) -> dict:
+    """Store with eviction against without: two pools of the same PG count."""
+    mh._ceph(net, "osd", "pool", "create", mh.EVICT_POOL, "8", "8")
+    mh._ceph(net, "osd", "pool", "set-quota", mh.EVICT_POOL, "max_bytes",
+             str(opts.quota_mib * MIB))
+    mh._ceph(net, "osd", "pool", "application", "enable", mh.EVICT_POOL, "rados")
+    mh._ceph(net, "osd", "pool", "create", PLAIN_POOL, "8", "8")
+    mh._ceph(net, "osd", "pool", "application", "enable", PLAIN_POOL, "rados")
+    res = {"count": opts.store_count, "quota_bytes": opts.quota_mib * MIB}
+    runs = [("no_evict", PLAIN_POOL, False), ("evict", mh.EVICT_POOL, True)]
+    if opts.evict_first:
+        runs.reverse()
+    for name, pool, evict in runs:
+        res[name] = store_run(net, a, pool, evict, opts.store_count, 64 * KIB, f"{salt}-{name}")
+    return res
+
+
+def run(net: mh.Net, opts) -> dict:
+    a, b = mh.Host(net, 0), mh.Host(net, 1)
+    salt = "bench-" + uuid.uuid4().hex
+    res: dict = {"load_before": os.getloadavg(), "retrieve": {}, "store": {}}
     try:
-        # h0 is a rados node (nothing kept on its tiers): it stores what h1 reads.
-        a.start(rados_node)
-        for size in sizes.values():
-            store(hot[size], size)
-        ret = {label: {} for label in sizes}
-
-        for label, size in sizes.items():
-            ret[label]["floor"] = timed_get(b, hot[size], size, opts.seconds,
-                                            open_args={"backend": "memory"})
-
-        b.start()  # tiered, 64 MiB host cache
-        for label, size in sizes.items():
-            fill(b, hot[size], size)
-            ret[label]["dram"] = timed_get(b, hot[size], size, opts.seconds)
-
-        b.start({"cache": {"bytes": 0}})  # tiered, no host cache, a fresh local store
-        for label, size in sizes.items():
-            fill(b, hot[size], size)
-            ret[label]["local"] = timed_get(b, hot[size], size, opts.seconds)
-
-        # RADOS: every set of distinct keys is stored by h0 right before h1 reads it once, as
-        # rados bench seq reads what its write phase just wrote.
-        for label, size in sizes.items():
-            b.start(rados_node)
-            ret[label]["rados_bench"] = rados_bench(net, b, size, opts.rados_seconds)
-            keys = salted_keys(salt, f"far{size}", n_far[size])
-            store(keys, size)
-            ret[label]["rados"] = timed_get(b, keys, size, opts.seconds * 4, once=True)
-            if opts.nospin:  # gdkvd's reactor sleeping at once instead of spinning 200 µs idle
-                b.start({**rados_node, "controller": {"reactors": 1, "idle_spin_us": 0}})
-                keys = salted_keys(salt, f"far{size}-nospin", n_far[size])
-                store(keys, size)
-                ret[label]["rados_nospin"] = timed_get(b, keys, size, opts.seconds * 4,
-                                                       once=True)
-            b.cleanup()
-            # The controller in the client's own process (no gdkvd, no vfio-user hop), then the
-            # C++ backend alone and raw librados.
-            keys = salted_keys(salt, f"far{size}-inproc", n_far[size])
-            store(keys, size)
-            ret[label]["rados_inproc"] = timed_get(
-                b, keys, size, opts.seconds * 4, once=True,
-                open_args={"backend": "rados", "pool": POOL, "ceph_conf": net.ceph_conf})
-            ret[label]["backend"] = backend_bench(net, b, size, opts.seconds)
-        res["retrieve"] = ret
-
-        # Store with eviction against without: two pools of the same PG count.
-        mh._ceph(net, "osd", "pool", "create", mh.EVICT_POOL, "8", "8")
-        mh._ceph(net, "osd", "pool", "set-quota", mh.EVICT_POOL, "max_bytes",
-                 str(opts.quota_mib * MIB))
-        mh._ceph(net, "osd", "pool", "application", "enable", mh.EVICT_POOL, "rados")
-        mh._ceph(net, "osd", "pool", "create", PLAIN_POOL, "8", "8")
-        mh._ceph(net, "osd", "pool", "application", "enable", PLAIN_POOL, "rados")
-        count = opts.store_count
-        runs = [("no_evict", PLAIN_POOL, False), ("evict", mh.EVICT_POOL, True)]
-        if opts.evict_first:
-            runs.reverse()
-        for name, pool, evict in runs:
-            res["store"][name] = store_run(net, a, pool, evict, count, 64 * KIB,
-                                           f"{salt}-{name}")
-        res["store"]["count"] = count
-        res["store"]["quota_bytes"] = opts.quota_mib * MIB
+        if "retrieve" in opts.parts:
+            res["retrieve"] = run_retrieve(net, a, b, opts, salt)
+        if "store" in opts.parts:
+            res["store"] = run_store(net, a, opts, salt)
     finally:
         for h in (a, b):
             h.cleanup()
@@ -371,7 +378,7 @@ def fmt_ops(x: float) -> str:
 
 def table(res: dict) -> str:
     rows = ["| case | size | ops/s | p50 µs | mean µs | p99 µs | / rados bench seq ops/s | "
-            "checked | load |", "|---|---|---|---|---|---|---|---|---|"]
+            "checked | load |", "|---|---|---|---|---|---|---|---|---|"] if res["retrieve"] else []
     names = {"floor": "floor: in-process memory backend", "dram": "DRAM hit (h1 host cache)",
              "local": "local-tier hit (h1, cache 0)", "rados": "RADOS fetch (h1, kind rados, "
              "cache 0; keys h0 stored)",
@@ -418,6 +425,8 @@ def table(res: dict) -> str:
                     f"– | {seq['mean_us']:,.1f} | – | 1 | {seq['s']:.1f} s; write -t 1 before it: "
                     f"{fmt_ops(w['ops_per_s'])} ops/s | |")
     st = res["store"]
+    if not st:
+        return "\n".join(rows)
     q = st["quota_bytes"] >> 20
     rows += ["", f"Store, 64 KiB, {st['count']} values ({st['count'] * 64 / 1024:.0f} MiB), one "
              "client on h0, queue depth 1:", "",
@@ -448,6 +457,8 @@ def main() -> int:
     ap.add_argument("--evict-first", action="store_true", help="run the evicting pool first")
     ap.add_argument("--nospin", action="store_true",
                     help="also the RADOS fetch with gdkvd's controller.idle_spin_us = 0")
+    ap.add_argument("--parts", default="retrieve,store",
+                    help="what to run: retrieve, store or both (default)")
     ap.add_argument("--prefix", default="gdkvbench", help="GDKV_NETNS_PREFIX of the namespaces")
     opts = ap.parse_args()
     if os.geteuid() != 0:
@@ -479,16 +490,18 @@ def main() -> int:
     res["date"] = datetime.datetime.now().isoformat(timespec="seconds")
     print(table(res))
     print(f"\nload average {res['load_before'][0]:.2f} before, {res['load_after'][0]:.2f} "
-          f"after; netns up {up_s:.0f} s, total {res['total_s']:.0f} s; store "
-          f"{res['store']['no_evict']['s']:.1f} s / {res['store']['evict']['s']:.1f} s; "
-          f"evictions over time (s, total, fill): {res['store']['evict']['evictions_timeline']}")
-    for name in ("no_evict", "evict"):
-        r = res["store"][name]
+          f"after; netns up {up_s:.0f} s, total {res['total_s']:.0f} s")
+    st = res["store"]
+    if st:
+        print(f"store {st['no_evict']['s']:.1f} s / {st['evict']['s']:.1f} s; evictions over "
+              f"time (s, total, fill): {st['evict']['evictions_timeline']}")
+    for name in ("no_evict", "evict") if st else ():
+        r = st[name]
         print(f"{name}: [acknowledged, failed] Stores per second: {r['per_second']}"
               + (f"; first failures: {r['first_failures']}" if r["failed"] else ""))
     if opts.json:
         print(json.dumps(res))
-    failed = res["store"]["evict"]["failed"] + res["store"]["no_evict"]["failed"]
+    failed = sum(st[n]["failed"] for n in ("no_evict", "evict")) if st else 0
     return 1 if failed else 0
 
 

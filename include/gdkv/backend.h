@@ -89,7 +89,7 @@ struct BackendInfo {
   // this and ControllerOptions::max_value_bytes as the one limit it enforces and Identify reports.
   uint64_t max_value_bytes = 0;
   // A shared pool that evicts (rados): its fill against what it is measured by (its capacity or
-  // quota, else the cluster's raw space), and the blocks this node has evicted.
+  // quota, else stored + free space), and the blocks this node has evicted.
   double fill_ratio = 0;
   uint64_t fill_capacity_bytes = 0;
   uint64_t evictions = 0;

@@ -47,7 +47,8 @@ struct RadosBackendOptions {
   uint32_t evict_low_percent = 80;
   uint32_t evict_interval_ms = 10000;
   // Bytes the pool may hold. 0 (default): the pool's quota (`ceph osd pool set-quota max_bytes`)
-  // when it has one, else the cluster's raw space (fill is then the cluster's raw fill).
+  // when it has one, else what the pool stores plus `ceph df`'s max_avail for it. Fill counts
+  // stored bytes (one copy), as quotas do.
   uint64_t pool_capacity_bytes = 0;
   // Delete notifications: a backend with an invalidation handler watches this object (in the
   // pool's default namespace) and every Delete notifies it, so other nodes drop the key from

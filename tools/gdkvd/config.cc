@@ -395,8 +395,7 @@ int load(int argc, char** argv, Config& c, std::string* error) {
       "milliseconds between a node's pool fill checks", "GDKVD_EVICT_INTERVAL_MS")
       ->check(CLI::Range(1u, 3600000u));
   opt("--pool-capacity", c.backend.rados.pool_capacity_bytes,
-      "bytes the pool may hold (0: its quota, else the cluster's raw space)",
-      "GDKVD_POOL_CAPACITY");
+      "bytes the pool may hold (0: its quota, else stored + free space)", "GDKVD_POOL_CAPACITY");
   opt("--atime-interval-ms", c.backend.rados.atime_interval_ms,
       "milliseconds before a read refreshes a block's access time", "GDKVD_ATIME_INTERVAL_MS");
   opt("--reactors", c.reactors, "reactor threads", "GDKVD_REACTORS")->check(CLI::Range(1u, 256u));
