@@ -167,17 +167,22 @@ class TieredBackend final : public Backend {
   }
 
   // ---- deletes by other nodes ----
-  // A key another node deleted leaves near at once; a fill in flight for it is stopped by the
-  // stripe's version. nsid 0 (far lost its notifications for a while): every near key of every
-  // namespace used is checked against far on a thread of ours, and those far lacks are dropped.
+  // A key another node deleted leaves near before the tiers above hear of it: the near Delete is
+  // waited for (on far's notification thread), so a read the cache above makes after its own
+  // invalidation cannot find the old copy in near and cache it again. A fill in flight for the
+  // key is stopped by the stripe's version. nsid 0 (far lost its notifications for a while):
+  // every near key of every namespace used is checked against far on a thread of ours, and those
+  // far lacks are dropped.
   void invalidate(uint32_t nsid, const Key& key) {
     if (nsid != 0) {
-      BackendOp like;
-      like.nsid = nsid;
-      like.key = key;
-      stripe(&like).version.fetch_add(1, std::memory_order_acq_rel);
+      BackendOp d;
+      d.kind = BackendOpKind::kDelete;
+      d.nsid = nsid;
+      d.key = key;
+      stripe(&d).version.fetch_add(1, std::memory_order_acq_rel);
       n_.remote_deletes.fetch_add(1, std::memory_order_relaxed);
-      drop_near(&like);
+      n_.drops.fetch_add(1, std::memory_order_relaxed);
+      call(*near_, d);
     } else {
       std::lock_guard lk(check_mu_);
       check_wanted_ = true;
