@@ -884,13 +884,20 @@ class RadosBackend final : public Backend {
     if (events && again) handler_(0, Key{});
   }
 
+  // REQUIRES: the maintenance thread has stopped (nothing re-establishes a watch meanwhile).
   void unwatch_all() {
-    std::lock_guard lk(maint_mu_);
-    for (Watch* w : {&events_, &evictors_}) {
-      if (w->ctx) base_.unwatch2(w->handle);
-      w->live = false;
+    {
+      std::lock_guard lk(maint_mu_);
+      for (Watch* w : {&events_, &evictors_}) {
+        if (w->ctx) base_.unwatch2(w->handle);
+        w->live = false;
+        w->wanted = false;
+      }
     }
-    rados_.watch_flush();  // no watch callback runs after this
+    // Outside the lock: a callback still running (on_watch_error takes maint_mu_) must finish
+    // before the flush returns. No watch callback runs after this.
+    rados_.watch_flush();
+    std::lock_guard lk(maint_mu_);
     events_.ctx.reset();
     evictors_.ctx.reset();
   }
