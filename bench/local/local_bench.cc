@@ -125,6 +125,7 @@ struct Loop {
   std::atomic<uint64_t> next{0};  // write: next key to store
   std::atomic<bool> stop{false};
   std::atomic<uint64_t> done{0}, errors{0}, live{0};
+  std::atomic<uint64_t> submit_ns{0};  // time inside submit(): what a reactor would spend
   HistogramRecorder lat;       // single writer: completions all run on the store's I/O thread
   std::byte* value = nullptr;  // page-aligned, as the cache's slabs are
   std::mutex mu;  // write runs: completed slots waiting for the bench thread to resubmit them
@@ -163,6 +164,8 @@ struct Loop {
     }
     s->t0 = Clock::now();
     store->submit(&s->op);
+    submit_ns.fetch_add(static_cast<uint64_t>((Clock::now() - s->t0) / std::chrono::nanoseconds(1)),
+                        std::memory_order_relaxed);
     return true;
   }
 };
@@ -259,12 +262,13 @@ int run_loop(const Args& a, bool write) {
   std::printf(
       "{\"op\": \"%s\", \"submit\": \"%s\", \"size\": %llu, \"qd\": %llu, \"ops\": %.0f, "
       "\"seconds\": %.3f, \"ops_per_s\": %.1f, \"mb_per_s\": %.1f, \"errors\": %llu, "
-      "\"cpu_per_op_us\": %.2f",
+      "\"cpu_per_op_us\": %.2f, \"submit_us\": %.2f",
       write ? "put" : "get", a.thread ? "thread" : "callback",
       static_cast<unsigned long long>(a.size), static_cast<unsigned long long>(a.qd), ops, secs,
       ops / secs, ops * static_cast<double>(a.size) / secs / 1e6,
       static_cast<unsigned long long>(l.errors.load()),
-      (cpu(ru1) - cpu(ru0)) / std::max(ops, 1.0) * 1e6);
+      (cpu(ru1) - cpu(ru0)) / std::max(ops, 1.0) * 1e6,
+      static_cast<double>(l.submit_ns.load()) / std::max(ops, 1.0) / 1e3);
   print_latency(l.lat.snapshot());
   if (write) {
     std::printf(

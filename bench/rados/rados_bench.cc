@@ -11,7 +11,9 @@
 //
 // Output, one line per phase:
 //   gdkv <store|retrieve> pool=P size=B t=T ops=N seconds=S iops=X mbps=Y p50_us=.. p99_us=..
-//   errors=E
+//   cpu_us_per_op=.. submit_us_per_op=.. submit_cpu_us_per_op=.. errors=E
+// submit_us_per_op is the time spent inside the backend's submit(), what a reactor pays per op;
+// submit_cpu_us_per_op the calling thread's CPU time in it.
 #include <sys/resource.h>
 #include <unistd.h>
 #include <CLI/CLI.hpp>
@@ -92,6 +94,10 @@ struct PhaseResult {
   uint64_t errors = 0;
   double seconds = 0;
   double cpu_seconds = 0;
+  // Inside start(), the caller's (a reactor's) share of each op: wall time, and the calling
+  // thread's CPU time (the difference is time the thread was descheduled).
+  double submit_seconds = 0;
+  double submit_cpu_seconds = 0;
   gdkv::Histogram latency_ns;
 };
 
@@ -100,6 +106,12 @@ double cpu_seconds() {
   ::getrusage(RUSAGE_SELF, &u);
   const auto sec = [](const timeval& t) { return static_cast<double>(t.tv_sec) + t.tv_usec / 1e6; };
   return sec(u.ru_utime) + sec(u.ru_stime);
+}
+
+double thread_cpu_seconds() {
+  timespec t{};
+  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) / 1e9;
 }
 
 // Keeps `slots.size()` ops in flight until `seconds` pass; `start(slot)` issues a slot's next op.
@@ -132,7 +144,10 @@ PhaseResult closed_loop(std::vector<Slot>& slots, Reaper& reaper, double seconds
     if (now < end) {
       s->started = Clock::now();
       ++in_flight;
+      const double c0 = thread_cpu_seconds();
       start(*s);
+      r.submit_seconds += std::chrono::duration<double>(Clock::now() - s->started).count();
+      r.submit_cpu_seconds += thread_cpu_seconds() - c0;
     }
   }
   r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -145,11 +160,13 @@ void print(const char* phase, const std::string& pool, size_t size, size_t t,
   const double iops = r.ops / r.seconds;
   std::printf(
       "gdkv %s pool=%s size=%zu t=%zu ops=%llu seconds=%.2f iops=%.1f mbps=%.2f p50_us=%.1f "
-      "p99_us=%.1f cpu_us_per_op=%.1f errors=%llu\n",
+      "p99_us=%.1f cpu_us_per_op=%.1f submit_us_per_op=%.2f submit_cpu_us_per_op=%.2f "
+      "errors=%llu\n",
       phase, pool.c_str(), size, t, static_cast<unsigned long long>(r.ops), r.seconds, iops,
       iops * static_cast<double>(size) / 1e6, r.latency_ns.percentile(0.5) / 1e3,
       r.latency_ns.percentile(0.99) / 1e3, r.ops ? r.cpu_seconds * 1e6 / r.ops : 0.0,
-      static_cast<unsigned long long>(r.errors));
+      r.ops ? r.submit_seconds * 1e6 / r.ops : 0.0,
+      r.ops ? r.submit_cpu_seconds * 1e6 / r.ops : 0.0, static_cast<unsigned long long>(r.errors));
   std::fflush(stdout);
 }
 

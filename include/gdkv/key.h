@@ -124,4 +124,10 @@ std::vector<Key> chain_keys(std::span<const uint32_t> tokens, size_t block_token
 // 128-bit XXH3 of arbitrary bytes, as a 16-byte key (used for value identity digests too).
 Key hash128(const void* data, size_t n) noexcept;
 
+// Above this many bytes the low 64 bits of XXH3-128 are XXH3-64 of the same bytes (both run the
+// same accumulator loop and final merge; the algorithm is frozen since xxHash 0.8), so one pass
+// over a value yields both its checksum and its identity digest. rados_backend_test and the local
+// store's hash_test pin it.
+inline constexpr size_t kXxh3SharedAbove = 240;
+
 }  // namespace gdkv

@@ -27,6 +27,14 @@ Key digest128(const void* data, size_t n) noexcept {
   return k;
 }
 
+ValueHashes value_hashes(const void* data, size_t n) noexcept {
+  ValueHashes h;
+  h.digest.len = nvme::kMaxKeyLength;
+  const uint64_t low = impl().digest128(data, n, h.digest.bytes);
+  h.checksum = n > kXxh3SharedAbove ? low : impl().oneshot64(data, n);
+  return h;
+}
+
 Checksum64::Checksum64() {
   const HashImpl& h = impl();
   const size_t size = (h.state_size + h.state_align - 1) / h.state_align * h.state_align;

@@ -19,6 +19,14 @@ uint64_t checksum64(const void* data, size_t n) noexcept;
 // XXH3-128 as gdkv::hash128 returns it (canonical byte order): the value's identity digest.
 Key digest128(const void* data, size_t n) noexcept;
 
+// A Store's two hashes: checksum64 and digest128 of the value, in one pass over values above
+// kXxh3SharedAbove bytes (the checksum is then the digest's low half).
+struct ValueHashes {
+  uint64_t checksum;
+  Key digest;
+};
+ValueHashes value_hashes(const void* data, size_t n) noexcept;
+
 // Streaming XXH3-64, for a value that arrives in pieces; equals checksum64 of the concatenation.
 class Checksum64 {
  public:

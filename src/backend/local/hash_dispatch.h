@@ -9,7 +9,8 @@ namespace gdkv::local {
 
 struct HashImpl {
   uint64_t (*oneshot64)(const void*, size_t) noexcept;
-  void (*digest128)(const void*, size_t, uint8_t*) noexcept;
+  // XXH3-128 in canonical byte order; returns its low 64 bits.
+  uint64_t (*digest128)(const void*, size_t, uint8_t*) noexcept;
   void (*reset)(void*) noexcept;
   void (*update)(void*, const void*, size_t) noexcept;
   uint64_t (*digest)(const void*) noexcept;

@@ -26,6 +26,9 @@ TEST(LocalHash, MatchesLibxxhashAndHash128) {
       const uint8_t* p = buf.data() + off;
       ASSERT_EQ(checksum64(p, n), XXH3_64bits(p, n)) << n;
       ASSERT_EQ(digest128(p, n), hash128(p, n)) << n;
+      const ValueHashes both = value_hashes(p, n);  // one pass above kXxh3SharedAbove bytes
+      ASSERT_EQ(both.checksum, XXH3_64bits(p, n)) << n;
+      ASSERT_EQ(both.digest, hash128(p, n)) << n;
       // In uneven pieces, as bounce reads deliver them.
       stream.reset();
       for (size_t at = 0; at < n;) {

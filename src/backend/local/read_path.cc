@@ -144,7 +144,19 @@ void LocalStore::issue_chunk(ReadJob* j, uint32_t idx) {
 // Moves a Get forward as far as it can: issue the direct read, hash what has landed in value
 // order (the checksum is a stream), copy bounce data to the caller, issue more bounce reads, and
 // finish once every byte of the value has been checked.
+//
+// Reads it issues go to the kernel at once, not with the next batch of the loop: a read queued
+// behind the handling of other completions starts late, and reads submitted in bursts come back
+// in bursts, which idles the device between them. On this machine's virtio disk that is 4 KiB
+// QD 32 at 0.78 of fio batched and 0.92-0.99 submitted at once, for ~0.5 us more CPU per read
+// (docs/benchmarks.md).
 void LocalStore::advance(ReadJob* j) {
+  const unsigned before = sqe_inflight_;
+  step(j);
+  if (sqe_inflight_ > before) io_uring_submit(ring_->ring());
+}
+
+void LocalStore::step(ReadJob* j) {
   if (j->fallback && j->npieces > 0) {
     if (j->outstanding > 0) return;  // the other pieces are still out
     direct_mode(j);                  // with `fallback` set: bounce reads only

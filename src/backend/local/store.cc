@@ -216,7 +216,6 @@ void LocalStore::load_or_create_superblock(const LocalBackendOptions& o) {
 
 void LocalStore::submit(BackendOp* op) {
   ops_[static_cast<size_t>(op->kind) % kBackendOpKinds].fetch_add(1, std::memory_order_relaxed);
-  Incoming in{op, 0, {}};
   switch (op->kind) {
     case BackendOpKind::kList:
       if (op->key.len > nvme::kMaxKeyLength) return op->complete(Status::kInvalidKeySize);
@@ -225,8 +224,6 @@ void LocalStore::submit(BackendOp* op) {
       if (!op->key.valid()) return op->complete(Status::kInvalidKeySize);
       if (op->value.size() > max_value_) return op->complete(Status::kInvalidValueSize);
       if (op->store_options & ~nvme::kStoreOptionsValid) return op->complete(Status::kInvalidField);
-      in.checksum = checksum64(op->value.data(), op->value.size());
-      in.digest = digest128(op->value.data(), op->value.size());
       break;
     default:
       if (!op->key.valid()) return op->complete(Status::kInvalidKeySize);
@@ -235,7 +232,7 @@ void LocalStore::submit(BackendOp* op) {
   submitted_.fetch_add(1);
   {
     std::lock_guard lk(in_mu_);
-    incoming_.push_back(in);
+    incoming_.push_back(op);
   }
   // Wake the I/O thread only when it sleeps: one syscall per idle period, not per op.
   if (sleeping_.exchange(false)) {
@@ -361,7 +358,7 @@ void LocalStore::run(unsigned entries, std::promise<void>& ready) {
   ready.set_value();  // `ready` lives on the opener's stack: not touched after this
 
   arm_wake();
-  std::vector<Incoming> batch;
+  std::vector<BackendOp*> batch;
   std::vector<std::pair<IoTag*, int>> done;
   io_uring* ring = ring_->ring();
   for (;;) {
@@ -369,7 +366,7 @@ void LocalStore::run(unsigned entries, std::promise<void>& ready) {
       std::lock_guard lk(in_mu_);
       batch.swap(incoming_);
     }
-    for (const Incoming& in : batch) dispatch(in);
+    for (BackendOp* op : batch) dispatch(op);
     batch.clear();
     form_batch();
     pump_waiting();
@@ -432,13 +429,12 @@ void LocalStore::on_cqe(IoTag* t, int res) {
   }
 }
 
-void LocalStore::dispatch(const Incoming& in) {
-  BackendOp* op = in.op;
+void LocalStore::dispatch(BackendOp* op) {
   switch (op->kind) {
     case BackendOpKind::kPut:
     case BackendOpKind::kDelete:
       if (degraded_) return finish(op, Status::kInternalError);
-      pending_.push_back(in);
+      pending_.push_back(op);
       return;
     case BackendOpKind::kGet:
       return start_get(op);

@@ -3,10 +3,11 @@
 // reclaim) and read_path.cc (Gets). The public face is include/gdkv/local_backend.h; the format
 // is format.h; docs/local-store.md explains the design.
 //
-// Threads: submit() runs on callers' threads and only validates, hashes a Store's value (the
-// checksum and digest, spread over the callers instead of serialised on the I/O thread) and
-// queues the op. One I/O thread owns the ring, the index, the segment table and every buffer; it
-// alone decides, so no lock guards the index. Completions (op->done) run on the I/O thread.
+// Threads: submit() runs on callers' threads (a reactor's) and only validates and queues the op:
+// no per-byte work there. One I/O thread owns the ring, the index, the segment table and every
+// buffer; it alone decides, so no lock guards the index. It hashes a Store's value when the
+// value's batch forms (checksum and digest in one pass) and verifies every Get's. Completions
+// (op->done) run on the I/O thread.
 //
 // Writes: Stores and Deletes wait in `pending_` while a batch is being written; when it is
 // durable the next batch takes everything pending (group commit: one write stream, one
@@ -83,13 +84,6 @@ inline AlignedBuf alloc_aligned(size_t n, size_t align) {
   }
   return AlignedBuf(static_cast<std::byte*>(p));
 }
-
-// What submit() hands the I/O thread: the op, and for a Store its value's checksum and digest.
-struct Incoming {
-  BackendOp* op;
-  uint64_t checksum;
-  Key digest;
-};
 
 // user_data of every SQE.
 struct IoTag {
@@ -181,7 +175,7 @@ class LocalStore final : public Backend {
   // ---- I/O thread ----
   void run(unsigned entries, std::promise<void>& ready);
   void arm_wake();
-  void dispatch(const Incoming& in);
+  void dispatch(BackendOp* op);
   void on_cqe(IoTag* t, int res);
   void finish(BackendOp* op, Status s, uint64_t len = 0);
   void do_list(BackendOp* op);
@@ -210,6 +204,7 @@ class LocalStore final : public Backend {
   // reads
   void start_get(BackendOp* op);
   void advance(ReadJob* j);
+  void step(ReadJob* j);  // advance() without submitting
   void on_read(IoTag* t, int res);
   void direct_mode(ReadJob* j);
   void issue_piece(ReadJob* j, uint32_t idx);
@@ -267,7 +262,7 @@ class LocalStore final : public Backend {
   uint32_t last_sealed_end_ = 0;
   bool degraded_ = false;  // a failed batch could not be invalidated: refuse writes until reopen
 
-  std::deque<Incoming> pending_;                        // Stores and Deletes waiting for a batch
+  std::deque<BackendOp*> pending_;                      // Stores and Deletes waiting for a batch
   std::unordered_map<NsKey, bool, NsKeyHash> overlay_;  // per forming batch: key present after it
   std::unordered_set<NsKey, NsKeyHash> blocked_;        // keys with an op deferred to next batch
 
@@ -286,8 +281,9 @@ class LocalStore final : public Backend {
     uint64_t header_end = 0;  // stream bytes up to the end of the batch header's block
     uint64_t batch_no = 0;
     uint64_t data_bytes = 0;
-    std::vector<Incoming> recs;
+    std::vector<BackendOp*> recs;
     std::vector<uint32_t> value_off;
+    std::vector<uint64_t> checksum;     // of each record's value
     std::vector<std::byte> head_bytes;  // [segment header] + header area
     std::vector<Piece> pieces;
     size_t piece = 0;
@@ -323,7 +319,7 @@ class LocalStore final : public Backend {
 
   // ---- shared with callers ----
   std::mutex in_mu_;
-  std::vector<Incoming> incoming_;
+  std::vector<BackendOp*> incoming_;
   std::atomic<bool> sleeping_{false};
   std::atomic<bool> stopping_{false};
   std::atomic<uint64_t> submitted_{0};

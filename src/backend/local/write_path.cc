@@ -21,7 +21,7 @@ void LocalStore::form_batch() {
   if (batch_.active || pending_.empty()) return;
   if (degraded_) {
     while (!pending_.empty()) {
-      BackendOp* op = pending_.front().op;
+      BackendOp* op = pending_.front();
       pending_.pop_front();
       finish(op, Status::kInternalError);
     }
@@ -37,11 +37,10 @@ void LocalStore::form_batch() {
   batch_.recs.clear();
   overlay_.clear();
   blocked_.clear();
-  std::deque<Incoming> keep;  // deferred to the next batch, in order
+  std::deque<BackendOp*> keep;  // deferred to the next batch, in order
   uint64_t entries = 0, inline_bytes = 0, data_bytes = 0;
   while (!pending_.empty()) {
-    const Incoming in = pending_.front();
-    BackendOp* op = in.op;
+    BackendOp* op = pending_.front();
     const NsKey k{op->nsid, op->key};
     const bool put = op->kind == BackendOpKind::kPut;
     const bool conditional =
@@ -51,7 +50,7 @@ void LocalStore::form_batch() {
     // Later ops on the key wait with it, so per-key order holds.
     if (blocked_.count(k) != 0 || (conditional && overlay_.count(k) != 0)) {
       blocked_.insert(k);
-      keep.push_back(in);
+      keep.push_back(op);
       pending_.pop_front();
       continue;
     }
@@ -71,7 +70,7 @@ void LocalStore::form_batch() {
         // No segment to write to (the file system is full and nothing can be reclaimed yet):
         // everything waiting fails with the reason; the store stays as it was.
         while (!pending_.empty()) {
-          BackendOp* p = pending_.front().op;
+          BackendOp* p = pending_.front();
           pending_.pop_front();
           finish(p, s);
         }
@@ -103,7 +102,7 @@ void LocalStore::form_batch() {
       }
       overlay_[k] = false;
     }
-    batch_.recs.push_back(in);
+    batch_.recs.push_back(op);
     entries = n_entries;
     inline_bytes = n_inline;
     data_bytes = n_data;
@@ -144,11 +143,11 @@ void LocalStore::start_batch(uint64_t inline_bytes, uint64_t data_bytes) {
   b.pieces.clear();
   b.pieces.push_back({b.head_bytes.data(), b.head_bytes.size()});
   b.value_off.resize(count);
+  b.checksum.resize(count);
   uint64_t inline_cur = b.batch_off + sizeof(BatchHeader) + uint64_t{count} * 64;
   uint64_t data_cur = b.batch_off + H;
   for (uint32_t i = 0; i < count; ++i) {
-    const Incoming& in = b.recs[i];
-    const BackendOp* op = in.op;
+    const BackendOp* op = b.recs[i];
     RecordEntry e{};
     e.magic = kRecordMagic;
     e.key_len = op->key.len;
@@ -176,8 +175,11 @@ void LocalStore::start_batch(uint64_t inline_bytes, uint64_t data_bytes) {
         if (round_up(len, kBlock) > len) b.pieces.push_back({nullptr, round_up(len, kBlock) - len});
         data_cur += round_up(len, kBlock);
       }
-      e.checksum = in.checksum;
-      std::memcpy(e.digest, in.digest.bytes, sizeof(e.digest));
+      // Hashed here, on the I/O thread, once the Store is sure to be written: one pass yields the
+      // checksum every read verifies and the identity digest.
+      const ValueHashes h = value_hashes(op->value.data(), len);
+      e.checksum = b.checksum[i] = h.checksum;
+      std::memcpy(e.digest, h.digest.bytes, sizeof(e.digest));
     } else {
       e.type = static_cast<uint8_t>(RecordType::kTombstone);
     }
@@ -419,9 +421,9 @@ void LocalStore::fail_batch() {
     seal_head();
   }
   b.active = false;
-  std::vector<Incoming> recs;
+  std::vector<BackendOp*> recs;
   recs.swap(b.recs);
-  for (const Incoming& in : recs) finish(in.op, s);
+  for (BackendOp* op : recs) finish(op, s);
 }
 
 void LocalStore::commit_batch() {
@@ -429,14 +431,14 @@ void LocalStore::commit_batch() {
   SegState& g = segments_[b.seg];
   uint64_t value_bytes = 0;
   for (size_t i = 0; i < b.recs.size(); ++i) {
-    const BackendOp* op = b.recs[i].op;
+    const BackendOp* op = b.recs[i];
     Location old;
     if (op->kind == BackendOpKind::kPut) {
       Location loc;
       loc.segment = b.seg;
       loc.offset = b.value_off[i];
       loc.length = static_cast<uint32_t>(op->value.size());
-      loc.set_checksum(b.recs[i].checksum);
+      loc.set_checksum(b.checksum[i]);
       if (index_.upsert(op->nsid, op->key, loc, &old)) --segments_[old.segment].live;
       ++g.live;
       value_bytes += op->value.size();
@@ -455,9 +457,9 @@ void LocalStore::commit_batch() {
   batch_records_.fetch_add(b.recs.size());
   if (b.recs.size() > batch_max_.load()) batch_max_.store(b.recs.size());
   b.active = false;
-  std::vector<Incoming> recs;
+  std::vector<BackendOp*> recs;
   recs.swap(b.recs);
-  for (const Incoming& in : recs) finish(in.op, Status::kSuccess);
+  for (BackendOp* op : recs) finish(op, Status::kSuccess);
   b.recs.swap(recs);  // keep the capacity
   b.recs.clear();
 }

@@ -385,6 +385,76 @@ TEST_P(RadosBackendTest, ManyOpsInFlightAndDrain) {
   EXPECT_EQ(metric(*backend_, "backend_inflight"), 0);
 }
 
+// Stores start on the backend's submit thread, reads on the caller's: ops one caller submits
+// back to back, without waiting, must still reach the cluster in that order. A large Store then
+// a small one of the same key leaves the small one, and a Get right behind reads it; a Store
+// then a Delete leaves nothing, and an Exists right behind says so.
+TEST_P(RadosBackendTest, BackToBackOpsOfOneCallerApplyInOrder) {
+  constexpr size_t kKeys = 12;
+  struct Ctx {
+    std::atomic<size_t>* done;
+    Status status = Status::kInternalError;
+    uint64_t len = 0;
+    std::vector<std::byte> buf = std::vector<std::byte>(8192);
+  };
+  std::atomic<size_t> done{0};
+  const auto big = make_value(1, 1 << 20);
+  const auto small = make_value(2, 4096);
+  std::vector<Key> keys;
+  for (size_t i = 0; i < 2 * kKeys; ++i) keys.push_back(random_key(rng_));
+  constexpr size_t kPerKey = 6;  // put big, put small, get; put, delete, exists
+  std::vector<Ctx> ctx(kKeys * kPerKey, Ctx{&done});
+  std::vector<BackendOp> ops(kKeys * kPerKey);
+  const double offloaded0 = metric(*backend_, "rados_submit_thread_ops_total");
+  for (size_t i = 0; i < kKeys; ++i) {
+    const struct {
+      BackendOpKind kind;
+      const Key& key;
+      std::span<const std::byte> value;
+    } plan[kPerKey] = {{BackendOpKind::kPut, keys[i], big},
+                       {BackendOpKind::kPut, keys[i], small},
+                       {BackendOpKind::kGet, keys[i], {}},
+                       {BackendOpKind::kPut, keys[kKeys + i], small},
+                       {BackendOpKind::kDelete, keys[kKeys + i], {}},
+                       {BackendOpKind::kExists, keys[kKeys + i], {}}};
+    for (size_t j = 0; j < kPerKey; ++j) {
+      BackendOp& op = ops[i * kPerKey + j];
+      op.kind = plan[j].kind;
+      op.key = plan[j].key;
+      op.value = plan[j].value;
+      op.user = &ctx[i * kPerKey + j];
+      op.sink = [](BackendOp* o, uint64_t) -> std::span<std::byte> {
+        return static_cast<Ctx*>(o->user)->buf;
+      };
+      op.done = [](BackendOp* o, Status st, uint64_t len) {
+        auto* c = static_cast<Ctx*>(o->user);
+        c->status = st;
+        c->len = len;
+        c->done->fetch_add(1);
+      };
+      backend_->submit(&op);
+    }
+  }
+  backend_->drain();
+  ASSERT_EQ(done.load(), ops.size());
+  for (size_t i = 0; i < kKeys; ++i) {
+    SCOPED_TRACE(i);
+    const Ctx* c = &ctx[i * kPerKey];
+    EXPECT_EQ(c[0].status, Status::kSuccess);
+    EXPECT_EQ(c[1].status, Status::kSuccess);
+    ASSERT_EQ(c[2].status, Status::kSuccess);
+    EXPECT_EQ(c[2].len, small.size()) << "the Get overtook the second Store";
+    EXPECT_TRUE(std::equal(small.begin(), small.end(), c[2].buf.begin()));
+    EXPECT_TRUE(kv_->get(keys[i]).data == small) << "the large Store landed last";
+    EXPECT_EQ(c[3].status, Status::kSuccess);
+    EXPECT_EQ(c[4].status, Status::kSuccess) << "the Delete overtook its Store";
+    EXPECT_EQ(c[5].status, Status::kKeyNotExist);
+    EXPECT_EQ(kv_->exists(keys[kKeys + i]).status, Status::kKeyNotExist);
+  }
+  // Every Store went through the submit thread (and ops queued behind them may have).
+  EXPECT_GE(metric(*backend_, "rados_submit_thread_ops_total") - offloaded0, 3.0 * kKeys);
+}
+
 // A 1 ms timeout makes the watchdog and librados' completions race on nearly every op: each op
 // must still complete exactly once, with its result or 82h, and the backend must shut down
 // cleanly with librados callbacks still on their way.

@@ -45,10 +45,6 @@ struct RecordHeader {
   uint64_t checksum = 0;
 };
 
-// Above this many bytes XXH3-128's low half *is* XXH3-64: both run the same accumulator loop
-// and the same final merge (the algorithm is frozen since xxHash 0.8; rados_backend_test pins it).
-inline constexpr size_t kXxh3SharedAbove = 240;
-
 // Header of `value` stored under `key`. One pass over a large value yields both digests.
 inline RecordHeader make_record_header(const Key& key, std::span<const std::byte> value) noexcept {
   RecordHeader h;
