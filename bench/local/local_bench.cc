@@ -277,9 +277,14 @@ int run_loop(const Args& a, bool write) {
         metric(*store, "local_log_bytes_written_total") /
             std::max(metric(*store, "local_written_bytes_total"), 1.0));
   } else {
-    std::printf(", \"checksum_failures\": %.0f, \"direct_io\": %.0f, \"rebuild_ms\": %.1f",
-                metric(*store, "local_checksum_failures_total"), metric(*store, "local_direct_io"),
-                metric(*store, "local_rebuild_seconds") * 1e3);
+    // log_end: the file offset the log is written up to (segments fill from the file's start),
+    // so a reference reader can cover the written part of the store's own file and no more.
+    std::printf(
+        ", \"checksum_failures\": %.0f, \"direct_io\": %.0f, \"rebuild_ms\": %.1f, "
+        "\"log_end\": %llu",
+        metric(*store, "local_checksum_failures_total"), metric(*store, "local_direct_io"),
+        metric(*store, "local_rebuild_seconds") * 1e3,
+        static_cast<unsigned long long>(4096 + store->info().bytes_used));
   }
   std::printf("}\n");
   for (std::byte* b : bufs) std::free(b);

@@ -2,13 +2,14 @@
 # Local store benchmarks (issue 3), each figure a ratio to fio run in this same script on the same
 # file system with the same sizes, depth and flush policy:
 #   - cold random Retrieve, 4 KiB and 2 MiB values, QD 1 and 32, against
-#     fio --ioengine=io_uring --direct=1 --rw=randread (same bs, same iodepth);
+#     fio --ioengine=io_uring --direct=1 --rw=randread (same bs, same iodepth) reading the written
+#     part of the store's own file (read-only), so both read the same blocks of the same file;
 #   - Store throughput at QD 32 against fio --rw=write --direct=1 --fdatasync=B, where B is the
 #     records per fdatasync the store's group commit achieved in that round;
 #   - index memory per key and rebuild time per million keys.
 # The store is driven through the Backend API (bench/local/local_bench.cc): Stores are submitted
-# from the bench's own thread (which computes their checksums in submit(), as gdkvd's reactors
-# would), Gets from the completion callbacks (one thread doing everything, as fio does).
+# from the bench's own thread (as gdkvd's reactors would; submit_us is the time spent inside
+# submit()), Gets from the completion callbacks (one thread doing everything, as fio does).
 #
 # Shared machines make single runs noisy, so each workload runs ROUNDS times, gdkv and fio
 # alternating, and the medians are compared. Latencies are total (submission to completion) on
@@ -76,7 +77,9 @@ for size in 4096 2097152; do
       g+=("$(echo "$r" | field ops_per_s)")
       gl+=("$(echo "$r" | field p50_us)")
       c+=("$(echo "$r" | field cpu_per_op_us)")
-      fio --name=r --filename="$dir/fio.dat" --size="$bytes" --bs="$size" --rw=randread \
+      # The written part of the file only: its preallocated tail reads as zeros without I/O.
+      fio --name=r --filename="$dir/store/store.gdkv" --readonly \
+        --size="$(echo "$r" | field log_end)" --bs="$size" --rw=randread \
         --ioengine=io_uring --direct=1 --iodepth="$qd" --runtime="$secs" --time_based \
         --lat_percentiles=1 --output-format=json --output="$dir/fio.json" >/dev/null
       f+=("$(fio_field "$dir/fio.json" read iops)")
