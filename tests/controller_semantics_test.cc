@@ -54,7 +54,7 @@ class Semantics : public ::testing::TestWithParam<std::string> {
     ClientOptions o;
     o.controller = co;
     o.queue = qo;
-    client_ = Client::open(backend_, o);
+    client_ = Client::open(backend_, o).value();
   }
 
   void TearDown() override {
@@ -377,7 +377,7 @@ INSTANTIATE_TEST_SUITE_P(Backends, Semantics, ::testing::ValuesIn(test::backend_
 TEST(MemoryBackend, CapacityExceeded) {
   MemoryBackendOptions mo;
   mo.capacity_bytes = 10000;
-  auto client = Client::open(make_memory_backend(mo));
+  auto client = Client::open(make_memory_backend(mo)).value();
   auto v = random_bytes(6000, 1);
   ASSERT_TRUE(client->put(key("one"), v).ok());
   EXPECT_EQ(client->put(key("two"), v).status, Status::kCapacityExceeded);
@@ -404,7 +404,7 @@ TEST(Controller, LargestValueIsTheBackendsWhenSmaller) {
   const uint64_t max = local->info().max_value_bytes;
   EXPECT_EQ(max, (1u << 20) - 8192);
   {
-    auto client = Client::open(local);
+    auto client = Client::open(local).value();
     EXPECT_EQ(client->controller()->options().max_value_bytes, max);
     EXPECT_TRUE(client->put(key("fits"), random_bytes(max, 3)).ok());
     EXPECT_EQ(client->put(key("too-big"), random_bytes(max + 1, 4)).status,
@@ -413,10 +413,10 @@ TEST(Controller, LargestValueIsTheBackendsWhenSmaller) {
     // A smaller configured limit stays.
     ClientOptions co;
     co.controller.max_value_bytes = 4096;
-    auto small = Client::open(local, co);
+    auto small = Client::open(local, co).value();
     EXPECT_EQ(small->controller()->options().max_value_bytes, 4096u);
   }
-  auto memory = Client::open(make_memory_backend());
+  auto memory = Client::open(make_memory_backend()).value();
   EXPECT_EQ(memory->controller()->options().max_value_bytes, ControllerOptions{}.max_value_bytes);
 }
 
@@ -453,7 +453,7 @@ TEST(Controller, PendingBackendWorkDoesNotBlockTheReactor) {
   auto gate = std::make_shared<GateBackend>();
   ClientOptions co;
   co.queue.depth = 64;
-  auto client = Client::open(gate, co);
+  auto client = Client::open(gate, co).value();
   Key k = key("x");
   std::vector<uint16_t> cids;
   for (int i = 0; i < 63; ++i) cids.push_back(client->start(cmd::exist(k.bytes, k.len)).value());

@@ -36,7 +36,7 @@ TEST(Queue, ManyProducersEveryCommandCompletesExactlyOnce) {
   auto echo = std::make_shared<EchoBackend>(kThreads * kPerThread);
   ClientOptions o;
   o.queue.depth = 64;
-  auto client = Client::open(echo, o);
+  auto client = Client::open(echo, o).value();
   std::atomic<uint64_t> wrong{0};
   std::vector<std::thread> ts;
   for (uint32_t t = 0; t < kThreads; ++t) {
@@ -84,6 +84,28 @@ TEST(Queue, ManyProducersEveryCommandCompletesExactlyOnce) {
 
 // The requester side alone, with a hand-rolled controller loop: back-pressure at depth-1 and phase
 // tags across many wrap-arounds of the completion ring.
+// A queue pair that cannot be made is an Error naming the reason, not an exception; the
+// controller then still serves the queues it has.
+TEST(Queue, ABadDepthIsAnErrorNotAnException) {
+  Controller ctl(make_memory_backend());
+  for (uint32_t depth : {0u, 1u, 3u, 100u, 8192u}) {
+    SCOPED_TRACE(depth);
+    Result<QueueRef> q = ctl.create_queue({depth, false});
+    ASSERT_FALSE(q);
+    EXPECT_NE(q.error().find("power of two in [2, 4096]"), std::string::npos) << q.error();
+  }
+  ClientOptions o;
+  o.queue.depth = 5;
+  Result<std::unique_ptr<Client>> bad = Client::open(make_memory_backend(), o);
+  ASSERT_FALSE(bad);
+  EXPECT_NE(bad.error().find("not 5"), std::string::npos) << bad.error();
+  EXPECT_FALSE(Client::open(nullptr));
+  // The good path still works on the same controller.
+  Client c(ctl.create_queue({16, false}).value(), nullptr, &ctl);
+  const std::byte v[8] = {};
+  EXPECT_EQ(c.put(*Key::from_string("k"), v).status, nvme::Status::kSuccess);
+}
+
 TEST(Queue, BackPressureAndPhaseTagsAcrossWraps) {
   constexpr uint32_t kDepth = 8;
   const size_t bytes = QueueLayout::for_depth(kDepth).total;

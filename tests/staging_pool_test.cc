@@ -147,7 +147,7 @@ TEST(StagingPool, ControllerAllocatesOncePerReactor) {
   constexpr uint32_t kThreads = 4;
   constexpr uint32_t kKeys = 40;
   std::vector<QueueRef> queues;
-  for (uint32_t t = 0; t < kThreads; ++t) queues.push_back(ctl->create_queue({16, false}));
+  for (uint32_t t = 0; t < kThreads; ++t) queues.push_back(ctl->create_queue({16, false}).value());
   std::atomic<uint32_t> failures{0};
   std::vector<std::thread> threads;
   for (uint32_t t = 0; t < kThreads; ++t) {

@@ -161,13 +161,13 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
-  auto plain = gdkv::Client::open(gdkv::make_memory_backend());
+  auto plain = gdkv::Client::open(gdkv::make_memory_backend()).value();
   gdkv::CacheOptions co;
   co.policy = policy;
   co.prefetch_depth = depth;
   co.capacity_bytes = uint64_t{keys_n} * size * 2;
   auto cache = gdkv::make_cached_backend(gdkv::make_memory_backend(), co).value();
-  auto cached = gdkv::Client::open(cache);
+  auto cached = gdkv::Client::open(cache).value();
   for (const auto& k : keys) {
     if (!plain->put(k, value).ok() || !cached->put(k, value).ok()) {
       std::fprintf(stderr, "cache_hit_bench: populating failed\n");

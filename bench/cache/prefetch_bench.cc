@@ -100,7 +100,7 @@ int main(int argc, char** argv) {
   std::vector<std::byte> value(value_size);
   for (auto& b : value) b = static_cast<std::byte>(rng());
   {
-    auto writer = gdkv::Client::open(inner);
+    auto writer = gdkv::Client::open(inner).value();
     for (const auto& chain : keys) {
       for (const Key& k : chain) {
         if (auto r = writer->put(k, value); !r.ok()) {
@@ -132,7 +132,7 @@ int main(int argc, char** argv) {
     gdkv::Controller ctl(cache);
     std::vector<std::unique_ptr<gdkv::Client>> clients;
     for (uint32_t r = 0; r < readers; ++r) {
-      clients.push_back(std::make_unique<gdkv::Client>(ctl.create_queue(), nullptr, &ctl));
+      clients.push_back(std::make_unique<gdkv::Client>(ctl.create_queue().value(), nullptr, &ctl));
     }
     std::atomic<uint64_t> errors{0};
     auto pass = [&](bool timed) {
@@ -176,7 +176,7 @@ int main(int argc, char** argv) {
   }
 
   // Leave nothing behind in a shared cluster.
-  auto cleaner = gdkv::Client::open(inner);
+  auto cleaner = gdkv::Client::open(inner).value();
   for (const auto& chain : keys) {
     for (const Key& k : chain) (void)cleaner->del(k);
   }

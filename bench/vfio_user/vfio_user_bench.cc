@@ -210,7 +210,7 @@ struct InProcess {
     gdkv::ClientOptions opts;
     opts.controller = co;
     opts.queue.depth = 256;
-    client = gdkv::Client::open(gdkv::make_memory_backend(mo), opts);
+    client = gdkv::Client::open(gdkv::make_memory_backend(mo), opts).value();
   }
   std::function<std::byte*(size_t)> allocator() {
     return [this](size_t n) {

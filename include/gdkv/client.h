@@ -85,9 +85,10 @@ struct ClientOptions {
 
 class Client {
  public:
-  // An in-process controller over `backend` and one queue pair to it.
-  static std::unique_ptr<Client> open(std::shared_ptr<Backend> backend,
-                                      const ClientOptions& options = {});
+  // An in-process controller over `backend` and one queue pair to it; an Error (nothing thrown)
+  // when the queue pair cannot be made.
+  static Result<std::unique_ptr<Client>> open(std::shared_ptr<Backend> backend,
+                                              const ClientOptions& options = {});
   // A queue pair kept alive by `owner` (e.g. a vfio-user connection).
   Client(QueueRef queue, std::shared_ptr<void> owner, Controller* controller = nullptr,
          BufferStager* stager = nullptr);

@@ -27,6 +27,7 @@
 #include "gdkv/metrics.h"
 #include "gdkv/nvme_kv.h"
 #include "gdkv/queue.h"
+#include "gdkv/result.h"
 #include "gdkv/transport.h"
 
 namespace gdkv {
@@ -71,14 +72,15 @@ struct QueueOptions {
 
 class Controller {
  public:
+  // REQUIRES: backend is not null (a null one throws std::invalid_argument).
   Controller(std::shared_ptr<Backend> backend, ControllerOptions options = {});
   ~Controller();  // finishes in-flight commands, then stops the reactors
   Controller(const Controller&) = delete;
   Controller& operator=(const Controller&) = delete;
 
-  // Creates an in-process queue pair served by one reactor (round robin). Throws
-  // std::invalid_argument on a bad depth.
-  QueueRef create_queue(const QueueOptions& options = {});
+  // Creates an in-process queue pair served by one reactor (round robin); an Error on a bad
+  // depth or when its memory cannot be allocated.
+  Result<QueueRef> create_queue(const QueueOptions& options = {});
   // Stops serving the queue pair and frees its memory. REQUIRES: no command of it is in flight.
   void destroy_queue(const QueueRef& q);
 

@@ -1,7 +1,8 @@
 // How opening things reports failure: one error model for the whole API.
 //
 // Everything that opens or starts something (a backend: open_backend, make_local_backend,
-// make_rados_backend, make_tiered_backend; the cache: make_cached_backend; the vfio-user server's
+// make_rados_backend, make_tiered_backend; the cache: make_cached_backend; a queue pair:
+// Controller::create_queue, Client::open, a device's make_client(); the vfio-user server's
 // start() and a device's open(); the metrics server's start()) returns a Result: the thing, or an
 // Error whose message names what failed and why ("rados: cannot open pool 'x' (config ..., client
 // ...): No such file or directory"). None of them throws for such a failure. value() on an error

@@ -744,7 +744,12 @@ std::unique_ptr<PyClient> open_in_process(const OpenOptions& o, uint32_t nsid) {
     auto backend = gdkv::open_backend(bc);
     if (backend && o.cache_bytes > 0) backend = gdkv::make_cached_backend(*backend, cache);
     if (backend) {
-      c = gdkv::Client::open(*backend, co);
+      auto opened = gdkv::Client::open(*backend, co);
+      if (opened) {
+        c = std::move(*opened);
+      } else {
+        error = opened.error();
+      }
     } else {
       error = backend.error();
     }

@@ -168,7 +168,7 @@ TEST(Cache, SingleFlightThroughTheController) {
   auto gate = std::make_shared<GateBackend>(memory);
   auto cache = make_cached_backend(gate).value();
   ASSERT_EQ(test::put(*memory, key("shared"), block_value(key("shared"))), Status::kSuccess);
-  auto client = Client::open(cache);
+  auto client = Client::open(cache).value();
   std::vector<std::vector<std::byte>> bufs(16, std::vector<std::byte>(4096));
   std::vector<uint16_t> cids;
   const Key k = key("shared");
@@ -194,7 +194,7 @@ MetricList run_chain(uint32_t depth, uint64_t* backend_gets) {
   o.capacity_bytes = 8 * 4096;  // far less than the chain: reads must go to the backend
   o.prefetch_depth = depth;
   auto cache = make_cached_backend(gate, o).value();
-  auto client = Client::open(cache);
+  auto client = Client::open(cache).value();
   constexpr int kBlocks = 64;
   for (int i = 0; i < kBlocks; ++i) {
     const Key k = block_key(1, i);
@@ -252,7 +252,7 @@ TEST(Cache, PrefetchOpcodeWarmsTheCache) {
     keys.push_back(block_key(2, i));
     ASSERT_EQ(test::put(*memory, keys.back(), block_value(keys.back())), Status::kSuccess);
   }
-  auto client = Client::open(cache);
+  auto client = Client::open(cache).value();
   CmdResult r = client->prefetch(keys);
   ASSERT_TRUE(r.ok()) << describe(r);
   ASSERT_TRUE(test::eventually([&] {
@@ -486,7 +486,7 @@ TEST(CacheConsistency, RandomRacesNeverReturnStaleValues) {
 TEST(CacheEndToEnd, CommandsThroughTheController) {
   auto memory = make_memory_backend();
   auto cache = make_cached_backend(memory).value();
-  auto client = Client::open(cache);
+  auto client = Client::open(cache).value();
   std::vector<std::byte> buf(4096);
   for (int i = 0; i < 10; ++i) {
     const Key k = block_key(4, i);
@@ -575,14 +575,14 @@ TEST(CacheConcurrency, ReactorsShareOneCache) {
   std::vector<Key> keys;
   for (int i = 0; i < kKeys; ++i) keys.push_back(block_key(9, i));
   {
-    Client seed(ctl.create_queue(), nullptr, &ctl);
+    Client seed(ctl.create_queue().value(), nullptr, &ctl);
     for (const Key& k : keys) ASSERT_TRUE(seed.put(k, test::bytes_of(block_value(k))).ok());
   }
   std::atomic<int> wrong{0}, errors{0};
   std::vector<std::thread> threads;
   for (int t = 0; t < 4; ++t) {
     threads.emplace_back([&, t] {
-      Client c(ctl.create_queue(), nullptr, &ctl);
+      Client c(ctl.create_queue().value(), nullptr, &ctl);
       std::mt19937_64 rng(100 + t);
       std::vector<std::byte> buf(4096);
       for (int i = 0; i < 1500; ++i) {
@@ -643,7 +643,7 @@ TEST(CacheDirectReads, ValuesTheCacheWillNotKeepAreNotCopied) {
     o.capacity_bytes = capacity;
     auto gate = std::make_shared<GateBackend>(local);
     auto cache = make_cached_backend(gate, o).value();
-    auto client = Client::open(cache);
+    auto client = Client::open(cache).value();
     std::vector<std::byte> buf(big_v.size());
     for (int round = 0; round < 2; ++round) {
       CmdResult r = client->get(big, std::span(buf));

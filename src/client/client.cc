@@ -8,11 +8,13 @@
 
 namespace gdkv {
 
-std::unique_ptr<Client> Client::open(std::shared_ptr<Backend> backend,
-                                     const ClientOptions& options) {
+Result<std::unique_ptr<Client>> Client::open(std::shared_ptr<Backend> backend,
+                                             const ClientOptions& options) {
+  if (!backend) return Error{"Client::open: no backend"};
   auto ctl = std::make_unique<Controller>(std::move(backend), options.controller);
-  QueueRef q = ctl->create_queue(options.queue);
-  auto c = std::make_unique<Client>(q, nullptr, ctl.get());
+  Result<QueueRef> q = ctl->create_queue(options.queue);
+  if (!q) return Error{q.error()};
+  auto c = std::make_unique<Client>(*q, nullptr, ctl.get());
   c->owned_controller_ = std::move(ctl);
   return c;
 }

@@ -451,11 +451,19 @@ void Controller::stop() {
   for (auto& r : impl_->reactors) r->join();
 }
 
-QueueRef Controller::create_queue(const QueueOptions& options) {
+Result<QueueRef> Controller::create_queue(const QueueOptions& options) {
+  if (!valid_queue_depth(options.depth)) {
+    return Error{"queue depth must be a power of two in [2, 4096], not " +
+                 std::to_string(options.depth)};
+  }
   const uint32_t n = impl_->next_queue.fetch_add(1);
   Reactor& r = *impl_->reactors[n % impl_->reactors.size()];
-  auto poller = std::make_unique<QueuePoller>(impl_.get(), options, static_cast<uint16_t>(n + 1),
-                                              r.wake_word());
+  Result<std::unique_ptr<QueuePoller>> made = catch_error([&] {
+    return std::make_unique<QueuePoller>(impl_.get(), options, static_cast<uint16_t>(n + 1),
+                                         r.wake_word());
+  });
+  if (!made) return Error{made.error()};
+  std::unique_ptr<QueuePoller> poller = std::move(*made);
   QueueRef ref = poller->ref();
   r.add_poller(poller.get());
   std::lock_guard lk(impl_->queues_mu);

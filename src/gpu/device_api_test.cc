@@ -123,7 +123,7 @@ class DeviceApiTest : public ::testing::Test {
     QueueOptions qo;
     qo.depth = depth;
     qo.strict_regions = strict;
-    return ctl_->create_queue(qo);
+    return ctl_->create_queue(qo).value();
   }
   void TearDown() override { ctl_.reset(); }
 
@@ -608,7 +608,7 @@ TEST(RegionCache, ControllerNamesRegionsInSegments) {
   o.staging_alloc = [](size_t n) { return std::aligned_alloc(4096, n); };
   o.staging_free = [](void* p, size_t) { std::free(p); };
   Controller ctl(make_memory_backend(), o);
-  const QueueRef q = ctl.create_queue({16, true});
+  const QueueRef q = ctl.create_queue({16, true}).value();
   std::vector<std::byte> buf(8192);
   ASSERT_TRUE(ctl.register_memory(buf.data(), buf.size(), MemKind::kHost));
   const Key k = key_of(3, 3);

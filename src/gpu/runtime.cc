@@ -125,7 +125,7 @@ DeviceQueue::DeviceQueue(Controller& controller, const DeviceQueueOptions& optio
     }
   }
   try {
-    host_ref_ = controller_.create_queue(options.queue);
+    host_ref_ = controller_.create_queue(options.queue).value();
     QueueRef d = host_ref_;
     d.sq = on_device(host_ref_.sq);
     d.cq = on_device(host_ref_.cq);

@@ -252,7 +252,7 @@ class MetricsServerTest : public testing::Test {
  protected:
   void SetUp() override {
     cache_ = make_cached_backend(make_memory_backend()).value();
-    client_ = Client::open(cache_);
+    client_ = Client::open(cache_).value();
     server_ = MetricsServer::start(
                   0,
                   [this] {

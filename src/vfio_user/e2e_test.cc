@@ -162,7 +162,7 @@ TEST_F(VfioUserE2E, NamespacesMapToBackendNamespaces) {
   EXPECT_EQ(a, pattern(64, 1));
   EXPECT_EQ(b, pattern(64, 2));
   // nsid 2 is backend namespace 5: an in-process client on the controller finds it there.
-  auto local = Client(ctl_->create_queue(), nullptr, ctl_.get());
+  auto local = Client(ctl_->create_queue().value(), nullptr, ctl_.get());
   std::vector<std::byte> via5;
   ASSERT_TRUE(local.get(k, via5, 5).ok());
   EXPECT_EQ(via5, pattern(64, 2));

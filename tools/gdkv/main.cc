@@ -115,7 +115,7 @@ std::unique_ptr<gdkv::Client> open_client(const Options& o) {
   co.queue.depth = 1024;
   std::shared_ptr<gdkv::Backend> backend = gdkv::open_backend(o.backend).value();
   if (o.cache.capacity_bytes > 0) backend = gdkv::make_cached_backend(backend, o.cache).value();
-  return gdkv::Client::open(backend, co);
+  return gdkv::Client::open(backend, co).value();
 }
 
 // ---- bench --------------------------------------------------------------------------------------
