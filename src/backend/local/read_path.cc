@@ -148,8 +148,8 @@ void LocalStore::issue_chunk(ReadJob* j, uint32_t idx) {
 // Reads it issues go to the kernel at once, not with the next batch of the loop: a read queued
 // behind the handling of other completions starts late, and reads submitted in bursts come back
 // in bursts, which idles the device between them. On this machine's virtio disk that is 4 KiB
-// QD 32 at 0.78 of fio batched and 0.92-0.99 submitted at once, for ~0.5 us more CPU per read
-// (docs/benchmarks.md).
+// QD 32 at 0.73-0.81 of fio batched and 0.90-1.07 submitted at once, with CPU per read about the
+// same (docs/benchmarks.md).
 void LocalStore::advance(ReadJob* j) {
   const unsigned before = sqe_inflight_;
   step(j);
