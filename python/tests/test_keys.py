@@ -1,7 +1,10 @@
 """gdkv.chain_keys equals the C++ gdkv::chain_keys (pinned values shared with
-tests/wire_format_test.cc), and its input checks."""
+tests/wire_format_test.cc), and its input checks; gdkv.engine's key salts and weights
+fingerprint."""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -64,3 +67,60 @@ def test_errors_are_a_hierarchy():
     for f in (gdkv.open, gdkv.connect, gdkv.chain_keys, gdkv.Client.get_into,
               gdkv.Client.lookup_prefix):
         assert ">>>" in f.__doc__  # the docstrings show a call
+
+
+# ---- gdkv.engine: key salts and the weights fingerprint ----
+def test_keyspace_fields_cannot_run_into_each_other():
+    from gdkv.engine import KeySpace
+    a = KeySpace("e", "a/b", "c", "l", "ns")
+    b = KeySpace("e", "a", "b/c", "l", "ns")
+    c = KeySpace("e", "x", "l", "y", "ns/a")
+    d = KeySpace("e", "a/x", "l", "y", "ns")
+    assert a.salt != b.salt and c.salt != d.salt
+    assert len({a.key(b"h"), b.key(b"h"), c.key(b"h"), d.key(b"h")}) == 4
+    assert KeySpace("e", "a/b", "c", "l", "ns").salt == a.salt   # and stable
+
+
+def test_weights_fingerprint(tmp_path, monkeypatch):
+    from gdkv import engine
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("GDKV_CACHE_DIR", str(cache))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert engine.weights_fingerprint("org/not-a-local-model") == ""
+    assert engine.weights_fingerprint(str(model)) == ""   # no weight files
+    w = model / "model.safetensors"
+    w.write_bytes(b"\1" * 4096)
+    one = engine.weights_fingerprint(str(model))
+    assert len(one) == 32 and (cache / "weights-fingerprints.json").exists()
+    w.write_bytes(b"\2" * 4096)                          # same size, other weights
+    os.utime(w, ns=(1, 10 ** 18))
+    two = engine.weights_fingerprint(str(model))
+    assert two != one
+    os.utime(w, ns=(1, 2 * 10 ** 18))                     # touched: read again, same content
+    assert engine.weights_fingerprint(str(model)) == two
+    (model / "extra.bin").write_bytes(b"\2" * 10)        # every weight file counts
+    assert engine.weights_fingerprint(str(model)) not in (one, two)
+    assert engine.weights_fingerprint(str(w)) != ""      # one file (a .gguf, say)
+
+
+def test_weights_fingerprint_samples_large_files(tmp_path, monkeypatch):
+    from gdkv import engine
+    monkeypatch.setenv("GDKV_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(engine, "FULL_HASH_BYTES", 1 << 20)   # a "large" file: above 1 MiB
+    model = tmp_path / "model"
+    model.mkdir()
+    w = model / "model.safetensors"
+    header = b'{"w": {"dtype": "U8", "shape": [4194304], "data_offsets": [0, 4194304]}}'
+    data = bytearray(len(header).to_bytes(8, "little") + header + bytes(4 << 20))
+    w.write_bytes(data)
+    base = engine.weights_fingerprint(str(model))
+    seen = {base}
+    for where in (8 + 5, 100, len(data) - 1, len(data) // 2 + 5000):  # header, edges, a sample
+        changed = bytearray(data)
+        changed[where] ^= 0xFF
+        w.write_bytes(changed)
+        os.utime(w, ns=(1, (where + 1) * 10 ** 9))
+        seen.add(engine.weights_fingerprint(str(model)))
+    assert len(seen) == 5

@@ -3,7 +3,10 @@ vLLM's Scheduler, Request objects and KV cache allocator; the model runner's par
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
+import time
 
 import pytest
 
@@ -14,6 +17,8 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 import gdkv  # noqa: E402
 from conftest import Gdkvd  # noqa: E402
+from gdkv.engine import EngineStore  # noqa: E402
+from gdkv.vllm import Transfer  # noqa: E402
 from vllm_instance import BS, Instance, llama_dir  # noqa: E402
 
 LAYERS = 4
@@ -199,3 +204,299 @@ def test_keys_differ_by_model_layout_and_rank(model_dir, tmp_path):
     assert len(keys) == 5
     sched = Instance(model_dir, base).scheduler.connector.scheduler
     assert sched.spaces[0].key(h) == a.key(h)        # scheduler and worker agree
+
+
+# ---- keys name the weights and the dtype ----
+def weights_dir(path, fill: float) -> str:
+    """A Llama config and one weights file (the Instance harness reads only config.json)."""
+    from safetensors.torch import save_file
+    llama_dir(path, layers=LAYERS, kv_heads=2, head_dim=32)
+    save_file({"w": torch.full((256,), fill)}, str(path / "model.safetensors"))
+    return str(path)
+
+
+def test_keys_name_the_weights(tmp_path, monkeypatch):
+    """Two checkpoints at one path never share KV; one checkpoint keeps its keys."""
+    monkeypatch.setenv("GDKV_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "model"
+    path.mkdir()
+    cfg = {"backend": "memory", "namespace": "w"}
+    weights_dir(path, 1.0)
+    one = Instance(str(path), cfg).worker.keys.salt
+    weights_dir(path, 2.0)                                # other weights, same size and path
+    os.utime(path / "model.safetensors", ns=(1, 10 ** 18))
+    two = Instance(str(path), cfg).worker.keys.salt
+    assert two != one
+    os.utime(path / "model.safetensors", ns=(1, 2 * 10 ** 18))   # touched, same weights
+    assert Instance(str(path), cfg).worker.keys.salt == two
+    weights_dir(path, 1.0)                                # the first weights again
+    assert Instance(str(path), cfg).worker.keys.salt == one
+    # model_id names the weights instead: the files are not read.
+    assert Instance(str(path), {**cfg, "model_id": "x"}).worker.keys.salt == \
+        Instance(str(path), {**cfg, "model_id": "x"}).worker.keys.salt
+
+
+def test_keys_name_the_model_dtype(model_dir):
+    """fp32 and bf16 weights compute different KV even into caches of one dtype."""
+    cfg = {"backend": "memory", "namespace": "d"}
+    fp32 = Instance(model_dir, cfg, dtype=torch.float32, kv_dtype=torch.bfloat16).worker.keys
+    bf16 = Instance(model_dir, cfg, dtype=torch.bfloat16, kv_dtype=torch.bfloat16).worker.keys
+    assert fp32.salt != bf16.salt
+    assert "model=float32" in fp32.description and "model=bfloat16" in bf16.description
+
+
+# ---- a value that fails to load is dropped, and saved again ----
+def test_bad_value_is_dropped_and_saved_again(model_dir, tmp_path):
+    cfg = {"backend": "memory", "namespace": str(tmp_path)}
+    one = Instance(model_dir, cfg)
+    one.add("a", PROMPT_A)
+    one.run()
+    two = Instance(model_dir, cfg)
+    b = two.add("b", PROMPT_B)
+    key = two.worker.keys.key(b.block_hashes[3])
+    client = two.connector.store.client()
+    client.put(key, b"short")                 # what a torn or corrupted write would leave
+    out, failed = two.step()
+    assert failed == {two.block_ids("b")[3]}
+    assert not client.exists(key) and two.worker.stats["dropped_values"] == 1
+    two.run()                                 # recomputes from block 3 on, and saves it again
+    assert len(client.get(key, size_hint=1 << 20)) == two.worker.value_bytes
+    three = Instance(model_dir, cfg)
+    three.add("c", PROMPT_B)
+    out, failed = three.step()
+    assert not failed and three.worker.stats["loaded_values"] == 13
+    for p in range(13):
+        for layer in range(LAYERS):
+            assert torch.equal(three.pages[layer][three.block_ids("c")[p]],
+                               three.expected("c", p, layer))
+    for inst in (one, two, three):
+        inst.close()
+
+
+# ---- loads never wait behind saves ----
+def blocking_put_many(client, monkeypatch):
+    """Makes client.put_many wait for the returned Event (a gdkvd slow to store)."""
+    release = threading.Event()
+    real = client.put_many
+
+    def put_many(items):
+        items = list(items)
+        release.wait(30)
+        return real(items)
+
+    monkeypatch.setattr(client, "put_many", put_many)
+    return release
+
+
+def wait_for_load(worker, req_id: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with worker.lock:
+            if req_id in worker.finished_loads:
+                return True
+        time.sleep(0.01)
+    return False
+
+
+def test_loads_do_not_wait_for_saves(model_dir, tmp_path, monkeypatch):
+    cfg = {"backend": "memory", "namespace": str(tmp_path)}
+    one = Instance(model_dir, cfg)
+    a = one.add("a", PROMPT_A)
+    one.run()
+    two = Instance(model_dir, cfg)
+    release = blocking_put_many(two.connector.store.client(), monkeypatch)
+    try:
+        two.worker.start_saves([Transfer("s", [bytes([i]) * 32], [[200 + i]])
+                                for i in range(4)])
+        load = Transfer("b", list(a.block_hashes[:10]), [[1 + p] for p in range(10)])
+        two.worker.start_loads([load])
+        assert wait_for_load(two.worker, "b", 5), "the load waited for the saves"
+    finally:
+        release.set()
+    two.worker.drain()
+    assert two.worker.stats["loaded_values"] == 10 and two.worker.stats["saved_values"] == 4
+    for p in range(10):
+        assert torch.equal(two.pages[0][1 + p], one.expected("a", p, 0))
+    one.close()
+    two.close()
+
+
+# ---- saves never take the memory a load needs ----
+def test_saves_leave_the_load_staging_alone(model_dir, monkeypatch):
+    d = Gdkvd("--backend", "memory")
+    try:
+        cfg = {"socket_dir": d.dir, "timeout_ms": 5000}
+        one = Instance(model_dir, cfg)
+        a = one.add("a", PROMPT_A)
+        one.run()
+        # 2 MiB shared with gdkvd; a value is 32 KiB, the load staging 8 of them.
+        small = {**cfg, "shared_memory_bytes": 2 << 20, "staging_bytes": 256 << 10}
+        two = Instance(model_dir, small)
+        assert two.worker.value_bytes == 32 << 10
+        release = blocking_put_many(two.connector.store.client(), monkeypatch)
+        try:
+            # 64 saves waiting for gdkv (2 MiB): as many as the budget allows are kept.
+            two.worker.start_saves([Transfer(f"s{i}", [bytes([i]) * 32], [[200]])
+                                    for i in range(64)])
+            assert two.worker.stats["dropped_saves"] > 0
+            load = Transfer("b", list(a.block_hashes[:10]), [[1 + p] for p in range(10)])
+            two.worker.start_loads([load])
+            assert wait_for_load(two.worker, "b", 10)
+            assert two.worker.stats["failed_values"] == 0, "the saves took the load's memory"
+        finally:
+            release.set()
+        two.worker.drain()
+        assert two.worker.stats["loaded_values"] == 10
+        for p in range(10):
+            for layer in range(LAYERS):
+                assert torch.equal(two.pages[layer][1 + p], one.expected("a", p, layer))
+        assert two.worker.stats["saved_values"] + two.worker.stats["dropped_saves"] == 64
+        one.close()
+        two.close()
+    finally:
+        d.stop()
+
+
+# ---- a batch that fails for one key fails that key only ----
+def fail_for(client, monkeypatch, method: str, bad: bytes):
+    """client.<method> raises for ``bad`` as the C++ client does: every command runs, the error
+    of the first failing key is raised and the other results are lost."""
+    real = getattr(client, method)
+
+    def wrapper(*args, **kw):
+        keys = list(args[0]) if method != "put_many" else [k for k, _ in args[0]]
+        if bad not in keys:
+            return real(*args, **kw)
+        if method == "put_many":
+            real([kv for kv in args[0] if kv[0] != bad])
+        elif method == "get_many_into":
+            real(*args, **kw)
+        raise gdkv.Error(f"{method} {bad!r}: checksum mismatch", 0x06, bad)
+
+    monkeypatch.setattr(client, method, wrapper)
+
+
+def test_one_failing_key_fails_only_its_value(model_dir, tmp_path, monkeypatch):
+    cfg = {"backend": "memory", "namespace": str(tmp_path)}
+    one = Instance(model_dir, cfg)
+    one.add("a", PROMPT_A)
+    one.run()
+    two = Instance(model_dir, cfg)
+    b = two.add("b", PROMPT_B)
+    client = two.connector.store.client()
+    bad = two.worker.keys.key(b.block_hashes[5])
+    fail_for(client, monkeypatch, "get_many_into", bad)
+    out, failed = two.step()
+    assert failed == {two.block_ids("b")[5]}          # not all 10 blocks
+    assert two.worker.stats["loaded_values"] == 9
+    assert not client.exists(bad) and two.worker.stats["dropped_values"] == 1
+    two.close()
+    one.close()
+
+
+def test_lookup_stops_before_a_failing_key(model_dir, tmp_path, monkeypatch):
+    cfg = {"backend": "memory", "namespace": str(tmp_path)}
+    one = Instance(model_dir, cfg)
+    one.add("a", PROMPT_A)
+    one.run()
+    two = Instance(model_dir, cfg)
+    b = two.add("b", PROMPT_B)
+    fail_for(two.connector.store.client(), monkeypatch, "lookup_prefix",
+             two.worker.keys.key(b.block_hashes[6]))
+    out, failed = two.step()
+    assert len(out.kv_connector_metadata.loads[0].hashes) == 6 and not failed
+    two.close()
+    one.close()
+
+
+def test_one_failing_put_stores_the_others(model_dir, tmp_path, monkeypatch):
+    cfg = {"backend": "memory", "namespace": str(tmp_path)}
+    inst = Instance(model_dir, cfg)
+    a = inst.add("a", PROMPT_A)
+    client = inst.connector.store.client()
+    bad = inst.worker.keys.key(a.block_hashes[4])
+    fail_for(client, monkeypatch, "put_many", bad)
+    fail_for(client, monkeypatch, "exists_many", inst.worker.keys.key(a.block_hashes[2]))
+    inst.run()
+    assert inst.worker.stats["saved_values"] == 11
+    keys = inst.worker.keys.keys(a.block_hashes)
+    assert [client.exists(k) for k in keys] == [k != bad for k in keys]
+    assert bad not in inst.worker.saved and keys[0] in inst.worker.saved
+    inst.close()
+
+
+# ---- the scheduler's state ----
+def test_matched_tokens_changes_no_state(model_dir, tmp_path):
+    """vLLM may ask for a request's external tokens more than once: only the answer it acts
+    on counts (here gdkv lost the values between two lookups)."""
+    cfg = {"backend": "memory", "namespace": str(tmp_path)}
+    one = Instance(model_dir, cfg)
+    a = one.add("a", PROMPT_A)
+    one.run()
+    two = Instance(model_dir, cfg)
+    b = two.add("b", PROMPT_B)
+    sched = two.scheduler.connector
+    assert sched.get_num_new_matched_tokens(b, 0) == (160, True)
+    assert sched.get_num_new_matched_tokens(b, 0) == (160, True)
+    client = two.connector.store.client()
+    for k in one.worker.keys.keys(a.block_hashes):
+        client.delete(k)                                # evicted meanwhile
+    out, failed = two.step()
+    assert out.num_scheduled_tokens == {"b": len(PROMPT_B)} and not failed
+    two.run()
+    assert two.worker.stats["saved_values"] == len(PROMPT_B) // BS   # every value, once
+    one.close()
+    two.close()
+
+
+def test_worker_without_gdkv_turns_the_scheduler_off(model_dir, tmp_path):
+    """LHBNC (heads outside blocks) keeps a block in pieces: the worker cannot use gdkv, though
+    the scheduler's plan can. Its loads fail at once, and the scheduler stops granting."""
+    cfg = {"backend": "memory", "namespace": str(tmp_path)}
+    inst = Instance(model_dir, cfg, layout="LHBNC")
+    assert not inst.worker.pages
+    b = inst.add("b", PROMPT_B)
+    p = inst.connector.plan
+    value = bytes(p.blocks_per_value * LAYERS * p.page_bytes)
+    client = inst.connector.store.client()
+    for h in b.block_hashes[:10]:                       # values a healthy worker had saved
+        client.put(inst.worker.keys.key(h), value)
+    out, failed = inst.step()
+    assert len(failed) == 10 and inst.worker.stats["failed_values"] == 10
+    inst.run()
+    assert b.is_finished()
+    c = inst.add("c", list(range(2000, 2200)))
+    for h in c.block_hashes[:10]:
+        client.put(inst.worker.keys.key(h), value)
+    out, failed = inst.step()
+    assert out.num_scheduled_tokens == {"c": 200} and not failed   # no external tokens
+    assert not out.kv_connector_metadata.loads and not out.kv_connector_metadata.saves
+    inst.close()
+
+
+# ---- a frozen gdkvd never stalls the caller ----
+def test_client_never_waits_for_a_frozen_gdkvd():
+    d = Gdkvd("--backend", "memory")
+    try:
+        store = EngineStore({"socket_dir": d.dir, "timeout_ms": 400, "retry_interval_s": 0})
+        c = store.client()
+        assert c is not None                       # the constructor waited for the first one
+        d.signal(signal.SIGSTOP)
+        time.sleep(0.1)                             # the signal is delivered asynchronously
+        assert store.call(lambda c: c.exists(b"k"), "down") == "down"   # times out: dropped
+        slowest = 0.0
+        deadline = time.monotonic() + 1.5           # several connects run and time out
+        while time.monotonic() < deadline:
+            t0 = time.monotonic()
+            assert store.client() is None
+            slowest = max(slowest, time.monotonic() - t0)
+            time.sleep(0.01)
+        assert slowest < 0.05, slowest
+        d.signal(signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while store.client() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert store.client() is not None and store.client().exists(b"k") is False
+        store.close()
+    finally:
+        d.stop()

@@ -3,10 +3,10 @@ connector configured through KVTransferConfig with its module path), real Reques
 vLLM's block hasher, and one worker's KV cache from vLLM's allocate_kv_cache.
 
 ``Instance.step`` plays the model runner's part of an engine step (bind the metadata, start the
-loads, the forward pass, wait_for_save, collect the transfer results, report them to the
-scheduler). The forward pass writes each computed block's KV as bytes that are a function of the
-block's prefix hash and the layer (:func:`kv_bytes`), so a block loaded from gdkv can be checked
-exactly against what a forward pass would have written.
+loads, the forward pass, wait_for_save, collect the transfer results and the worker metadata,
+report them to the scheduler). The forward pass writes each computed block's KV as bytes that
+are a function of the block's prefix hash and the layer (:func:`kv_bytes`), so a block loaded
+from gdkv can be checked exactly against what a forward pass would have written.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfi
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import (get_kv_cache_configs, get_request_block_hasher,
+                                         init_none_hash)
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -57,7 +57,8 @@ class Instance:
 
     def __init__(self, model_dir: str, extra: dict, layout: str = "LBNHC",
                  dtype: torch.dtype = torch.float32, kv_bytes_total: int = 8 << 20,
-                 max_len: int = 1024):
+                 max_len: int = 1024, kv_dtype: torch.dtype | None = None):
+        # kv_dtype: the KV cache's dtype, if not the model's (as an fp8 cache would be).
         mc = ModelConfig(model=model_dir, tokenizer=model_dir, skip_tokenizer_init=True,
                          dtype=str(dtype).removeprefix("torch."), max_model_len=max_len, seed=0)
         sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_len,
@@ -72,10 +73,9 @@ class Instance:
         self.layers = mc.hf_config.num_hidden_layers
         specs = {f"model.layers.{i}.self_attn.attn":
                  FullAttentionSpec(block_size=BS, num_kv_heads=mc.hf_config.num_key_value_heads,
-                                   head_size=mc.get_head_size(), dtype=dtype)
+                                   head_size=mc.get_head_size(), dtype=kv_dtype or dtype)
                  for i in range(self.layers)}
-        groups = get_global_kv_cache_groups(vc, [specs])
-        self.kcc = get_kv_cache_configs(vc, [specs], [kv_bytes_total], groups)[0]
+        self.kcc = get_kv_cache_configs(vc, [specs], [kv_bytes_total])[0]
         self.kcc.kv_cache_layout = layout
         vc.cache_config.num_gpu_blocks = self.kcc.num_blocks
         self.scheduler = Scheduler(vc, self.kcc, StructuredOutputManager(vc), block_size=BS)
@@ -84,7 +84,7 @@ class Instance:
         self.connector.register_kv_caches(self.kv)
         self.worker = self.connector.worker
         self.pages = self.worker.pages   # per layer (num_blocks, page bytes), over self.kv
-        self.page = self.pages[0].shape[1]
+        self.page = self.pages[0].shape[1] if self.pages else 0
         self.requests: dict[str, Request] = {}
 
     def add(self, rid: str, tokens: list[int]) -> Request:
@@ -120,15 +120,18 @@ class Instance:
         failed = c.get_block_ids_with_load_errors()
         c.clear_connector_metadata()
         ids = list(out.num_scheduled_tokens)
+        out_kv = KVConnectorOutput(finished_recving=res.finished_recving,
+                                   failed_recving=res.failed_recving, invalid_block_ids=failed,
+                                   kv_connector_worker_meta=c.build_connector_worker_meta())
         mro = ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=[[7] for _ in ids],
-            kv_connector_output=KVConnectorOutput(finished_recving=res.finished_recving,
-                                                  invalid_block_ids=failed))
+            sampled_token_ids=[[7] for _ in ids], kv_connector_output=out_kv)
         self.scheduler.update_from_output(out, mro)
         return out, failed
 
     def _compute(self, rid: str, computed: int, out) -> None:
+        if not self.pages:   # a layout the connector does not use: no bytes to check
+            return
         r = self.requests[rid]
         ids = self.block_ids(rid)
         end = min(computed + out.num_scheduled_tokens[rid], len(r.block_hashes) * BS) // BS
