@@ -19,7 +19,6 @@ gdkv gives bit for bit the logprobs of vLLM's own prefix cache (test_vllm_engine
 and the outputs are identical, 1 otherwise, 2 for usage errors.
 
     python -m gdkv.vllm_demo --connect /run/gdkvd       # through a running gdkvd
-    python -m gdkv.vllm_demo --backend local --store DIR  # the connector's in-process local store
 
 A server is stopped with SIGTERM: vLLM shuts its workers down, and the connector's shutdown waits
 for the saves it queued. Every server gets one warm-up request first (a short unrelated prompt), so the times are of a warm
@@ -221,11 +220,10 @@ def _args(argv):
     p = argparse.ArgumentParser(prog="python -m gdkv.vllm_demo",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--connect", metavar="DIR", help="the socket directory of a running gdkvd")
-    where.add_argument("--backend", choices=["local", "memory"],
-                       help="the connector's in-process controller over this backend")
-    p.add_argument("--store", help="local store directory (with --backend local)")
+    # Through gdkvd only: vLLM runs its scheduler and its worker in two processes (on this CPU
+    # too), so an in-process controller would be two stores (docs/integrations.md).
+    p.add_argument("--connect", metavar="DIR", required=True,
+                   help="the socket directory of a running gdkvd")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model folder (default {DEFAULT_MODEL})")
     p.add_argument("--prompt-tokens", type=int, default=4096, help="tokens in each prompt (4096)")
     p.add_argument("--shared", type=float, default=0.9,
@@ -235,8 +233,6 @@ def _args(argv):
                    help="largest logprob difference accepted against the recompute (1e-4)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     a = p.parse_args(argv)
-    if a.store and a.backend != "local":
-        p.error("--store goes with --backend local")
     if not 0 < a.shared < 1 or a.prompt_tokens < 64:
         p.error("--shared must be in (0, 1) and --prompt-tokens at least 64")
     return a
@@ -245,12 +241,7 @@ def _args(argv):
 def main(argv=None) -> int:
     a = _args(argv)
     build_engine_model(a.model, max_positions=max(8192, a.prompt_tokens + a.steps + 64))
-    if a.connect:
-        kv = {"socket_dir": a.connect}
-    else:
-        kv = {"backend": a.backend}
-        if a.store:
-            kv["store"] = a.store
+    kv = {"socket_dir": a.connect}
     vocab = 8192
     prompt_a, prompt_b = prompts(a.prompt_tokens, int(a.prompt_tokens * a.shared), vocab)
     warm = prompts(64, 32, vocab, seed=7)[0]

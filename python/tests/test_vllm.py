@@ -168,30 +168,6 @@ def test_gdkvd_absent_means_no_hits(model_dir, tmp_path):
     inst.close()
 
 
-def test_wrong_size_value_is_a_load_error(model_dir, tmp_path):
-    """A value of the wrong size under a block's key is reported and recomputed, never used."""
-    cfg = {"backend": "memory", "namespace": str(tmp_path)}
-    one = Instance(model_dir, cfg)
-    one.add("a", PROMPT_A)
-    one.run()
-    two = Instance(model_dir, cfg)
-    b = two.add("b", PROMPT_B)
-    key = two.worker.keys.key(b.block_hashes[3])
-    client = two.connector.store.client()
-    client.put(key, b"short")
-    out, failed = two.step()
-    ids = two.block_ids("b")
-    assert failed == {ids[3]}
-    out, _ = two.step()
-    # vLLM keeps blocks 0..2 and recomputes from the failed block on: the failed block's pages
-    # hold the forward pass's KV, not what gdkv had.
-    assert out.num_scheduled_tokens == {"b": len(PROMPT_B) - 3 * BS}
-    for layer in range(LAYERS):
-        assert torch.equal(two.pages[layer][ids[3]], two.expected("b", 3, layer))
-    one.close()
-    two.close()
-
-
 def test_keys_differ_by_model_layout_and_rank(model_dir, tmp_path):
     base = {"backend": "memory", "namespace": "k"}
     a = Instance(model_dir, base).worker.keys
@@ -245,21 +221,34 @@ def test_keys_name_the_model_dtype(model_dir):
     assert "model=float32" in fp32.description and "model=bfloat16" in bf16.description
 
 
-# ---- a value that fails to load is dropped, and saved again ----
-def test_bad_value_is_dropped_and_saved_again(model_dir, tmp_path):
+def a_stored_b_added(model_dir, tmp_path):
+    """Instance one ran PROMPT_A (its values are in gdkv); instance two has PROMPT_B added."""
     cfg = {"backend": "memory", "namespace": str(tmp_path)}
     one = Instance(model_dir, cfg)
     one.add("a", PROMPT_A)
     one.run()
     two = Instance(model_dir, cfg)
-    b = two.add("b", PROMPT_B)
+    return cfg, one, two, two.add("b", PROMPT_B)
+
+
+# ---- a value that fails to load is dropped, and saved again ----
+def test_bad_value_is_dropped_and_saved_again(model_dir, tmp_path):
+    """A value of the wrong size under a block's key is reported and recomputed, never used; it
+    is deleted, and the recompute saves it again."""
+    cfg, one, two, b = a_stored_b_added(model_dir, tmp_path)
     key = two.worker.keys.key(b.block_hashes[3])
     client = two.connector.store.client()
     client.put(key, b"short")                 # what a torn or corrupted write would leave
     out, failed = two.step()
     assert failed == {two.block_ids("b")[3]}
     assert not client.exists(key) and two.worker.stats["dropped_values"] == 1
-    two.run()                                 # recomputes from block 3 on, and saves it again
+    out, _ = two.step()
+    # vLLM keeps blocks 0..2 and recomputes from the failed block on: the failed block's pages
+    # hold the forward pass's KV, not what gdkv had.
+    assert out.num_scheduled_tokens == {"b": len(PROMPT_B) - 3 * BS}
+    for layer in range(LAYERS):
+        assert torch.equal(two.pages[layer][two.block_ids("b")[3]], two.expected("b", 3, layer))
+    two.run()                                 # saves block 3 again
     assert len(client.get(key, size_hint=1 << 20)) == two.worker.value_bytes
     three = Instance(model_dir, cfg)
     three.add("c", PROMPT_B)
@@ -377,12 +366,7 @@ def fail_for(client, monkeypatch, method: str, bad: bytes):
 
 
 def test_one_failing_key_fails_only_its_value(model_dir, tmp_path, monkeypatch):
-    cfg = {"backend": "memory", "namespace": str(tmp_path)}
-    one = Instance(model_dir, cfg)
-    one.add("a", PROMPT_A)
-    one.run()
-    two = Instance(model_dir, cfg)
-    b = two.add("b", PROMPT_B)
+    cfg, one, two, b = a_stored_b_added(model_dir, tmp_path)
     client = two.connector.store.client()
     bad = two.worker.keys.key(b.block_hashes[5])
     fail_for(client, monkeypatch, "get_many_into", bad)
@@ -395,12 +379,7 @@ def test_one_failing_key_fails_only_its_value(model_dir, tmp_path, monkeypatch):
 
 
 def test_lookup_stops_before_a_failing_key(model_dir, tmp_path, monkeypatch):
-    cfg = {"backend": "memory", "namespace": str(tmp_path)}
-    one = Instance(model_dir, cfg)
-    one.add("a", PROMPT_A)
-    one.run()
-    two = Instance(model_dir, cfg)
-    b = two.add("b", PROMPT_B)
+    cfg, one, two, b = a_stored_b_added(model_dir, tmp_path)
     fail_for(two.connector.store.client(), monkeypatch, "lookup_prefix",
              two.worker.keys.key(b.block_hashes[6]))
     out, failed = two.step()
