@@ -117,11 +117,17 @@ class Client:
         return self._core.exists_many(list(keys))
 
     def lookup_prefix(self, keys: Iterable[Key]) -> int:
-        """How many leading keys exist: the reusable prefix of a prompt's chain keys.
+        """How many leading keys exist: the reusable prefix of a prompt's chain keys. Asks in
+        rounds of 16, 32, 64... keys and stops after the round with the first missing key.
 
         >>> c.lookup_prefix(gdkv.chain_keys(tokens, 16, salt))   # 12: blocks 0..11 are stored
         """
         return self._core.lookup_prefix(list(keys))
+
+    def delete_many(self, keys: Iterable[Key], *, missing_ok: bool = False) -> list[bool]:
+        """Deletes every key in one round: whether each existed. A missing key raises KeyError
+        unless ``missing_ok``; the first failure raises after the round (the others are deleted)."""
+        return self._core.delete_many(list(keys), missing_ok)
 
     def put_many(self, items: Iterable[tuple[Key, Buffer]]) -> None:
         """Stores every (key, value); raises for the first that failed (others may be stored)."""

@@ -23,7 +23,8 @@ Config (each engine passes its own extra-config dict; keys are the same everywhe
                           gdkv.open's options as further keys (store, capacity, pool, ceph_conf...)
     nsid                  NVMe namespace (default 1)
     namespace             a string mixed into every key (default ""): separate key spaces
-    timeout_ms            a command gdkvd does not complete in time fails (default 5000)
+    timeout_ms            a command gdkvd does not complete in time fails (default 5000);
+                          in-process, the RADOS backend's op timeout (ceph_timeout_ms)
     shared_memory_bytes   memory shared with gdkvd for transfers (default 1 GiB, used on demand)
     retry_interval_s      after a failure, how long to wait before connecting again (default 5)
 
@@ -70,7 +71,7 @@ def _as_bytes(h: Any) -> bytes:
 
 
 class KeySpace:
-    """Engine block hashes to 16-byte gdkv keys: ``XXH3-128(salt || hash)``.
+    """Engine block hashes to 16-byte gdkv keys: ``prefix || XXH3-128(salt || hash)[:12]``.
 
     ``salt`` is the XXH3-128 of the JSON list ``["gdkv", engine, namespace, model, dtype,
     layout]``: each field is quoted and escaped, so two different field lists never give one salt
@@ -78,15 +79,22 @@ class KeySpace:
     for logs; it is not what is hashed). The engine hash already names the block's tokens and its
     whole prefix (vLLM, SGLang and LMCache chain their hashes), so the key names "this prefix's KV,
     in this engine's layout, of this model".
+
+    ``prefix``, the first 4 bytes of every key, is the XXH3-128 of ``["gdkv", engine,
+    namespace]`` (its first 4 bytes): ``client.list(prefix)`` finds one engine's keys in one
+    namespace (SGLang's ``clear``), and 96 bits of hash stay for the blocks.
     """
+
+    PREFIX_BYTES = 4
 
     def __init__(self, engine: str, model: str, dtype: str, layout: str, namespace: str = ""):
         fields = ["gdkv", engine, namespace, model, dtype, layout]
         self.description = "/".join(fields)
         self.salt = hash128(json.dumps(fields).encode())
+        self.prefix = hash128(json.dumps(fields[:3]).encode())[: self.PREFIX_BYTES]
 
     def key(self, block_hash: Any) -> bytes:
-        return hash128(self.salt + _as_bytes(block_hash))
+        return self.prefix + hash128(self.salt + _as_bytes(block_hash))[: 16 - self.PREFIX_BYTES]
 
     def keys(self, block_hashes) -> list[bytes]:
         return [self.key(h) for h in block_hashes]
@@ -225,6 +233,11 @@ class EngineStore:
         self.shared_memory_bytes = int(config.get("shared_memory_bytes", 1 << 30))
         self.retry_interval_s = float(config.get("retry_interval_s", 5.0))
         self.open_options = {k: config[k] for k in _OPEN_OPTIONS if k in config}
+        if self.backend in ("rados", "tiered"):
+            # In-process calls wait for the backend; RADOS ops fail after ceph_timeout_ms with
+            # NotReadyError (gdkv unavailable). The local store and memory backends do not time
+            # out: see "Timeouts" in docs/integrations.md.
+            self.open_options.setdefault("ceph_timeout_ms", self.timeout_ms)
         if not self.socket_dir and not self.backend:
             raise ValueError("gdkv: set socket_dir (a running gdkvd) or backend (in-process) in "
                              "the connector's config, or $GDKV_SOCKET_DIR")

@@ -37,8 +37,11 @@ view, in its C order: the bytes of SGLang's flat data page):
   (one copy). Through gdkvd both directions are copied through a ``client.empty()`` buffer (one
   copy, counted in :meth:`GdkvStorage.copies`).
 
-A page's first value (key: the page hash's own) is stored after its other values and is the one
-``batch_exists`` looks up, one key per page in one ``lookup_prefix``; a load checks every value.
+``batch_exists`` looks up every value of the pages (one ``lookup_prefix`` over them all, which
+stops at the first missing one): a page counts only while all its values are stored, since the
+store may evict one value of a page and keep the other. A set writes a page again when any of its
+values is missing. ``clear()`` deletes the keys of this connector's engine and namespace only
+(:attr:`gdkv.engine.KeySpace.prefix`), in batches.
 
 Failures: a gdkvd that is down, killed or frozen means misses (``False``/``0``/``None``) and
 failed sets (``False``), never an exception to SGLang and never wrong bytes; the client is opened
@@ -68,6 +71,8 @@ T = TypeVar("T")
 #: A page of at most this many contiguous runs stores one value per run (zero copy both ways);
 #: more (layer_first) is one value spread over its runs.
 MAX_VALUES_PER_PAGE = 2
+#: clear() deletes this many keys per submission round.
+CLEAR_BATCH = 512
 
 
 def _runs(view: torch.Tensor) -> list[torch.Tensor]:
@@ -211,8 +216,7 @@ class GdkvStorage(HiCacheStorage):
 
     # ---- keys ----
     def _page_keys(self, page_hash: str) -> list[bytes]:
-        """A page's value keys. The first (the page hash's own key) is stored last and is the one
-        batch_exists looks up: found, the page's other values were stored before it."""
+        """A page's value keys: the page hash's own key, then one per further value."""
         assert self.keyspace is not None and self.layout is not None
         first = self.keyspace.key(page_hash)
         return [first] + [self.keyspace.key(f"{page_hash}#{j}")
@@ -223,19 +227,19 @@ class GdkvStorage(HiCacheStorage):
         return [k for h in page_hashes for k in self._page_keys(h)]
 
     def _missing(self, c: Client, keys: list[bytes]) -> list[int]:
-        """The pages (indices) of ``keys`` (as from _keys) whose first value is not stored."""
-        present = c.exists_many(keys[:: len(self.layout.parts)])
-        return [i for i, p in enumerate(present) if not p]
+        """The pages (indices) of ``keys`` (as from _keys) with a value that is not stored (the
+        store evicts values one by one, so a page may have lost one and kept another)."""
+        nparts = len(self.layout.parts)
+        present = c.exists_many(keys)
+        return [i for i in range(len(keys) // nparts)
+                if not all(present[i * nparts: (i + 1) * nparts])]
 
     def _put_values(self, c: Client, keys: list[bytes], todo: list[int],
                     value: Callable[[int, int], Any]) -> None:
-        """Stores ``value(i, j)`` under page i's j-th key for every page i of ``todo``: the pages'
-        other values in one round, then their first values in the next."""
+        """Stores ``value(i, j)`` under page i's j-th key for every page i of ``todo``, in one
+        round."""
         nparts = len(self.layout.parts)
-        if nparts > 1:
-            c.put_many((keys[i * nparts + j], value(i, j)) for i in todo
-                       for j in range(1, nparts))
-        c.put_many((keys[i * nparts], value(i, 0)) for i in todo)
+        c.put_many((keys[i * nparts + j], value(i, j)) for i in todo for j in range(nparts))
 
     # ---- the failure rule ----
     def _call(self, fn: Callable[[Client], T], default: T, what: str) -> T:
@@ -384,12 +388,12 @@ class GdkvStorage(HiCacheStorage):
 
     def batch_exists(self, keys: list[str],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
-        """How many leading pages of ``keys`` are stored: one ``lookup_prefix`` of the pages'
-        first values (each stored after the page's other values)."""
+        """How many leading pages of ``keys`` have every value stored: one ``lookup_prefix``
+        over all the pages' values, page after page."""
         if not keys or self.layout is None or self.keyspace is None:
             return 0
-        ks = self.keyspace
-        return self._call(lambda c: c.lookup_prefix([ks.key(h) for h in keys]), 0,
+        nparts = len(self.layout.parts)
+        return self._call(lambda c: c.lookup_prefix(self._keys(keys)) // nparts, 0,
                           "batch_exists")
 
     def exists(self, key: str) -> bool:
@@ -468,12 +472,17 @@ class GdkvStorage(HiCacheStorage):
 
     # ---- the rest ----
     def clear(self) -> bool:
-        """Deletes every key of the gdkv namespace (nsid) this connector uses, as SGLang's other
-        backends empty their whole store: give SGLang an nsid of its own when others share it."""
+        """Deletes every SGLang key of this connector's ``namespace`` (every model's, as SGLang's
+        other backends empty their whole store), in batches of :data:`CLEAR_BATCH`; the keys of
+        other engines and namespaces on the same gdkv stay."""
+        if self.keyspace is None:
+            return False
+        prefix = self.keyspace.prefix
 
         def wipe(c: Client) -> bool:
-            for k in c.list():
-                c.delete(k, missing_ok=True)
+            keys = c.list(prefix)
+            for start in range(0, len(keys), CLEAR_BATCH):
+                c.delete_many(keys[start: start + CLEAR_BATCH], missing_ok=True)
             return True
 
         return self._call(wipe, False, "clear")

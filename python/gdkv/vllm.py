@@ -32,8 +32,8 @@ How it works:
   and page size, the blocks per value and the worker's rank (each tensor- or pipeline-parallel
   rank stores its own shard under its own keys).
 - Scheduler: for a new request, one ``lookup_prefix`` over the values past vLLM's own prefix
-  cache (every rank's keys, interleaved) gives the external tokens (the client sends an Exist for
-  every key in one batch: it does not stop at the first miss). ``get_num_new_matched_tokens``
+  cache (every rank's keys, interleaved) gives the external tokens (the client asks in rounds of
+  16, 32, 64... keys and stops after the round with the first miss). ``get_num_new_matched_tokens``
   changes no state (vLLM may ask again); the request's state follows the answer vLLM acted on, in
   ``update_state_after_alloc``. The load (values and the block ids vLLM allocated for them) and
   the saves (full values the request computed that gdkv did not have) travel to the workers in
@@ -42,9 +42,10 @@ How it works:
   request waits in vLLM's WAITING_FOR_REMOTE_KVS and comes back through
   ``get_transfer_results``); saves have another thread, so a load never waits behind saves. A
   value is written straight into its blocks' pages (zero copy, one scatter list per value) when
-  the controller reaches vLLM's KV memory (an in-process gdkv over CPU tensors, or CUDA tensors
-  registered with it); otherwise it lands in a staging buffer gdkv reaches and is copied into the
-  pages. The load staging is reserved before any save takes memory shared with gdkvd, and the
+  the controller reaches vLLM's KV memory (an in-process gdkv over CPU tensors); otherwise (gdkvd,
+  and CUDA KV caches) it lands in a staging buffer gdkv reaches and is copied into the pages (on
+  CUDA with one indexed copy per layer from pinned staging). Loading straight into CUDA pages
+  through the controller's copy engines is not built yet. The load staging is reserved before any save takes memory shared with gdkvd, and the
   save queue is capped to what is left, so saves never starve a load. Saves gather the pages into
   a buffer of their own in ``wait_for_save`` (so vLLM may reuse the blocks at once) and are put by
   the save thread, skipping values gdkv already has.
@@ -266,10 +267,10 @@ class _SchedulerSide:
         return (external, True) if external > 0 else (0, False)
 
     def _lookup(self, client, keys: list[bytes]) -> int:
-        """The client's lookup_prefix, failing one key at a time. lookup_prefix sends an Exist for
-        every key in one batch (it cannot stop at the first miss) and raises for the first key
-        whose Exist failed, dropping the rest: the leading run ends before that key, so the keys
-        before it are looked up again."""
+        """The client's lookup_prefix, failing one key at a time. lookup_prefix asks in growing
+        rounds and stops at the first miss, but raises for the first key whose Exist failed (not
+        missing: failed): the leading run ends before that key, so the keys before it are looked
+        up again (their rounds are cheap next to a recompute)."""
         while keys:
             try:
                 return client.lookup_prefix(keys)
@@ -798,11 +799,9 @@ class GdkvConnector(KVConnectorBase_V1):
 
     # ---- worker side ----
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        # Only views of the pages: nothing is registered with gdkv (CUDA pages are reached
+        # through pinned staging, see the module docstring), so nothing here can fail on gdkv.
         self.worker.register(kv_caches, self._kv_cache_config.num_blocks)
-        client = self.store.client() if self.store is not None else None
-        if client is not None and self.worker.device.type == "cuda" and not client.remote:
-            for page in self.worker.pages:   # in-process CUDA copy engines reach them
-                client.register(page)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -353,11 +353,44 @@ class PyClient {
     return out;
   }
 
-  size_t lookup_prefix(nb::handle keys) {
-    std::vector<bool> found = exists_many(keys);
+  // Exists in rounds of 16, 32, 64... keys, stopping after the round that found a missing key:
+  // a short prefix of a long chain costs about one small round, a whole chain a few large ones.
+  size_t lookup_prefix(nb::handle keys_obj) {
+    std::vector<Key> keys = to_keys(keys_obj);
     size_t n = 0;
-    while (n < found.size() && found[n]) ++n;
+    for (size_t round = 16; n < keys.size(); round *= 2) {
+      const size_t end = std::min(keys.size(), n + round);
+      std::vector<BatchItem> items(end - n);
+      for (size_t i = n; i < end; ++i) {
+        items[i - n].sqe = gdkv::cmd::exist(keys[i].bytes, keys[i].len, nsid_);
+      }
+      run_batch(items);
+      for (size_t i = n; i < end; ++i) {
+        const CmdResult& r = items[i - n].result;
+        if (r.status == Status::kKeyNotExist) return i;
+        check("lookup_prefix", &keys[i], r);
+      }
+      n = end;
+    }
     return n;
+  }
+
+  // Deletes every key in one submission round: whether each existed (missing_ok) or raises for
+  // the first that failed (the others are deleted).
+  std::vector<bool> delete_many(nb::handle keys_obj, bool missing_ok) {
+    std::vector<Key> keys = to_keys(keys_obj);
+    std::vector<BatchItem> items(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      items[i].sqe = gdkv::cmd::remove(keys[i].bytes, keys[i].len, nsid_);
+    }
+    run_batch(items);
+    std::vector<bool> out(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (items[i].result.status == Status::kKeyNotExist && missing_ok) continue;
+      check("delete_many", &keys[i], items[i].result);
+      out[i] = true;
+    }
+    return out;
   }
 
   void put_many(nb::handle keys_obj, nb::handle values_obj) {
@@ -852,6 +885,7 @@ NB_MODULE(_core, m) {
       .def("list", &PyClient::list, nb::arg("prefix").none())
       .def("exists_many", &PyClient::exists_many, nb::arg("keys"))
       .def("lookup_prefix", &PyClient::lookup_prefix, nb::arg("keys"))
+      .def("delete_many", &PyClient::delete_many, nb::arg("keys"), nb::arg("missing_ok"))
       .def("put_many", &PyClient::put_many, nb::arg("keys"), nb::arg("values"))
       .def("get_many", &PyClient::get_many, nb::arg("keys"), nb::arg("size_hint"))
       .def("get_many_into", &PyClient::get_many_into, nb::arg("keys"), nb::arg("outs"),

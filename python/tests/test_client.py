@@ -117,6 +117,34 @@ def test_get_into_numpy_torch_and_scatter(client):
         client.get_into(b"v", [])
 
 
+def test_lookup_prefix_stops_early_and_delete_many():
+    """lookup_prefix asks in rounds of 16, 32, 64... and stops after the round with the first
+    missing key (counted by the controller's Exist commands); delete_many deletes in one round
+    and says which keys existed."""
+    with gdkv.open("memory") as c:
+        def exists_sent() -> float:
+            return c.metrics()['commands_total{reactor="0",op="exist"}']
+
+        keys = gdkv.chain_keys(range(1000 * 4), 4, "early-stop")
+        c.put_many((k, b"v") for k in keys[:3])
+        before = exists_sent()
+        assert c.lookup_prefix(keys) == 3
+        assert exists_sent() - before == 16       # one round, not 1000 Exists
+        c.put_many((k, b"v") for k in keys[3:100])
+        before = exists_sent()
+        assert c.lookup_prefix(keys) == 100
+        assert exists_sent() - before == 16 + 32 + 64   # rounds up to the one with key 100
+        before = exists_sent()
+        assert c.lookup_prefix(keys[:100]) == 100
+        assert exists_sent() - before == 100     # every key, the last round cut to what is left
+        assert c.delete_many(keys[98:102], missing_ok=True) == [True, True, False, False]
+        assert c.lookup_prefix(keys) == 98
+        with pytest.raises(KeyError):
+            c.delete_many([keys[0], keys[500]])
+        assert not c.exists(keys[0])            # the round ran; the missing key raised after it
+        assert c.delete_many([]) == []
+
+
 def test_batches(client):
     keys = gdkv.chain_keys(range(8 * 16), 16, "batch-test")
     values = [np.full(1000 + i, i, np.uint8) for i in range(len(keys))]

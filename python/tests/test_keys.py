@@ -81,6 +81,23 @@ def test_keyspace_fields_cannot_run_into_each_other():
     assert KeySpace("e", "a/b", "c", "l", "ns").salt == a.salt   # and stable
 
 
+def test_keyspace_prefix_names_engine_and_namespace():
+    """Every key of one engine and namespace starts with the space's 4-byte prefix (what
+    SGLang's clear lists); other namespaces and engines have other prefixes."""
+    from gdkv.engine import KeySpace
+    a = KeySpace("sglang", "m1", "bf16", "l", "ns")
+    b = KeySpace("sglang", "m2", "fp16", "x", "ns")    # another model: same prefix, other salt
+    other_ns, other_engine = KeySpace("sglang", "m1", "bf16", "l", "ns2"), \
+        KeySpace("vllm", "m1", "bf16", "l", "ns")
+    assert a.prefix == b.prefix and a.salt != b.salt and len(a.prefix) == 4
+    assert len({a.prefix, other_ns.prefix, other_engine.prefix}) == 3
+    for ks in (a, b, other_ns, other_engine):
+        keys = ks.keys([b"h1", b"h2", 7])
+        assert all(len(k) == 16 and k.startswith(ks.prefix) for k in keys)
+        assert len(set(keys)) == 3
+    assert a.key(b"h1") != b.key(b"h1")
+
+
 def test_weights_fingerprint(tmp_path, monkeypatch):
     from gdkv import engine
     cache = tmp_path / "cache"

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import time
+
 import numpy as np
 import pytest
 
 import gdkv
-from conftest import require_ceph
+from conftest import ROOT, require_ceph
+from gdkv.engine import EngineStore
 
 
 def test_rados_roundtrip_and_batches():
@@ -55,3 +59,38 @@ def test_tiered_node_reads_what_another_node_stored_and_keeps_it_locally(tmp_pat
     with gdkv.open("rados", pool="gdkv-rep3", ceph_conf=conf) as a:
         for k in keys:
             assert a.delete(k)
+
+
+def _cluster(*args: str) -> None:
+    subprocess.run([str(ROOT / "scripts" / "ceph-cluster"), *args], check=True,
+                   stdout=subprocess.DEVNULL)
+
+
+def test_engine_store_in_process_rados_frozen_cluster_is_a_miss():
+    """An in-process RADOS backend under a connector: every daemon SIGSTOPped, a call returns the
+    miss within the connector's timeout_ms (the backend's op timeout, which EngineStore sets
+    from it), not after librados' default; after SIGCONT the same store serves again."""
+    conf = require_ceph()
+    store = EngineStore({"backend": "rados", "pool": "gdkv-rep3", "ceph_conf": conf,
+                         "timeout_ms": 2000, "retry_interval_s": 0.2})
+    assert store.open_options["ceph_timeout_ms"] == 2000
+    key, value = b"pytest-frozen", np.arange(4096, dtype=np.uint8)
+    assert store.call(lambda c: c.put(key, value), False) is None
+    try:
+        _cluster("freeze")
+        t0 = time.monotonic()
+        assert store.call(lambda c: c.get(key), None) is None
+        waited = time.monotonic() - t0
+        assert waited < 2 + 3, f"a call on a frozen cluster took {waited:.1f} s"
+        assert store.failures == 1
+    finally:
+        _cluster("thaw")
+    _cluster("wait-clean", "120")
+    deadline = time.monotonic() + 30
+    got = None
+    while got is None and time.monotonic() < deadline:
+        got = store.call(lambda c: c.get(key), None)
+        time.sleep(0.1)
+    assert got == value.tobytes()
+    assert store.call(lambda c: c.delete(key), False)
+    store.close()

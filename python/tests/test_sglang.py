@@ -177,19 +177,24 @@ def test_exists_counts_the_leading_run(gdkvd):
     assert s.batch_exists(keys[3:]) == 0
     assert s.batch_exists(keys[4:]) == 2
     assert s.exists(keys[2]) and not s.exists(keys[3])
-    # A page is two values here (K and V). batch_exists looks up the first (stored after the
-    # other); a load needs both: page 1 without its V is not loaded.
+    # A page is two values here (K and V); the store may evict one and keep the other. Such a
+    # page is not found and not loaded, whichever value is gone.
     assert len(s._page_keys(keys[1])) == 2
     with gdkv.connect(gdkvd.dir) as c:
         c.delete(s._page_keys(keys[1])[1])
-        assert s.batch_exists(keys) == 3
+        assert s.batch_exists(keys) == 1 and not s.exists(keys[1])
         got = s.batch_get_v1(keys[:3], indices([20, 21, 22]))
         assert got == [True, False, True]
         assert torch.equal(page(host, 20), page(host, 0))
         assert torch.equal(page(host, 22), page(host, 2))
         # (Page 21's K may have landed; the page is reported missing, and SGLang stops there.)
+        # A set of the page writes it again (its K was there, its V was not).
+        assert s.batch_set_v1(keys[1:2], indices([1])) == [True]
+        assert s.batch_exists(keys) == 3
+        assert s.batch_get_v1(keys[1:2], indices([21])) == [True]
+        assert torch.equal(page(host, 21), page(host, 1))
         c.delete(s._page_keys(keys[0])[0])
-        assert s.batch_exists(keys) == 0
+        assert s.batch_exists(keys) == 0 and not s.exists(keys[0])
     # Host indices that do not start pages are refused without touching the pool.
     before = pool_bytes(host)
     assert s.batch_get_v1(keys[:1], torch.arange(2, 2 + PAGE)) == [False]
@@ -212,7 +217,7 @@ def test_a_page_is_found_only_once_all_its_values_are_stored(gdkvd):
 
     c.put_many = recording
     assert s.batch_set_v1(keys, indices([0, 1, 2])) == [True] * 3
-    assert rounds == [[s._page_keys(h)[1] for h in keys], [s._page_keys(h)[0] for h in keys]]
+    assert rounds == [[k for h in keys for k in s._page_keys(h)]]   # one round, K and V
 
     # A store failing on the way (here: the store is full) leaves nothing batch_exists finds,
     # and the client is kept (only gdkvd being unavailable drops it).
@@ -252,9 +257,72 @@ def test_generic_interface_is_the_same_values(gdkvd, spec):
     assert s.get(hashes(1, seed=5)[0]) is None
     assert s.batch_get(hashes(2, seed=5)) == [None, None]
     assert not s.batch_set(keys[:1], [torch.zeros(3, dtype=host.dtype)])  # not a page
-    # clear() (SGLang's /hicache/storage-backend/clear) empties the gdkv namespace.
+    # clear() (SGLang's /hicache/storage-backend/clear) empties this connector's namespace.
     assert s.clear() and s.batch_exists(keys) == 0
     assert s.batch_get_v1(keys[:1], indices([10])) == [False]
+
+
+def test_clear_deletes_its_own_namespace_only(gdkvd):
+    """clear() deletes every SGLang key of its namespace (any model's), in batches, and leaves
+    other namespaces, other engines' keys and plain keys on the same gdkvd alone."""
+    host = host_pool("mha/page_first")
+    a = storage(host, socket_dir=gdkvd.dir)
+    a_other_model = storage(host, model="org/other", socket_dir=gdkvd.dir)
+    b = storage(host, namespace="tenant-b", socket_dir=gdkvd.dir)
+    many = hashes(600, seed=3)   # more keys than one delete round
+    for start in range(0, len(many), 30):
+        chunk = many[start: start + 30]
+        assert a.batch_set_v1(chunk, indices(list(range(len(chunk))))) == [True] * len(chunk)
+    keys = hashes(3)
+    assert a_other_model.batch_set_v1(keys, indices([0, 1, 2])) == [True] * 3
+    assert b.batch_set_v1(keys, indices([0, 1, 2])) == [True] * 3
+    with gdkv.connect(gdkvd.dir) as c:
+        c.put(b"someone-else", b"x")
+        from gdkv.engine import KeySpace
+        vllm_key = KeySpace("vllm", "org/model", "bf16", "l").key(b"h")
+        c.put(vllm_key, b"y")
+        before = len(c.list())
+        assert a.clear()
+        assert a.batch_exists(many) == 0 and a_other_model.batch_exists(keys) == 0
+        assert b.batch_exists(keys) == 3
+        assert c.get(b"someone-else") == b"x" and c.get(vllm_key) == b"y"
+        assert len(c.list()) == before - 2 * (600 + 3)
+        assert b.clear() and b.batch_exists(keys) == 0
+        assert c.get(b"someone-else") == b"x"
+
+
+def test_evicted_values_never_count_on_a_full_local_store(tmp_path):
+    """The local store frees its oldest values when full, one value at a time, so a page may
+    lose its K and keep its V: batch_exists counts a page exactly when batch_get_v1 loads it,
+    and the loaded bytes are right."""
+    from conftest import Gdkvd
+    conf = tmp_path / "gdkvd.toml"   # 4 segments of 256 KiB: the oldest goes when it is full
+    conf.write_text(f'[backend]\nkind = "local"\nstore = "{tmp_path / "store"}"\n'
+                    f'capacity_bytes = {1 << 20}\nsegment_bytes = {256 << 10}\n')
+    d = Gdkvd("--config", str(conf), "--cache-bytes", "0")
+    try:
+        host = host_pool("mha/page_first")
+        s = storage(host, socket_dir=d.dir)
+        rounds = [hashes(16, seed=r) for r in range(160)]
+        for keys in rounds:
+            assert s.batch_set_v1(keys, indices(list(range(16)))) == [True] * 16
+        c = s.store.client()
+        partial = found = 0
+        for keys in rounds:
+            for p, h in enumerate(keys):
+                have = c.exists_many(s._page_keys(h))
+                partial += any(have) and not all(have)
+                exists = s.batch_exists([h]) == 1
+                assert exists == all(have)
+                loaded = s.batch_get_v1([h], indices([20]))[0]
+                assert loaded == exists, (p, have)
+                if loaded:
+                    found += 1
+                    assert torch.equal(page(host, 20), page(host, p))
+        assert 0 < found < 160 * 16, found   # the store was full and kept some pages
+        print(f"pages found {found}, pages with one value evicted {partial}")
+    finally:
+        d.stop()
 
 
 def test_models_layouts_and_ranks_do_not_collide(gdkvd):
