@@ -3,8 +3,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <random>
 #include <set>
@@ -13,6 +16,7 @@
 #include "backend_params.h"
 #include "gdkv/client.h"
 #include "gdkv/commands.h"
+#include "gdkv/controller.h"
 
 namespace gdkv {
 namespace {
@@ -470,6 +474,189 @@ TEST(Controller, PendingBackendWorkDoesNotBlockTheReactor) {
   for (int spins = 0; gate->held() < 1 && spins < 100000; ++spins) std::this_thread::yield();
   gate->release_all();
   EXPECT_EQ(client->wait(*again).status, Status::kKeyNotExist);
+}
+
+// ---- staged batches (issue 25): the client's copies overlap the controller's work ----
+
+// Stages into `slots` fixed stand-ins of `slot_bytes` each (no waiting: a full stager returns 0).
+// Before handing out the stand-in of the k-th buffer sent to the controller (k >= 1) it waits for
+// the backend to have received the Store of buffer k-1: a client that staged a whole batch before
+// submitting any of it (two copies one after the other, where a pipeline overlaps them) never
+// lets that happen, and the wait times out.
+class PipelineStager final : public BufferStager {
+ public:
+  PipelineStager(size_t slots, size_t slot_bytes, std::function<uint64_t()> stores_seen)
+      : slot_bytes_(slot_bytes),
+        mem_(slots, std::vector<std::byte>(slot_bytes)),
+        used_(slots, false),
+        stores_seen_(std::move(stores_seen)) {}
+  uint64_t acquire(const void* p, size_t len, bool to_controller, bool wait) override {
+    (void)wait;
+    if (len > slot_bytes_) return 0;
+    size_t s = 0;
+    while (s < used_.size() && used_[s]) ++s;
+    if (s == used_.size()) return 0;
+    if (to_controller) {
+      if (sent_ > 0) {
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+        while (stores_seen_() < sent_) {
+          if (std::chrono::steady_clock::now() > until) {
+            ++not_overlapped_;
+            break;
+          }
+          std::this_thread::yield();
+        }
+      }
+      ++sent_;
+      std::memcpy(mem_[s].data(), p, len);
+    }
+    used_[s] = true;
+    ++in_use_;
+    max_in_use_ = std::max(max_in_use_, in_use_);
+    return reinterpret_cast<uint64_t>(mem_[s].data());
+  }
+  void release(uint64_t addr, void* p, size_t copy_back) override {
+    for (size_t s = 0; s < mem_.size(); ++s) {
+      if (reinterpret_cast<uint64_t>(mem_[s].data()) != addr) continue;
+      if (copy_back > 0) std::memcpy(p, mem_[s].data(), copy_back);
+      used_[s] = false;
+      --in_use_;
+      return;
+    }
+    ADD_FAILURE() << "release of a stand-in never handed out";
+  }
+  uint64_t not_overlapped() const { return not_overlapped_; }
+  size_t in_use() const { return in_use_; }
+  size_t max_in_use() const { return max_in_use_; }
+
+ private:
+  size_t slot_bytes_;
+  std::vector<std::vector<std::byte>> mem_;
+  std::vector<bool> used_;
+  std::function<uint64_t()> stores_seen_;
+  uint64_t sent_ = 0;
+  uint64_t not_overlapped_ = 0;
+  size_t in_use_ = 0, max_in_use_ = 0;
+};
+
+// Counts the Stores that reach the memory backend.
+class CountingStores final : public Backend {
+ public:
+  CountingStores() : inner_(make_memory_backend()) {}
+  void submit(BackendOp* op) override {
+    if (op->kind == BackendOpKind::kPut) stores_.fetch_add(1);
+    inner_->submit(op);
+  }
+  BackendInfo info() const override { return inner_->info(); }
+  uint64_t stores() const { return stores_.load(); }
+
+ private:
+  std::shared_ptr<Backend> inner_;
+  std::atomic<uint64_t> stores_{0};
+};
+
+TEST(StagedBatch, CopiesOverlapTheControllersWork) {
+  auto backend = std::make_shared<CountingStores>();
+  Controller ctl(backend, {});
+  const QueueRef q = ctl.create_queue({}).value();
+  constexpr int kN = 12;
+  constexpr size_t kValue = 1 << 20;  // above the pipeline's group size: one Store per group
+  PipelineStager stager(kN, kValue, [&] { return backend->stores(); });
+  {
+    Client client(q, nullptr, &ctl, &stager);
+    std::vector<Key> keys;
+    std::vector<std::vector<std::byte>> values;
+    std::vector<BatchItem> items(kN);
+    for (int i = 0; i < kN; ++i) {
+      keys.push_back(key("staged", i));
+      values.push_back(random_bytes(kValue - static_cast<size_t>(i) * 1000, 100 + i));
+      items[i] = BatchItem{cmd::store(keys[i].bytes, keys[i].len, values[i].data(),
+                                      static_cast<uint32_t>(values[i].size())),
+                           values[i].data(),
+                           values[i].size(),
+                           true,
+                           {}};
+    }
+    client.execute_batch(items);
+    for (auto& it : items) ASSERT_TRUE(it.result.ok()) << describe(it.result);
+    EXPECT_EQ(stager.not_overlapped(), 0u) << "the batch was staged whole before it was submitted";
+    EXPECT_EQ(stager.in_use(), 0u);
+    EXPECT_EQ(client.copies().copies, uint64_t{kN});
+    // Gets into plain buffers: each value copied back as its completion arrives, all exact.
+    std::vector<std::vector<std::byte>> outs(kN, std::vector<std::byte>(kValue));
+    for (int i = 0; i < kN; ++i) {
+      items[i] = BatchItem{
+          cmd::retrieve(keys[i].bytes, keys[i].len, outs[i].data(), static_cast<uint32_t>(kValue)),
+          outs[i].data(),
+          kValue,
+          false,
+          {}};
+    }
+    client.execute_batch(items);
+    for (int i = 0; i < kN; ++i) {
+      ASSERT_TRUE(items[i].result.ok()) << describe(items[i].result);
+      ASSERT_EQ(items[i].result.dw0, values[i].size());
+      ASSERT_EQ(0, std::memcmp(outs[i].data(), values[i].data(), values[i].size()));
+    }
+    EXPECT_EQ(stager.in_use(), 0u);
+  }
+  ctl.stop();
+}
+
+// Fewer stand-ins than items: the batch runs in turns as completions free them, a buffer no
+// stand-in can hold fails alone with 81h, and every other value is exact.
+TEST(StagedBatch, MoreItemsThanStagingMemory) {
+  auto backend = std::make_shared<CountingStores>();
+  Controller ctl(backend, {});
+  const QueueRef q = ctl.create_queue({}).value();
+  PipelineStager stager(3, 64 << 10, [&] { return ~uint64_t{0}; });
+  {
+    Client client(q, nullptr, &ctl, &stager);
+    constexpr int kN = 20;
+    std::vector<Key> keys;
+    std::vector<std::vector<std::byte>> values;
+    std::vector<BatchItem> items(kN);
+    for (int i = 0; i < kN; ++i) {
+      keys.push_back(key("turns", i));
+      values.push_back(random_bytes(i == 7 ? (64 << 10) + 1 : 1000 + i * 3000, 300 + i));
+      items[i] = BatchItem{cmd::store(keys[i].bytes, keys[i].len, values[i].data(),
+                                      static_cast<uint32_t>(values[i].size())),
+                           values[i].data(),
+                           values[i].size(),
+                           true,
+                           {}};
+    }
+    client.execute_batch(items);
+    for (int i = 0; i < kN; ++i) {
+      if (i == 7) {
+        EXPECT_EQ(items[i].result.status, kStagingExhausted);
+      } else {
+        ASSERT_TRUE(items[i].result.ok()) << i << ": " << describe(items[i].result);
+      }
+    }
+    EXPECT_LE(stager.max_in_use(), 3u);
+    EXPECT_EQ(stager.in_use(), 0u);
+    std::vector<std::vector<std::byte>> outs(kN, std::vector<std::byte>(60000));
+    for (int i = 0; i < kN; ++i) {
+      items[i] = BatchItem{cmd::retrieve(keys[i].bytes, keys[i].len, outs[i].data(), 60000),
+                           outs[i].data(),
+                           60000,
+                           false,
+                           {}};
+    }
+    client.execute_batch(items);
+    for (int i = 0; i < kN; ++i) {
+      if (i == 7) {
+        EXPECT_EQ(items[i].result.status, Status::kKeyNotExist);
+        continue;
+      }
+      ASSERT_TRUE(items[i].result.ok()) << describe(items[i].result);
+      ASSERT_EQ(items[i].result.dw0, values[i].size());
+      ASSERT_EQ(0, std::memcmp(outs[i].data(), values[i].data(), values[i].size()));
+    }
+    EXPECT_EQ(stager.in_use(), 0u);
+  }
+  ctl.stop();
 }
 
 }  // namespace

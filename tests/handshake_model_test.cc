@@ -15,6 +15,13 @@
 // drain; a seq_cst load waits for the thread's buffered seq_cst stores (the seq_cst total order).
 // Every interleaving of instructions and buffer drains is explored. ThreadSanitizer cannot check
 // this (it does not model fences, and a lost wake-up is not a data race).
+//
+// The wake-ups of remote clients (issue 25, docs/vfio-user.md "Wake-ups") are the same pattern
+// twice over shared memory: the reactor announces its sleep in the connection's doorbell page as
+// well (NvmeController::announce_sleep) before its fence and last look, and the client looks at
+// that word after ringing (queue::publish); and, the other way, a waiting client arms its CQ
+// (IrqWaiter::block) and looks at the CQ once more while gdkvd posts a CQE and then looks at the
+// arm word (NvmeController::signal_irqs).
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -27,7 +34,10 @@
 namespace {
 
 enum class Ord { kRelaxed, kAcquire, kRelease, kSeqCst };
-enum Var : int { kWake, kTail, kVars };
+// kWake: the reactor's in-process sleep word; kTail: work (SQ tail doorbell, inbox flag);
+// kSleeping: the sleeping word in a connection's doorbell page; kCqe: a posted CQE's status;
+// kArm: a CQ's arm word.
+enum Var : int { kWake, kTail, kSleeping, kCqe, kArm, kVars };
 
 struct Op {
   enum Kind { kStore, kLoad, kFence } kind;
@@ -134,6 +144,39 @@ Program poster(bool with_fence) {
   return p;
 }
 
+// The reactor's last look with remote clients on it: both sleep words, then the fence.
+Program reactor_remote(bool with_fence) {
+  Program p{store(kWake, 1, Ord::kSeqCst), store(kSleeping, 1, Ord::kSeqCst)};
+  if (with_fence) p.push_back(fence());
+  p.push_back(load(kTail, Ord::kAcquire));  // load_db of the SQ tail in NvmeController::fetch_io
+  return p;
+}
+
+// A remote client ringing: queue::publish's doorbell store and fence, then the sleeping word
+// (QueueRef::wake points at it; wake_reactor signals the ioeventfd).
+Program remote_requester(bool with_fence) {
+  Program p{store(kTail, 1, Ord::kRelease)};
+  if (with_fence) p.push_back(fence());
+  p.push_back(load(kSleeping, Ord::kAcquire));
+  return p;
+}
+
+// gdkvd completing: the CQE's status (release), a fence, then the arm word (signal_irqs).
+Program completer(bool with_fence) {
+  Program p{store(kCqe, 1, Ord::kRelease)};
+  if (with_fence) p.push_back(fence());
+  p.push_back(load(kArm, Ord::kSeqCst));
+  return p;
+}
+
+// The sleeping waiter: arm, a fence, then the CQE's phase (queue::poll's acquire load).
+Program waiter(bool with_fence) {
+  Program p{store(kArm, 1, Ord::kSeqCst)};
+  if (with_fence) p.push_back(fence());
+  p.push_back(load(kCqe, Ord::kAcquire));
+  return p;
+}
+
 bool lost_wakeup(const Program& r, const Program& q) {
   for (const auto& [rl, ql] : outcomes(r, q)) {
     if (rl.back() == 0 && ql.back() == 0) return true;  // no work seen, no sleeper seen
@@ -172,6 +215,25 @@ TEST(HandshakeModel, WithBothFencesNoWakeUpIsLost) {
   // Either fence alone is not enough.
   EXPECT_TRUE(lost_wakeup(reactor(true), requester(false)));
   EXPECT_TRUE(lost_wakeup(reactor(true), poster(false)));
+}
+
+// A remote client's doorbell against a sleeping reactor: with the reactor's fence after both sleep
+// words and publish()'s fence, the client sees the word (and signals the ioeventfd) or the reactor
+// sees the tail; without either fence the reactor can sleep through the doorbell.
+TEST(HandshakeModel, RemoteDoorbellWakeUpIsNeverLost) {
+  EXPECT_FALSE(lost_wakeup(reactor_remote(true), remote_requester(true)));
+  EXPECT_TRUE(lost_wakeup(reactor_remote(false), remote_requester(true)));
+  EXPECT_TRUE(lost_wakeup(reactor_remote(true), remote_requester(false)));
+  // An in-process requester on the same reactor still wakes it through its own word.
+  EXPECT_FALSE(lost_wakeup(reactor_remote(true), requester(true)));
+}
+
+// A completion against a client about to block: with both fences the client sees the CQE or
+// gdkvd sees the arm word (and signals the CQ's eventfd); either fence alone is not enough.
+TEST(HandshakeModel, CompletionInterruptIsNeverLost) {
+  EXPECT_FALSE(lost_wakeup(waiter(true), completer(true)));
+  EXPECT_TRUE(lost_wakeup(waiter(false), completer(true)));
+  EXPECT_TRUE(lost_wakeup(waiter(true), completer(false)));
 }
 
 }  // namespace

@@ -11,11 +11,20 @@ memory, the CLI into its shared buffers).
 
 Usage: client_bench.py [--gdkv build/release/tools/gdkv/gdkv] [--seconds 2] [--rounds 3] [--gdkvd]
 Prints one line per figure and a JSON object at the end.
+
+With --ratios (issue 25's write and staging goals): put and get GB/s of 4 KiB and 2 MiB values,
+one call per value (batch 1) and put_many/get_many_into of 64 (batch 64), from shared memory
+(client.empty()) and from plain numpy buffers (staged), each as a ratio of a memcpy of the same
+bytes measured in the same run, for gdkvd with its host cache, gdkvd --cache-bytes 0 and the
+in-process memory backend. Every value read back is checked.
+
+    client_bench.py --ratios [--gdkvd-binary build/h-write/tools/gdkvd/gdkvd] [--seconds 0.5]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -81,6 +90,119 @@ def batch_ratio(size: int, sock: str | None, rounds: int = 200) -> tuple[float, 
         return batch, single
 
 
+# ---- --ratios ----------------------------------------------------------------------------------
+
+RATIO_KEYS = 64  # values per round: 64 x 2 MiB = 128 MiB, more than any cache level
+
+
+def _stamp(arrs: list, rnd: int) -> None:
+    """Makes round `rnd`'s values differ from the last round's (8 bytes each: not timed)."""
+    for i, a in enumerate(arrs):
+        a[:8] = np.frombuffer((rnd * 1000003 + i).to_bytes(8, "little"), np.uint8)
+
+
+def _memcpy_gbps(size: int, seconds: float) -> float:
+    """A memcpy of RATIO_KEYS distinct values into RATIO_KEYS distinct, already-touched buffers:
+    the bytes a put or a get moves, copied once."""
+    src = [np.full(size, i % 251, np.uint8) for i in range(RATIO_KEYS)]
+    dst = [np.zeros(size, np.uint8) for _ in range(RATIO_KEYS)]
+    n, t0 = 0, time.perf_counter()
+    while True:
+        for s_, d in zip(src, dst):
+            np.copyto(d, s_)
+        n += 1
+        el = time.perf_counter() - t0
+        if el >= seconds:
+            return n * RATIO_KEYS * size / el / 1e9
+
+
+def _timed(fn, seconds: float) -> tuple[float, int]:
+    fn(0)  # warm: first-touch of every buffer and every stored value
+    n, t0 = 0, time.perf_counter()
+    while True:
+        n += 1
+        fn(n)
+        el = time.perf_counter() - t0
+        if el >= seconds:
+            return el / n, n
+
+
+def _ratio_case(c: gdkv.Client, size: int, batch: int, shared: bool, seconds: float,
+                tag: str, repeat: int) -> dict:
+    keys = [f"{tag[:3]}{size >> 10}.{batch}{int(shared)}.{i}".encode() for i in range(RATIO_KEYS)]
+    mk = (lambda: c.empty(size, np.uint8)) if shared else (lambda: np.empty(size, np.uint8))
+    srcs = [mk() for _ in keys]
+    outs = [mk() for _ in keys]
+    for i, a in enumerate(srcs):
+        a[:] = (i * 7 + 3) % 251
+    last = [0]
+
+    def put(rnd: int) -> None:
+        _stamp(srcs, rnd)  # in the time, but 8 bytes a value
+        last[0] = rnd
+        if batch == 1:
+            for k, v in zip(keys, srcs):
+                c.put(k, v)
+        else:
+            c.put_many(zip(keys, srcs))
+
+    def get(rnd: int) -> None:
+        if batch == 1:
+            for k, o in zip(keys, outs):
+                c.get_into(k, o)
+        else:
+            c.get_many_into(keys, outs)
+
+    # Best of `repeat` each (the machine is shared), against the best of the memcpys run between
+    # them: a figure and its reference are taken within seconds of each other.
+    nbytes = RATIO_KEYS * size
+    mem_g, put_g, get_g = [], [], []
+    copies0 = c.copies()
+    for _ in range(repeat):
+        mem_g.append(_memcpy_gbps(size, seconds / 2))
+        put_g.append(nbytes / _timed(put, seconds)[0] / 1e9)
+        get_g.append(nbytes / _timed(get, seconds)[0] / 1e9)
+        for i, o in enumerate(outs):  # every value: the last round's bytes
+            if not np.array_equal(o, srcs[i]):
+                raise SystemExit(f"{tag}: value {i} of {size} bytes read back wrong")
+    copies1 = c.copies()
+    for k in keys:
+        c.delete(k)
+    m = max(mem_g)
+    return {"memcpy_gbps": m, "put_gbps": max(put_g), "get_gbps": max(get_g),
+            "put_ratio": max(put_g) / m, "get_ratio": max(get_g) / m,
+            "copied_bytes": copies1[1] - copies0[1]}
+
+
+def ratios(a) -> int:
+    binary = a.gdkvd_binary or (Path(a.gdkv).parents[1] / "gdkvd" / "gdkvd")
+    base = ["--backend", "memory", "--reactors", "1", *a.gdkvd_args.split()]
+    targets = [("gdkvd+cache", base), ("gdkvd-nocache", [*base, "--cache-bytes", "0"]),
+               ("in-process", None)]
+    memcpy = {size: _memcpy_gbps(size, a.seconds) for size in (4096, 2 << 20)}
+    for size, g in memcpy.items():
+        print(f"memcpy {size >> 10} KiB x {RATIO_KEYS}: {g:.2f} GB/s")
+    result = {"memcpy_gbps": memcpy, "cases": []}
+    for name, args in targets:
+        with contextlib.ExitStack() as stack:
+            sock = stack.enter_context(gdkvd(*args, binary=binary)) if args else None
+            with client(sock) as c:
+                for size in (4096, 2 << 20):
+                    for batch in (1, 64):
+                        for shared in ((True, False) if sock else (False,)):
+                            r = _ratio_case(c, size, batch, shared, a.seconds, name, a.repeat)
+                            mem = "shared" if shared else ("staged" if sock else "numpy")
+                            print(f"{name:14s} {size >> 10:5d} KiB batch {batch:2d} {mem:6s}: "
+                                  f"put {r['put_gbps']:6.2f} GB/s ({r['put_ratio']:.2f} of "
+                                  f"memcpy)  get {r['get_gbps']:6.2f} GB/s "
+                                  f"({r['get_ratio']:.2f} of memcpy {r['memcpy_gbps']:.2f})  staged "
+                                  f"{r['copied_bytes'] >> 20} MiB")
+                            result["cases"].append({"target": name, "size": size, "batch": batch,
+                                                    "memory": mem, **r})
+    print(json.dumps(result))
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--gdkv", default=str(ROOT / "build" / "release" / "tools" / "gdkv" / "gdkv"))
@@ -88,7 +210,16 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--gdkvd", action="store_true",
                    help="both clients through a gdkvd (memory backend) this script starts")
+    p.add_argument("--ratios", action="store_true",
+                   help="put/get GB/s as ratios of memcpy (gdkvd with and without cache, "
+                        "in-process; 4 KiB and 2 MiB; batch 1 and 64; shared and staged)")
+    p.add_argument("--gdkvd-binary", default=None, help="gdkvd for --ratios (default: beside --gdkv)")
+    p.add_argument("--gdkvd-args", default="", help="more gdkvd flags for --ratios, e.g. "
+                   "'--idle-spin-us 10000' (keeps the reactor awake between staged calls)")
+    p.add_argument("--repeat", type=int, default=3, help="--ratios: best of this many runs")
     a = p.parse_args()
+    if a.ratios:
+        return ratios(a)
     if not a.gdkvd:
         return run(a, None)
     with gdkvd("--backend", "memory", "--reactors", "1",

@@ -59,6 +59,11 @@ struct BackendOp {
 
   // kPut: the value.
   std::span<const std::byte> value;
+  // kPut, optional: when set, it keeps `value`'s bytes alive and unchanged for as long as anyone
+  // holds a copy of it, so a backend that keeps values in memory may hold this reference instead
+  // of copying the bytes (the host cache passes the slab buffer it has just filled: a Store's
+  // bytes are then copied once on their way in). Null: the bytes are valid until done() only.
+  std::shared_ptr<const void> value_owner;
 
   // kGet: once the backend knows the value's full length it either
   //   - calls sink(op, length) and writes the first min(length, returned size) bytes there, or

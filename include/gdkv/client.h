@@ -48,6 +48,22 @@ class BufferStager {
   virtual void release(uint64_t addr, void* p, size_t copy_back) = 0;
 };
 
+// For transports whose controller can signal completions (gdkvd's completion interrupts): how a
+// waiting Client leaves the core to others instead of yielding in a loop, which on a shared core
+// keeps the controller from running.
+class CompletionWaiter {
+ public:
+  virtual ~CompletionWaiter() = default;
+  // How long this wait spins on the queue before it blocks (the calling thread's wait).
+  virtual std::chrono::nanoseconds spin() = 0;
+  // Whether the spin saw the completion (lets the waiter stop spinning where it never helps,
+  // e.g. a controller on the waiter's own core).
+  virtual void spun(bool completed) = 0;
+  // Blocks until the controller signals a completion (asked for, then `q`'s command `cid` looked
+  // at once more, so none is missed), or a bounded time passed. Returns at once if it completed.
+  virtual void block(const QueueRef& q, uint16_t cid) = 0;
+};
+
 // Why a Client stopped working.
 enum class ClientFailure : uint8_t {
   kNone = 0,
@@ -115,8 +131,10 @@ class Client {
                         uint32_t nsid = 1);
   // Runs any prepared command (cid is filled in).
   CmdResult execute(nvme::Sqe sqe);
-  // Runs commands with data buffers as one batch (one submission round where the queue allows);
-  // each item's result is filled in.
+  // Runs commands with data buffers as one batch; each item's result is filled in. Buffers used
+  // in place go in one submission round where the queue allows; staged ones in rounds of about
+  // 512 KiB of staging copies, each completion unstaged as it arrives, so the copies overlap the
+  // controller's work.
   void execute_batch(std::span<BatchItem> items);
 
   // ---- asynchronous ----
@@ -138,6 +156,9 @@ class Client {
   // never is). Set before the Client is shared between threads.
   void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
   void set_liveness(std::function<bool()> alive) { alive_ = std::move(alive); }
+  // How wait() blocks once spinning found nothing (null, the default: it yields). Not owned: the
+  // owner (see the constructor) keeps it alive. Set before the Client is shared between threads.
+  void set_waiter(CompletionWaiter* w) { waiter_ = w; }
   // Called once, on the thread that found the failure, when the Client fails.
   void set_on_failure(std::function<void(ClientFailure)> f) { on_failure_ = std::move(f); }
   ClientFailure failure() const { return failure_.load(std::memory_order_acquire); }
@@ -161,6 +182,8 @@ class Client {
   void unstage(const nvme::Sqe& sqe, const void* p, size_t len, bool to_controller,
                const CmdResult& r);
   CmdResult wait_slow(uint16_t cid);
+  // wait() with a CompletionWaiter: spins for its spin(), then blocks.
+  CmdResult wait_blocking(uint16_t cid);
   // A wait that makes no progress (a command not completing, a full queue) checks here every so
   // often: fails the Client once the controller is gone (looked at every 10 ms) or the wait
   // began a timeout ago. True once the Client failed. Reset with `w = {}` when progress is made.
@@ -179,6 +202,7 @@ class Client {
   std::unique_ptr<Controller> owned_controller_;
   std::chrono::milliseconds timeout_{0};
   std::function<bool()> alive_;
+  CompletionWaiter* waiter_ = nullptr;
   std::function<void(ClientFailure)> on_failure_;
   std::atomic<ClientFailure> failure_{ClientFailure::kNone};
   std::atomic<uint64_t> copies_{0}, copy_bytes_{0};

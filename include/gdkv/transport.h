@@ -56,6 +56,21 @@ class Poller {
  public:
   virtual ~Poller() = default;
   virtual bool poll() = 0;
+  // Sleeping reactors. A poller whose requesters can wake a sleeping reactor from another process
+  // gives a non-blocking eventfd they signal (the reactor waits on it and reads it; -1: none, the
+  // reactor then notices its work within its sleep timeout). Fixed while the poller is on a
+  // reactor.
+  virtual int wake_fd() const { return -1; }
+  // Called on the reactor thread: true just before the reactor's last look before it sleeps (the
+  // poller tells its requesters to signal wake_fd() from now on), false once it woke.
+  virtual void announce_sleep(bool sleeping) { (void)sleeping; }
+  // Called on the reactor thread when wake_fd() woke it (for counters).
+  virtual void woken_by_fd() {}
 };
+
+// Called by a Poller on its reactor's thread when it just woke a requester blocked waiting for a
+// completion: if the reactor then finds no work it sleeps at once instead of spinning, so that
+// requester gets a core it may share with the reactor. No effect on other threads.
+void hint_requester_woken() noexcept;
 
 }  // namespace gdkv

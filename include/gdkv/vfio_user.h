@@ -127,6 +127,12 @@ struct VfioUserClientOptions {
   // One I/O command, after which the Client fails for good (ClientFailure::kTimeout); 0 = no limit.
   // A gdkvd that exits or dies is noticed within ~10 ms whatever this is.
   uint32_t io_timeout_ms = 30000;
+  // Wake-ups, used when gdkvd offers them (docs/vfio-user.md "Wake-ups"): a doorbell that finds
+  // the reactor asleep signals its ioeventfd, and a waiting Client spins for wait_spin_us, then
+  // blocks on its queue's completion interrupt (an eventfd). Off: the reactor notices work
+  // within its sleep timeout (5 ms) and a waiting Client yields in a loop.
+  bool wakeups = true;
+  uint32_t wait_spin_us = 10;
 };
 
 // An open connection to a gdkvd: its controller, shared memory and admin queue.
@@ -160,6 +166,10 @@ class VfioUserDevice : public std::enable_shared_from_this<VfioUserDevice> {
   virtual CmdResult unregister_device_memory(uint64_t iova, uint64_t size) = 0;
   // Whether the daemon offers device memory registration (Identify vendor flags).
   virtual bool device_memory_supported() const = 0;
+  // Whether this connection signals gdkvd's doorbell ioeventfd, and whether its Clients block on
+  // completion interrupts (both need VfioUserClientOptions::wakeups and a gdkvd that offers them).
+  virtual bool doorbell_wakeups() const = 0;
+  virtual bool completion_wakeups() const = 0;
 };
 
 // A Client on a running gdkvd: VfioUserDevice::open(socket_dir, options), then make_client().

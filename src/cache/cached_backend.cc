@@ -132,6 +132,9 @@ class CachedBackend final : public Backend {
           "misses too large to cache, read straight into the requester's memory", kC, d(c.direct));
       add("cache_write_fills_total", "stored values cached on their way to the backend", kC,
           d(c.write_fills));
+      add("cache_write_copy_bytes_total",
+          "Store bytes copied into the slab (once, before the backend gets them)", kC,
+          d(write_copy_bytes_.load(std::memory_order_relaxed)));
       add("cache_evictions_total", "entries evicted to make room", kC, d(c.evictions));
       add("cache_invalidations_total", "entries dropped by a write or delete", kC,
           d(c.invalidations));
@@ -209,6 +212,11 @@ class CachedBackend final : public Backend {
     void* user;
     bool chained = false;  // a Store that followed its chain predecessor `pred` on its stream
     NsKey pred;
+    // A Store's value copied into the slab before it went to the backend (the backend was handed
+    // these bytes and may keep them by reference), and the caller's bytes it replaced in the op.
+    std::shared_ptr<Buffer> buf;
+    std::span<const std::byte> caller_value;
+    std::shared_ptr<const void> caller_owner;
   };
   struct Pending {
     NsKey key;
@@ -387,12 +395,26 @@ class CachedBackend final : public Backend {
 
   // ---- writes ----
 
+  // A Store that may be cached (the only write to its key in flight, not larger than the cache) is
+  // copied into a slab buffer first, and the backend gets the slab's bytes with the buffer as
+  // their owner: a backend that keeps values in memory holds the buffer instead of copying, and
+  // one that writes elsewhere (local store, RADOS) reads the slab as it would the caller's memory.
+  // Either way the value is copied once here and the cache keeps that buffer on success, where it
+  // used to copy the caller's bytes again after the backend had them. The copy runs on the
+  // caller's thread, outside the lock.
   void write(BackendOp* op) {
-    auto* ctx = new WriteCtx{this, NsKey{op->nsid, op->key}, op->done, op->user, false, {}};
+    auto* ctx = new WriteCtx{};
+    ctx->self = this;
+    ctx->key = NsKey{op->nsid, op->key};
+    ctx->done = op->done;
+    ctx->user = op->user;
+    const bool put = op->kind == BackendOpKind::kPut;
+    bool sole = false;
     {
       std::lock_guard lk(mu_);
       WriteState& w = writes_[ctx->key];
       if (++w.count > 1) w.overlapped = true;
+      sole = !w.overlapped;
       detach(ctx->key);
       if (op->kind == BackendOpKind::kPut && learning_) {
         // A prefill's Stores teach the order its blocks will be read in.
@@ -401,6 +423,15 @@ class CachedBackend final : public Backend {
         ra.ahead = 0;
       }
       outstanding_.fetch_add(1, std::memory_order_relaxed);
+      sole = sole && put && op->value.size() <= capacity_;
+    }
+    if (sole && (ctx->buf = slab_->allocate(op->value.size())) != nullptr) {
+      if (!op->value.empty()) std::memcpy(ctx->buf->data, op->value.data(), op->value.size());
+      write_copy_bytes_.fetch_add(op->value.size(), std::memory_order_relaxed);
+      ctx->caller_value = op->value;
+      ctx->caller_owner = std::move(op->value_owner);
+      op->value = {ctx->buf->data, ctx->buf->len};
+      op->value_owner = ctx->buf;
     }
     op->done = &write_done;
     op->user = ctx;
@@ -409,27 +440,27 @@ class CachedBackend final : public Backend {
 
   static void write_done(BackendOp* op, Status s, uint64_t len) {
     auto* ctx = static_cast<WriteCtx*>(op->user);
-    const WriteCtx c = *ctx;
+    op->done = ctx->done;
+    op->user = ctx->user;
+    std::shared_ptr<Buffer> buf = std::move(ctx->buf);
+    if (buf) {
+      // The op goes back as the caller filled it (the backend may still hold its reference).
+      op->value = ctx->caller_value;
+      op->value_owner = std::move(ctx->caller_owner);
+    }
+    const NsKey key = ctx->key;
+    const bool chained = ctx->chained;
+    const NsKey pred = ctx->pred;
+    CachedBackend* self = ctx->self;
     delete ctx;
-    op->done = c.done;
-    op->user = c.user;
-    c.self->finish_write(op, c.key, s, len, c.chained ? &c.pred : nullptr);
+    if (s != Status::kSuccess) buf.reset();  // the cache is left as the backend left the key
+    self->finish_write(op, key, s, len, chained ? &pred : nullptr, std::move(buf));
   }
 
-  void finish_write(BackendOp* op, const NsKey& key, Status s, uint64_t len, const NsKey* pred) {
+  // `buf`: the Store's value in the slab, when it was copied there and the backend took it.
+  void finish_write(BackendOp* op, const NsKey& key, Status s, uint64_t len, const NsKey* pred,
+                    std::shared_ptr<Buffer> buf) {
     const bool put = op->kind == BackendOpKind::kPut;
-    std::shared_ptr<Buffer> buf;
-    if (put && s == Status::kSuccess && op->value.size() <= capacity_) {
-      bool sole;
-      {
-        std::lock_guard lk(mu_);
-        const WriteState& w = writes_[key];
-        sole = w.count == 1 && !w.overlapped;
-      }
-      // Copy outside the lock; rule 3 is checked again below, as a write may start meanwhile.
-      if (sole) buf = slab_->allocate(op->value.size());
-      if (buf && !op->value.empty()) std::memcpy(buf->data, op->value.data(), op->value.size());
-    }
     {
       std::lock_guard lk(mu_);
       auto w = writes_.find(key);
@@ -689,7 +720,8 @@ class CachedBackend final : public Backend {
   uint64_t last_tick_ = 0;
   Counters n_;
 
-  std::atomic<uint64_t> outstanding_{0};  // flights and writes not finished yet
+  std::atomic<uint64_t> outstanding_{0};       // flights and writes not finished yet
+  std::atomic<uint64_t> write_copy_bytes_{0};  // Store bytes copied into the slab
   InvalidationHook upstream_;
 };
 

@@ -697,5 +697,145 @@ TEST(CacheDirectReads, ValuesTheCacheWillNotKeepAreNotCopied) {
   EXPECT_LT(slow->count(BackendOpKind::kGet), 16u);
 }
 
+// ---- the write path: one copy (issue 25) ----
+
+// Fails every Store with `status` without passing it on (a backend that lost the write); passes
+// everything else to the inner backend.
+class FailingStores final : public Backend {
+ public:
+  explicit FailingStores(std::shared_ptr<Backend> inner) : inner_(std::move(inner)) {}
+  void submit(BackendOp* op) override {
+    if (op->kind == BackendOpKind::kPut && status_ != Status::kSuccess) {
+      return op->complete(status_);
+    }
+    inner_->submit(op);
+  }
+  BackendInfo info() const override { return inner_->info(); }
+  void collect(MetricList& out) const override { inner_->collect(out); }
+  void fail_with(Status s) { status_ = s; }
+
+ private:
+  std::shared_ptr<Backend> inner_;
+  Status status_ = Status::kSuccess;
+};
+
+// A Store through the cache is copied once, into the slab, and the memory backend keeps that
+// buffer by reference: copying it a second time (the cache after the backend, or the backend
+// after the cache) fails the byte counts. Through the controller from one contiguous buffer there
+// is no copy-engine copy either. Sizes cover the slab's class edges and values larger than a page
+// (a small page size, so a value spans several pages' worth of chunk).
+TEST(CacheWrites, AStoreIsCopiedOnce) {
+  CacheOptions o;
+  o.slab_page_bytes = 4096;
+  auto memory = make_memory_backend();
+  auto gate = std::make_shared<GateBackend>(memory);
+  auto cache = make_cached_backend(gate, o).value();
+  auto client = Client::open(cache).value();
+  uint64_t total = 0;
+  int i = 0;
+  for (size_t n : {size_t{1}, size_t{63}, size_t{64}, size_t{65}, size_t{4095}, size_t{4097},
+                   size_t{3 * 4096 + 123}, (size_t{1} << 20) + 1, size_t{2} << 20}) {
+    SCOPED_TRACE(n);
+    const Key k = block_key(9, i++);
+    const std::string v = block_value(k, n);
+    const double dma_before = dma_bytes(*client);
+    ASSERT_TRUE(client->put(k, test::bytes_of(v)).ok());
+    total += n;
+    EXPECT_EQ(metric(*cache, "cache_write_copy_bytes_total"), static_cast<double>(total));
+    EXPECT_EQ(metric(*cache, "backend_copied_bytes_total"), 0) << "the backend copied again";
+    EXPECT_EQ(dma_bytes(*client), dma_before) << "the controller staged a contiguous Store";
+    // The backend has the bytes, and the cache serves them without asking it.
+    SyncOp direct(BackendOpKind::kGet, k);
+    ASSERT_EQ(direct.run(*memory), Status::kSuccess);
+    EXPECT_EQ(direct.value(), v);
+    std::vector<std::byte> buf(n);
+    const uint64_t gets = gate->count(BackendOpKind::kGet);
+    CmdResult r = client->get(k, std::span(buf));
+    ASSERT_TRUE(r.ok()) << describe(r);
+    EXPECT_EQ(r.dw0, n);
+    EXPECT_EQ(test::string_of(buf), v);
+    EXPECT_EQ(gate->count(BackendOpKind::kGet), gets);
+  }
+  EXPECT_EQ(metric(*cache, "cache_write_fills_total"), static_cast<double>(i));
+  // Without a cache the memory backend copies the Store itself, once.
+  auto bare = make_memory_backend();
+  ASSERT_EQ(test::put(*bare, key("plain"), "12345"), Status::kSuccess);
+  EXPECT_EQ(metric(*bare, "backend_copied_bytes_total"), 5);
+}
+
+// A Store over a cached value replaces it in the cache and in the backend; a view of the old
+// value taken before (a copy still reading it) keeps reading the old bytes: cached buffers are
+// never written again, which is what lets the backend hold them by reference.
+TEST(CacheWrites, AStoreReplacingACachedValue) {
+  Fixture f;
+  const std::string v1 = block_value(key("old"), 8192), v2 = block_value(key("new"), 12000);
+  ASSERT_EQ(test::put(*f.cache, key("k"), v1), Status::kSuccess);
+  SyncOp held(BackendOpKind::kGet, key("k"));
+  ASSERT_EQ(held.run(*f.cache), Status::kSuccess);
+  ASSERT_EQ(held.value(), v1);
+  ASSERT_EQ(test::put(*f.cache, key("k"), v2), Status::kSuccess);
+  EXPECT_EQ(f.get(key("k")), v2);
+  EXPECT_EQ(f.gate->count(BackendOpKind::kGet), 0u);  // both reads were hits
+  EXPECT_EQ(held.value(), v1);
+  SyncOp direct(BackendOpKind::kGet, key("k"));
+  ASSERT_EQ(direct.run(*f.memory), Status::kSuccess);
+  EXPECT_EQ(direct.value(), v2);
+  EXPECT_EQ(metric(*f.cache, "cache_bytes"), 12000);
+  EXPECT_EQ(metric(*f.cache, "cache_entries"), 1);
+  // A same-size rewrite, many times: the slab does not grow with the rewrites.
+  for (int round = 0; round < 50; ++round) {
+    const std::string v = block_value(key("k"), 12000) + std::to_string(round);
+    ASSERT_EQ(test::put(*f.cache, key("k"), v.substr(0, 12000)), Status::kSuccess);
+    ASSERT_EQ(f.get(key("k")), v.substr(0, 12000));
+  }
+  EXPECT_LE(metric(*f.cache, "cache_slab_reserved_bytes"), 4 * double{1 << 20});
+}
+
+// A Store the backend fails leaves the cache as the backend left the key: a rejected one (81h:
+// nothing written) keeps the cached value; any other failure drops the key, so the next read asks
+// the backend (which still has the old value here). Either way the slab buffer the value was
+// copied into is freed, and neither the cache nor the backend serves the failed value.
+// (Slab chunk bytes count what the backend holds by reference too.)
+TEST(CacheWrites, AStoreFailingInTheBackendLeavesTheCacheUnchanged) {
+  auto memory = make_memory_backend();
+  auto failing = std::make_shared<FailingStores>(memory);
+  auto gate = std::make_shared<GateBackend>(failing);
+  auto cache = make_cached_backend(gate).value();
+  const std::string v1(5000, 'a'), v2(5000, 'b');
+  ASSERT_EQ(test::put(*cache, key("k"), v1), Status::kSuccess);
+  const double chunks = metric(*cache, "cache_slab_chunk_bytes");
+  auto get = [&](Backend& b) {
+    SyncOp op(BackendOpKind::kGet, key("k"));
+    EXPECT_EQ(op.run(b), Status::kSuccess);
+    return op.value();
+  };
+
+  failing->fail_with(Status::kCapacityExceeded);
+  EXPECT_EQ(test::put(*cache, key("k"), v2), Status::kCapacityExceeded);
+  EXPECT_EQ(get(*cache), v1);
+  EXPECT_EQ(gate->count(BackendOpKind::kGet), 0u);  // still cached
+  EXPECT_EQ(metric(*cache, "cache_slab_chunk_bytes"), chunks);
+
+  failing->fail_with(Status::kUnrecoveredError);
+  EXPECT_EQ(test::put(*cache, key("k"), v2), Status::kUnrecoveredError);
+  EXPECT_EQ(metric(*cache, "cache_entries"), 0);
+  // v1's chunk stays: the memory backend holds it by reference. v2's went back.
+  EXPECT_EQ(metric(*cache, "cache_slab_chunk_bytes"), chunks);
+  EXPECT_EQ(get(*cache), v1);  // from the backend, then cached again
+  EXPECT_EQ(gate->count(BackendOpKind::kGet), 1u);
+  EXPECT_EQ(get(*memory), v1);
+
+  // A failed Store of a key that was never cached caches nothing.
+  EXPECT_EQ(test::put(*cache, key("fresh"), v2), Status::kUnrecoveredError);
+  EXPECT_EQ(metric(*cache, "cache_entries"), 1);
+  SyncOp miss(BackendOpKind::kGet, key("fresh"));
+  EXPECT_EQ(miss.run(*cache), Status::kKeyNotExist);
+
+  failing->fail_with(Status::kSuccess);
+  ASSERT_EQ(test::put(*cache, key("k"), v2), Status::kSuccess);
+  EXPECT_EQ(get(*cache), v2);
+  EXPECT_EQ(get(*memory), v2);
+}
+
 }  // namespace
 }  // namespace gdkv

@@ -85,6 +85,7 @@ CmdResult Client::fail(ClientFailure why) {
 }
 
 CmdResult Client::wait(uint16_t cid) {
+  if (waiter_ != nullptr) return wait_blocking(cid);
   // Most commands complete within a few microseconds: spin on the CQ before looking at clocks.
   for (uint32_t i = 0; i < 1024; ++i) {
     if (queue::poll(queue_, cid)) return finish(cid);
@@ -102,6 +103,27 @@ CmdResult Client::wait_slow(uint16_t cid) {
     if (broken() || ((n & 63) == 63 && stuck(w))) return aborted();
     // Leave the core to the controller (on a small machine it may need this one).
     std::this_thread::yield();
+  }
+}
+
+CmdResult Client::wait_blocking(uint16_t cid) {
+  // Spin for as long as a completion usually takes, reading the clock every 16 polls.
+  const auto until = std::chrono::steady_clock::now() + waiter_->spin();
+  for (uint32_t i = 1;; ++i) {
+    if (queue::poll(queue_, cid)) {
+      waiter_->spun(true);
+      return finish(cid);
+    }
+    atomic::pause();
+    if ((i & 15) == 0 && std::chrono::steady_clock::now() >= until) break;
+  }
+  waiter_->spun(false);
+  Waiting w;
+  (void)stuck(w);  // the timeout counts from here
+  for (uint32_t n = 0;; ++n) {
+    if (queue::poll(queue_, cid)) return finish(cid);
+    if (broken() || ((n & 7) == 7 && stuck(w))) return aborted();
+    waiter_->block(queue_, cid);  // returns within a bounded time, so liveness is still checked
   }
 }
 
@@ -149,38 +171,81 @@ CmdResult Client::execute_data(nvme::Sqe sqe, const void* p, size_t len, bool to
   return r;
 }
 
+// Pipelined: items are staged and submitted in groups of about kPipelineBytes of staging copies,
+// and each completion is unstaged (its bytes copied back) as soon as it arrives, in order. So the
+// copies this thread makes into and out of staging memory overlap the controller's work on the
+// commands before and after them, where staging everything first and unstaging everything last
+// ran them one after the other. Buffers used in place cost no copy: they go in one group.
 void Client::execute_batch(std::span<BatchItem> items) {
+  constexpr size_t kPipelineBytes = 512 << 10;
   std::vector<nvme::Sqe> sqes;
-  std::vector<CmdResult> results;
-  std::vector<size_t> group;  // items staged for the next submission round
+  std::vector<std::pair<size_t, uint16_t>> flights;  // (item, cid), in submission order
+  flights.reserve(items.size());
+  size_t head = 0;  // flights before it are done
   size_t i = 0;
-  while (i < items.size()) {
+  Waiting full;  // while other threads hold every credit
+  uint32_t spins = 0;
+  auto complete = [&](size_t f, const CmdResult& r) {
+    BatchItem& it = items[flights[f].first];
+    it.result = r;
+    unstage(it.sqe, it.data, it.len, it.to_controller, r);
+  };
+  while (i < items.size() || head < flights.size()) {
     if (broken()) {
+      // Commands in flight keep their stand-ins (unstage of an abort); the rest never start.
+      for (; head < flights.size(); ++head) complete(head, aborted());
       for (; i < items.size(); ++i) items[i].result = aborted();
       return;
     }
-    // Stage what fits in the shared memory now; when the next item does not fit, run the group
-    // (its stand-ins come back) and go on. Only a group's first item may wait for memory, which
-    // then other calls hold.
-    group.clear();
+    // Stage and submit one group. Only an item with nothing of ours ahead of it may wait for
+    // staging memory (other calls hold it); otherwise our own completions will free some.
     sqes.clear();
-    while (i < items.size()) {
+    size_t copied = 0;
+    bool blocked = false;  // no id, or no staging memory until a completion of ours
+    while (i < items.size() && copied < kPipelineBytes) {
       BatchItem& it = items[i];
-      if (!stage(it.sqe, it.data, it.len, it.to_controller, it.metadata, group.empty())) {
-        if (!group.empty()) break;
+      uint16_t cid;
+      if (!queue::try_acquire(queue_, &cid)) {
+        blocked = true;
+        break;
+      }
+      const bool alone = head == flights.size() && sqes.empty();
+      if (!stage(it.sqe, it.data, it.len, it.to_controller, it.metadata, alone)) {
+        queue::release(queue_, cid);  // never submitted
+        if (!alone) {
+          blocked = true;
+          break;
+        }
         it.result = staging_exhausted();
         ++i;
         continue;
       }
+      if (it.to_controller && it.sqe.dptr.prp.prp1 != reinterpret_cast<uint64_t>(it.data)) {
+        copied += it.len;
+      }
+      it.sqe.cid = cid;
       sqes.push_back(it.sqe);
-      group.push_back(i++);
+      flights.emplace_back(i++, cid);
     }
-    results.assign(sqes.size(), CmdResult{});
-    run_batch(sqes, results);
-    for (size_t j = 0; j < group.size(); ++j) {
-      BatchItem& it = items[group[j]];
-      it.result = results[j];
-      unstage(it.sqe, it.data, it.len, it.to_controller, results[j]);
+    if (!sqes.empty()) {
+      queue::submit(queue_, sqes.data(), static_cast<uint32_t>(sqes.size()));
+      full = {};
+    }
+    // Reap what has completed, in order; when nothing more can be submitted now, wait for the
+    // oldest (its completion may free room for the next group).
+    while (head < flights.size() && queue::poll(queue_, flights[head].second)) {
+      complete(head, finish(flights[head].second));
+      ++head;
+    }
+    if ((i == items.size() || blocked) && head < flights.size()) {
+      complete(head, wait(flights[head].second));
+      ++head;
+    }
+    if (blocked && head == flights.size() && i < items.size()) {
+      // Other threads hold every credit: a controller that died or froze never returns them.
+      queue::reap(queue_);
+      atomic::pause();
+      if ((++spins & 0xffff) == 0xffff) (void)stuck(full);
     }
   }
 }

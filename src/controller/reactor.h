@@ -49,9 +49,11 @@ class Reactor {
 
   // The reactor running on the calling thread, or null.
   static Reactor* current() noexcept;
+  // hint_requester_woken (gdkv/transport.h) for this reactor (its thread only).
+  void requester_woken() noexcept { requester_woken_ = true; }
 
   uint32_t index() const noexcept { return index_; }
-  uint32_t* wake_word() noexcept { return &wake_word_; }
+  uint32_t* wake_word() noexcept { return &wake_.sleeping; }
   // Wakes the reactor sleeping on `word` (a QueueRef's wake_fn for the queues it serves).
   static void wake_word_fn(uint32_t* word);
   CopyEngine& engine() noexcept { return *engine_; }
@@ -67,6 +69,15 @@ class Reactor {
   bool drain_inbox();
   bool poll_once();
   void refresh_pollers();
+  // Sleeps until woken (an in-process requester, a poller's wake_fd) or the timeout.
+  void sleep();
+
+  // The sleep word in-process requesters look at, and the eventfd that wakes the reactor.
+  // Standard layout with `sleeping` first, so a QueueRef's wake pointer leads back to `fd`.
+  struct WakeWord {
+    uint32_t sleeping = 0;  // 1 while sleeping (or about to)
+    int fd = -1;            // eventfd
+  };
 
   Controller::Impl* ctl_;
   uint32_t index_;
@@ -76,7 +87,9 @@ class Reactor {
   std::unique_ptr<StagingPool> staging_pool_;
   std::thread thread_;
   std::atomic<bool> exit_{false};
-  uint32_t wake_word_ = 0;  // futex word: 1 while sleeping
+  WakeWord wake_;
+  bool requester_woken_ = false;  // by the last busy poll (reactor thread only)
+  int epoll_fd_ = -1;             // wake_.fd and the pollers' wake fds
 
   std::mutex pollers_mu_;
   std::vector<Poller*> pollers_;  // guarded by pollers_mu_

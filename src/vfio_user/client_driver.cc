@@ -7,9 +7,13 @@
 // and wait for CSTS.RDY, Identify Controller (the gdkv vendor area says counter doorbells are
 // offered), Set Features Number of Queues. I/O queue pairs are created on demand with counter
 // doorbells; the requester bookkeeping of gdkv::QueueRef stays in private memory.
+#include <linux/futex.h>
 #include <poll.h>
+#include <sched.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -19,6 +23,7 @@
 #include <bitset>
 #include <cerrno>
 #include <chrono>
+#include <climits>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -27,6 +32,7 @@
 #include <stdexcept>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 
 #include "gdkv/vfio_user.h"
 #include "vfio_user/nvme_defs.h"
@@ -177,6 +183,117 @@ class ShmStager final : public BufferStager {
   ShmAllocator& a_;
 };
 
+// ---- Wake-ups (docs/vfio-user.md "Wake-ups") ----
+
+// A QueueRef's wake_fn gets only the sleeping word (in the connection's doorbell page); the
+// connection's doorbell ioeventfd is found by it here. Looked up only when the reactor sleeps.
+std::mutex g_doorbell_fds_mu;
+std::unordered_map<const uint32_t*, int> g_doorbell_fds;  // guarded by g_doorbell_fds_mu
+
+void signal_fd(int fd) {
+  const uint64_t one = 1;
+  (void)!::write(fd, &one, sizeof(one));  // a full counter (EAGAIN) is still a wake-up
+}
+
+// Set when this thread woke a reactor: its next wait spins twice as long (the reactor's wake-up
+// comes first), so that on a free core the completion is still caught by spinning and the
+// reactor stays awake for the next call.
+thread_local bool tls_woke_reactor = false;
+
+// QueueRef::wake_fn of gdkvd's queues: the doorbell was rung and the reactor sleeps. Only the
+// thread that flips the word pays for the system call; the reactor clears it when it wakes.
+void wake_reactor(uint32_t* word) {
+  if (__atomic_exchange_n(word, 0u, __ATOMIC_SEQ_CST) == 0) return;
+  tls_woke_reactor = true;
+  int fd = -1;
+  {
+    std::lock_guard lk(g_doorbell_fds_mu);
+    auto it = g_doorbell_fds.find(word);
+    if (it != g_doorbell_fds.end()) fd = it->second;
+  }
+  if (fd >= 0) signal_fd(fd);
+}
+
+long futex(uint32_t* word, int op, uint32_t val, const timespec* ts) {
+  return ::syscall(SYS_futex, word, op, val, ts, nullptr, 0);
+}
+
+// How a waiting Client blocks on its queue's completion interrupt. One waiting thread at a time
+// (the sleeper) arms the CQ, looks at its command once more and blocks on the eventfd; the others
+// wait on a futex the sleeper bumps when it wakes, so every waiter looks again after any
+// interrupt. Nothing is lost: a waiter that found the sleeper role taken read the generation
+// first, and the sleeper bumps it only after giving the role up.
+class IrqWaiter final : public CompletionWaiter {
+ public:
+  // A sleeper that heard nothing looks again after this (an interrupt lost, gdkvd gone).
+  static constexpr long kBlockNs = 1'000'000;
+  static constexpr uint32_t kMissLimit = 8;   // spins in a row that saw nothing: stop spinning
+  static constexpr uint32_t kRetrySpin = 64;  // then every 64th wait spins again
+
+  IrqWaiter(UniqueFd efd, uint32_t* arm, std::chrono::nanoseconds spin)
+      : efd_(std::move(efd)), arm_(arm), spin_(spin) {}
+  // Spins unless recent spins never saw a completion (the reactor shares our core, or the
+  // backend is slower than the spin); then one wait in kRetrySpin spins again to find out
+  // whether that changed.
+  std::chrono::nanoseconds spin() override {
+    const bool woke = std::exchange(tls_woke_reactor, false);
+    const uint32_t n = __atomic_add_fetch(&waits_, 1u, __ATOMIC_RELAXED);
+    if (__atomic_load_n(&misses_, __ATOMIC_RELAXED) >= kMissLimit && n % kRetrySpin != 0) {
+      return {};
+    }
+    return woke ? 2 * spin_ : spin_;
+  }
+  void spun(bool completed) override {
+    if (spin_.count() == 0) return;
+    if (completed) {
+      __atomic_store_n(&misses_, 0u, __ATOMIC_RELAXED);
+    } else if (__atomic_load_n(&misses_, __ATOMIC_RELAXED) < kMissLimit) {
+      __atomic_fetch_add(&misses_, 1u, __ATOMIC_RELAXED);
+    }
+  }
+
+  void block(const QueueRef& q, uint16_t cid) override {
+    const uint32_t gen = __atomic_load_n(&gen_, __ATOMIC_SEQ_CST);
+    bool no = false;
+    if (!sleeper_.compare_exchange_strong(no, true, std::memory_order_seq_cst)) {
+      __atomic_fetch_add(&waiters_, 1u, __ATOMIC_SEQ_CST);
+      if (!queue::poll(q, cid)) {
+        const timespec ts{0, kBlockNs};
+        (void)futex(&gen_, FUTEX_WAIT_PRIVATE, gen, &ts);
+      }
+      __atomic_fetch_sub(&waiters_, 1u, __ATOMIC_SEQ_CST);
+      return;
+    }
+    // Arm, then look (store-buffering with gdkvd's post-then-look-at-the-arm: both fence).
+    // The arm word says where we block (2 + CPU; 1: unknown): gdkvd gives up its core when it
+    // wakes a waiter on it.
+    const int cpu = ::sched_getcpu();
+    __atomic_store_n(arm_, cpu >= 0 ? 2u + static_cast<uint32_t>(cpu) : 1u, __ATOMIC_SEQ_CST);
+    atomic::fence();
+    if (!queue::poll(q, cid)) {
+      pollfd pf{efd_.get(), POLLIN, 0};
+      (void)::poll(&pf, 1, static_cast<int>(kBlockNs / 1'000'000));
+      uint64_t v;
+      (void)!::read(efd_.get(), &v, sizeof(v));
+    }
+    sleeper_.store(false, std::memory_order_seq_cst);
+    __atomic_fetch_add(&gen_, 1u, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&waiters_, __ATOMIC_SEQ_CST) != 0) {
+      (void)futex(&gen_, FUTEX_WAKE_PRIVATE, INT_MAX, nullptr);
+    }
+  }
+
+ private:
+  UniqueFd efd_;   // the CQ's MSI-X eventfd (non-blocking)
+  uint32_t* arm_;  // the CQ's arm word in the doorbell page
+  std::chrono::nanoseconds spin_;
+  std::atomic<bool> sleeper_{false};
+  uint32_t gen_ = 0;      // futex word
+  uint32_t waiters_ = 0;  // threads waiting on gen_
+  uint32_t waits_ = 0;    // spin() calls (relaxed: a heuristic)
+  uint32_t misses_ = 0;   // spins in a row that ended without the completion
+};
+
 class Driver;
 
 // An I/O queue pair; destroying it deletes the queues on the controller.
@@ -185,7 +302,8 @@ struct IoQueue {
   uint16_t qid = 0;
   void* sq = nullptr;
   void* cq = nullptr;
-  void* block = nullptr;  // private requester bookkeeping
+  void* block = nullptr;              // private requester bookkeeping
+  std::unique_ptr<IrqWaiter> waiter;  // with completion wake-ups
   ~IoQueue();
 };
 
@@ -199,9 +317,14 @@ class Driver final : public VfioUserDevice {
     share_memory();
     enable();
     identify();
+    if (options_.wakeups && wakeups_offered_) fetch_doorbell_fd();
   }
 
   ~Driver() override {
+    if (doorbell_efd_.valid()) {
+      std::lock_guard lk(g_doorbell_fds_mu);
+      g_doorbell_fds.erase(sleeping_word());
+    }
     // Disable the controller so its admin queue stops; the server tears the rest down when the
     // socket closes.
     if (failed_.load()) return;
@@ -232,8 +355,10 @@ class Driver final : public VfioUserDevice {
   CmdResult register_device_memory(const void* handle, uint64_t iova, uint64_t size) override;
   CmdResult unregister_device_memory(uint64_t iova, uint64_t size) override;
   bool device_memory_supported() const override { return devmem_; }
+  bool doorbell_wakeups() const override { return doorbell_efd_.valid(); }
+  bool completion_wakeups() const override { return options_.wakeups && wakeups_offered_; }
 
-  void release_queue(uint16_t qid, void* sq, void* cq) {
+  void release_queue(uint16_t qid, void* sq, void* cq, bool irq) {
     if (failed_.load()) return;  // the connection is gone: so are its queues on gdkvd's side
     nvme::Sqe s{};
     s.opcode = static_cast<uint8_t>(AdminOp::kDeleteIoSq);
@@ -241,6 +366,7 @@ class Driver final : public VfioUserDevice {
     (void)admin(s, nullptr, 0);
     s.opcode = static_cast<uint8_t>(AdminOp::kDeleteIoCq);
     (void)admin(s, nullptr, 0);
+    if (irq) (void)set_irq(qid, -1);  // gdkvd lets go of the eventfd
     alloc_.free(sq);
     alloc_.free(cq);
     std::lock_guard lk(qid_mu_);
@@ -320,6 +446,53 @@ class Driver final : public VfioUserDevice {
   bool peer_gone() {
     pollfd p{sock_.get(), POLLRDHUP, 0};
     return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR));
+  }
+
+  // The connection's sleeping word (doorbell page, kWakeSleepingOffset).
+  uint32_t* sleeping_word() const { return db_ + kWakeSleepingOffset / 4; }
+
+  // After ringing a doorbell outside a QueueRef (the admin queue): wake a sleeping reactor.
+  void wake_after_doorbell() {
+    if (!doorbell_efd_.valid()) return;
+    atomic::fence();  // the doorbell store before the look at the word (as queue::publish)
+    if (__atomic_load_n(sleeping_word(), __ATOMIC_SEQ_CST) != 0) wake_reactor(sleeping_word());
+  }
+
+  // The doorbell page's ioeventfd. Anything unexpected leaves wake-ups off: gdkvd then notices
+  // the doorbells within its reactor's sleep timeout, as before.
+  void fetch_doorbell_fd() {
+    const RegionIoFdsMsg req{sizeof(RegionIoFdsMsg) + 4 * sizeof(IoFdSubRegion), 0, kRegionBar0, 0};
+    std::vector<std::byte> reply;
+    std::vector<UniqueFd> fds;
+    if (request(Cmd::kDeviceGetRegionIoFds, as_bytes_of(req), &reply, {}, &fds) != 0) return;
+    PayloadReader r(reply);
+    auto head = r.get<RegionIoFdsMsg>();
+    if (!head || head->index != kRegionBar0) return;
+    for (uint32_t i = 0; i < head->count && i < 4; ++i) {
+      auto sub = r.get<IoFdSubRegion>(sizeof(RegionIoFdsMsg) + i * sizeof(IoFdSubRegion));
+      if (!sub || sub->type != kIoFdTypeIoeventfd || sub->fd_index >= fds.size() ||
+          sub->offset > kDoorbellPage || sub->offset + sub->size < 2 * kDoorbellPage) {
+        continue;
+      }
+      doorbell_efd_ = std::move(fds[sub->fd_index]);
+      std::lock_guard lk(g_doorbell_fds_mu);
+      g_doorbell_fds[sleeping_word()] = doorbell_efd_.get();
+      return;
+    }
+  }
+
+  // Assigns `fd` to MSI-X vector `vector` (-1: de-assigns it). Returns the errno (EPIPE once
+  // the connection is lost: it runs in destructors too, so it never throws).
+  int set_irq(uint16_t vector, int fd) noexcept {
+    const IrqSetMsg m{sizeof(IrqSetMsg), kIrqSetDataEventfd | kIrqSetActionTrigger, kIrqMsix,
+                      vector, 1};
+    const int fds[1] = {fd};
+    try {
+      return request(Cmd::kDeviceSetIrqs, as_bytes_of(m), nullptr,
+                     fd >= 0 ? std::span<const int>(fds) : std::span<const int>());
+    } catch (const std::exception&) {
+      return EPIPE;
+    }
   }
 
   // ---- bring-up ----
@@ -482,6 +655,8 @@ class Driver final : public VfioUserDevice {
       fail(where_ + ": the controller is not a gdkvd (no counter doorbells)");
     }
     devmem_ = vi.flags & kVendorDeviceMemory;
+    wakeups_offered_ = vi.flags & kVendorWakeups;
+    msix_vectors_ = vi.msix_vectors;
     max_entries_ = vi.max_queue_entries;
     nvme::Sqe f{};
     f.opcode = static_cast<uint8_t>(AdminOp::kSetFeatures);
@@ -539,11 +714,14 @@ class Driver final : public VfioUserDevice {
   uint16_t max_qid_ = 0;
   uint32_t max_entries_ = 0;
   bool devmem_ = false;
+  bool wakeups_offered_ = false;  // Identify vendor flag kVendorWakeups
+  uint32_t msix_vectors_ = 0;
+  UniqueFd doorbell_efd_;            // gdkvd's doorbell ioeventfd (wake-ups on)
   std::atomic<bool> failed_{false};  // poison() was called
 };
 
 IoQueue::~IoQueue() {
-  if (driver) driver->release_queue(qid, sq, cq);
+  if (driver) driver->release_queue(qid, sq, cq, waiter != nullptr);
   std::free(block);
 }
 
@@ -568,6 +746,7 @@ CmdResult Driver::admin(nvme::Sqe sqe, void* data, size_t len) {
     atail_ = (atail_ + 1) % adepth_;
     atomic::fence();
     __atomic_store_n(db_, atail_, __ATOMIC_RELEASE);  // SQ 0 tail
+    wake_after_doorbell();
     const auto deadline = Clock::now() + std::chrono::milliseconds(options_.timeout_ms);
     uint32_t spins = 0;
     for (;;) {
@@ -657,11 +836,26 @@ std::unique_ptr<Client> Driver::open_client(uint32_t depth) {
   std::memset(q->cq, 0, depth * sizeof(nvme::Cqe));
   std::memset(q->block, 0, layout.total);
 
+  // Completion wake-ups: vector qid carries an eventfd, and the CQ interrupts only when armed.
+  // If gdkvd refuses, the Client polls and yields as without them.
+  if (completion_wakeups() && qid < msix_vectors_) {
+    UniqueFd efd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+    if (efd.valid() && set_irq(qid, efd.get()) == 0) {
+      auto* arm = db_ + (2u * qid + 1) * (kDoorbellStride / 4) + kWakeArmOffset / 4;
+      q->waiter = std::make_unique<IrqWaiter>(std::move(efd), arm,
+                                              std::chrono::microseconds(options_.wait_spin_us));
+    }
+  }
   nvme::Sqe c{};
   c.opcode = static_cast<uint8_t>(AdminOp::kCreateIoCq);
   c.cdw10 = qid | ((depth - 1) << 16);
   c.key_length = 1;  // CDW11: physically contiguous, no interrupts (the Client polls)
   c.cdw12 = kCounterDoorbells;
+  if (q->waiter) {
+    c.key_length |= 2;            // CDW11 bit 1: interrupts enabled
+    c.cdw11_reserved = qid;       // CDW11 31:16: the vector
+    c.cdw12 |= kArmedInterrupts;  // only when armed by a waiting thread
+  }
   c.dptr.prp.prp1 = reinterpret_cast<uint64_t>(q->cq);
   CmdResult r = admin(c, nullptr, 0);
   if (r.ok()) {
@@ -682,6 +876,7 @@ std::unique_ptr<Client> Driver::open_client(uint32_t depth) {
   if (!r.ok()) {
     alloc_.free(q->sq);
     alloc_.free(q->cq);
+    if (q->waiter) (void)set_irq(qid, -1);
     {
       std::lock_guard lk(qid_mu_);
       qids_.reset(qid);
@@ -695,8 +890,12 @@ std::unique_ptr<Client> Driver::open_client(uint32_t depth) {
   ref.cq = static_cast<nvme::Cqe*>(q->cq);
   ref.db =
       reinterpret_cast<QueueDoorbells*>(reinterpret_cast<char*>(db_) + 2u * qid * kDoorbellStride);
-  ref.wake = nullptr;  // gdkvd's reactors poll; a remote process cannot wake them
+  if (doorbell_efd_.valid()) {
+    ref.wake = sleeping_word();  // set while the reactor sleeps: then signal its ioeventfd
+    ref.wake_fn = &wake_reactor;
+  }
   auto client = std::make_unique<Client>(ref, q, nullptr, &stager_);
+  if (q->waiter) client->set_waiter(q->waiter.get());
   client->set_timeout(std::chrono::milliseconds(options_.io_timeout_ms));
   // The client's queue (its owner) keeps the driver alive, so the check may name it.
   Driver* self = this;

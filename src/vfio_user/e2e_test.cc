@@ -722,5 +722,119 @@ TEST(VfioUserServerSetup, Errors) {
   ctl.stop();
 }
 
+// ---- Wake-ups (docs/vfio-user.md "Wake-ups") ----
+
+// One reactor that sleeps after 50 us without work, so every call after a pause finds it asleep.
+class VfioUserWake : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ControllerOptions co;
+    co.reactors = 1;
+    co.idle_spin_us = 50;
+    ctl_ = std::make_unique<Controller>(make_memory_backend(), co);
+    VfioUserServerOptions so;
+    so.socket_dir = dir_.path();
+    so.log = [](const std::string&) {};
+    server_ = std::make_unique<VfioUserServer>(*ctl_, so);
+    server_->start().value();
+  }
+  void TearDown() override {
+    server_->stop();
+    ctl_->stop();
+  }
+  double metric(const char* name) {
+    MetricList ms;
+    server_->collect(ms);
+    for (const Metric& m : ms) {
+      if (m.name == name) return m.value;
+    }
+    return -1;
+  }
+  // Calls after pauses long enough for the reactor to sleep; every value checked.
+  void calls_after_pauses(Client& c, int n, int tag) {
+    for (int i = 0; i < n; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      const Key k = key_of("wake", tag, i);
+      const auto v = pattern(5000 + static_cast<size_t>(i), static_cast<uint64_t>(tag * 1000 + i));
+      ASSERT_TRUE(c.put(k, v).ok());
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      std::vector<std::byte> out;
+      ASSERT_TRUE(c.get(k, out).ok());
+      EXPECT_EQ(out, v);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      EXPECT_TRUE(c.exists(k).ok());
+      EXPECT_EQ(c.exists(key_of("absent", tag, i)).status, Status::kKeyNotExist);
+    }
+  }
+
+  TempDir dir_{"wake"};
+  std::unique_ptr<Controller> ctl_;
+  std::unique_ptr<VfioUserServer> server_;
+};
+
+TEST_F(VfioUserWake, DoorbellAndCompletionWakeUpsAreUsedAndCorrect) {
+  auto dev = VfioUserDevice::open(dir_.path()).value();
+  EXPECT_TRUE(dev->doorbell_wakeups());
+  EXPECT_TRUE(dev->completion_wakeups());
+  auto c = dev->make_client().value();
+  calls_after_pauses(*c, 30, 1);
+  // The sleeping reactor was woken by the client's doorbell signals, and blocked waits were
+  // ended by completion interrupts (counts, not times: either path may also win by polling).
+  EXPECT_GT(metric("vfio_user_doorbell_wakeups_total"), 0);
+  EXPECT_GT(metric("vfio_user_interrupts_total"), 0);
+}
+
+TEST_F(VfioUserWake, ManyThreadsBlockingOnOneQueue) {
+  // Several waiters on one CQ: one sleeps on the eventfd, the others on its generation futex.
+  VfioUserClientOptions o;
+  o.wait_spin_us = 0;  // every wait blocks
+  auto dev = VfioUserDevice::open(dir_.path(), o).value();
+  auto c = dev->make_client().value();
+  std::vector<std::thread> ts;
+  for (int t = 0; t < 4; ++t) ts.emplace_back([&, t] { calls_after_pauses(*c, 15, 10 + t); });
+  for (auto& t : ts) t.join();
+  EXPECT_GT(metric("vfio_user_interrupts_total"), 0);
+}
+
+TEST_F(VfioUserWake, OffByOptionIsTheOldPath) {
+  VfioUserClientOptions o;
+  o.wakeups = false;
+  auto dev = VfioUserDevice::open(dir_.path(), o).value();
+  EXPECT_FALSE(dev->doorbell_wakeups());
+  EXPECT_FALSE(dev->completion_wakeups());
+  auto c = dev->make_client().value();
+  const double irqs = metric("vfio_user_interrupts_total");  // the admin queue's, no eventfd
+  calls_after_pauses(*c, 5, 2);  // the reactor's sleep timeout still finds the work
+  EXPECT_EQ(metric("vfio_user_doorbell_wakeups_total"), 0);
+  EXPECT_EQ(metric("vfio_user_interrupts_total"), irqs);  // I/O completions raise none
+}
+
+TEST_F(VfioUserWake, StandardHostKeepsPerCompletionInterrupts) {
+  // A host that never asks for the ioeventfd (QEMU's guest driver, SPDK): its CQ with interrupts
+  // gets one for every completion, unarmed, and the sleeping word never changes for it.
+  vfio_user::test::RawHost h(dir_.path());
+  h.on_failure = [](const std::string& what) { ADD_FAILURE() << what; };
+  ASSERT_TRUE(h.start());
+  vfio_user::Message info;
+  const vfio_user::RegionInfoMsg ri{256, 0, vfio_user::kRegionBar0, 0, 0, 0};
+  ASSERT_EQ(
+      h.call(vfio_user::Cmd::kDeviceGetRegionInfo, vfio_user::test::RawClient::bytes_of(ri), &info),
+      0);
+  ASSERT_EQ(info.fds.size(), 1u);
+  void* d = ::mmap(nullptr, 4096, PROT_READ, MAP_SHARED, info.fds[0].get(), 0x1000);
+  ASSERT_NE(d, MAP_FAILED);
+  const auto* sleeping = static_cast<const uint32_t*>(d) + vfio_user::kWakeSleepingOffset / 4;
+  for (int i = 0; i < 5; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    EXPECT_EQ(__atomic_load_n(sleeping, __ATOMIC_ACQUIRE), 0u);
+    nvme::Sqe s = cmd::exist(reinterpret_cast<const uint8_t*>("nokey"), 5);
+    const nvme::Cqe e = h.io(s);  // waits for the interrupt (eventfd), 5 s at most
+    EXPECT_EQ(nvme::status_code(e.status), Status::kKeyNotExist);
+  }
+  EXPECT_GE(metric("vfio_user_interrupts_total"), 5);
+  EXPECT_EQ(metric("vfio_user_doorbell_wakeups_total"), 0);
+  ::munmap(d, 4096);
+}
+
 }  // namespace
 }  // namespace gdkv

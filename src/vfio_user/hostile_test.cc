@@ -591,5 +591,120 @@ TEST_F(Hostile, MessageOnlyMemory) {
   expect_good_client_works();
 }
 
+// ---- Wake-ups: DEVICE_GET_REGION_IO_FDS and interrupt descriptors ----
+
+bool is_eventfd(int fd) {
+  char link[64];
+  const std::string path = "/proc/self/fd/" + std::to_string(fd);
+  const ssize_t n = ::readlink(path.c_str(), link, sizeof(link) - 1);
+  return n > 0 && std::string(link, static_cast<size_t>(n)) == "anon_inode:[eventfd]";
+}
+
+TEST_F(Hostile, RegionIoFdsRequests) {
+  RawClient r(dir_.path());
+  ASSERT_EQ(r.version(), 0);
+  const std::byte tiny[4] = {};
+  EXPECT_EQ(r.call(c(Cmd::kDeviceGetRegionIoFds), tiny), EINVAL);  // short
+  RegionIoFdsMsg q{16, 1, kRegionBar0, 0};
+  EXPECT_EQ(r.call(c(Cmd::kDeviceGetRegionIoFds), RawClient::bytes_of(q)), EINVAL);  // flags
+  q = {16, 0, 42, 0};
+  EXPECT_EQ(r.call(c(Cmd::kDeviceGetRegionIoFds), RawClient::bytes_of(q)), EINVAL);  // region
+  q = {8, 0, kRegionBar0, 0};
+  EXPECT_EQ(r.call(c(Cmd::kDeviceGetRegionIoFds), RawClient::bytes_of(q)), EINVAL);  // argsz
+  // Too small a reply buffer: the size needed, no sub-region, no descriptor.
+  Message m;
+  q = {16, 0, kRegionBar0, 0};
+  ASSERT_EQ(r.call(c(Cmd::kDeviceGetRegionIoFds), RawClient::bytes_of(q), &m), 0);
+  ASSERT_EQ(m.payload.size(), sizeof(RegionIoFdsMsg));
+  RegionIoFdsMsg head;
+  std::memcpy(&head, m.payload.data(), sizeof(head));
+  EXPECT_EQ(head.argsz, sizeof(RegionIoFdsMsg) + sizeof(IoFdSubRegion));
+  EXPECT_EQ(head.count, 1u);
+  EXPECT_TRUE(m.fds.empty());
+  // Other regions have none.
+  q = {256, 0, kRegionConfig, 0};
+  ASSERT_EQ(r.call(c(Cmd::kDeviceGetRegionIoFds), RawClient::bytes_of(q), &m), 0);
+  std::memcpy(&head, m.payload.data(), sizeof(head));
+  EXPECT_EQ(head.count, 0u);
+  EXPECT_TRUE(m.fds.empty());
+  // BAR0: one ioeventfd over the doorbell page.
+  q = {256, 0, kRegionBar0, 0};
+  ASSERT_EQ(r.call(c(Cmd::kDeviceGetRegionIoFds), RawClient::bytes_of(q), &m), 0);
+  ASSERT_EQ(m.payload.size(), sizeof(RegionIoFdsMsg) + sizeof(IoFdSubRegion));
+  IoFdSubRegion sub;
+  std::memcpy(&sub, m.payload.data() + sizeof(RegionIoFdsMsg), sizeof(sub));
+  EXPECT_EQ(sub.offset, kDoorbellPage);
+  EXPECT_EQ(sub.size, kDoorbellPage);
+  EXPECT_EQ(sub.type, kIoFdTypeIoeventfd);
+  EXPECT_EQ(sub.fd_index, 0u);
+  ASSERT_EQ(m.fds.size(), 1u);
+  EXPECT_TRUE(is_eventfd(m.fds[0].get()));
+  // Garbage written into it (the largest count an eventfd takes) only wakes the reactor.
+  const uint64_t big = UINT64_MAX - 1;
+  EXPECT_EQ(::write(m.fds[0].get(), &big, sizeof(big)), 8);
+  expect_good_client_works();
+}
+
+TEST_F(Hostile, InterruptDescriptorsMustBeEventfds) {
+  RawClient r(dir_.path());
+  ASSERT_EQ(r.version(), 0);
+  IrqSetMsg s{20, kIrqSetDataEventfd | kIrqSetActionTrigger, kIrqMsix, 0, 1};
+  int p[2];
+  ASSERT_EQ(::pipe2(p, O_CLOEXEC), 0);
+  UniqueFd rd(p[0]), wr(p[1]);
+  // A pipe would block the reactor once full; a memfd is no interrupt at all.
+  EXPECT_EQ(
+      r.call(c(Cmd::kDeviceSetIrqs), RawClient::bytes_of(s), nullptr, std::vector<int>{wr.get()}),
+      EINVAL);
+  UniqueFd mf = memfd(4096);
+  EXPECT_EQ(
+      r.call(c(Cmd::kDeviceSetIrqs), RawClient::bytes_of(s), nullptr, std::vector<int>{mf.get()}),
+      EINVAL);
+  // An eventfd is taken, and made non-blocking: a client that fills its counter cannot block
+  // the reactor that signals it.
+  UniqueFd e(::eventfd(0, EFD_CLOEXEC));
+  ASSERT_EQ(
+      r.call(c(Cmd::kDeviceSetIrqs), RawClient::bytes_of(s), nullptr, std::vector<int>{e.get()}),
+      0);
+  EXPECT_NE(::fcntl(e.get(), F_GETFL) & O_NONBLOCK, 0);
+  const uint64_t full = UINT64_MAX - 1;
+  ASSERT_EQ(::write(e.get(), &full, sizeof(full)), 8);
+  IrqSetMsg t{20, kIrqSetDataNone | kIrqSetActionTrigger, kIrqMsix, 0, 1};
+  EXPECT_EQ(r.call(c(Cmd::kDeviceSetIrqs), RawClient::bytes_of(t)), 0);  // returns, EAGAIN inside
+  expect_good_client_works();
+}
+
+TEST_F(Hostile, WakeUpsMisusedByTheHost) {
+  // A host that takes the ioeventfd and never signals it, then closes it: its commands still
+  // complete (the reactor's sleep timeout), and a full interrupt counter on its I/O vector does
+  // not stop the reactor that serves everyone.
+  vfio_user::test::RawHost h(dir_.path());
+  h.on_failure = [](const std::string& what) { ADD_FAILURE() << what; };
+  ASSERT_TRUE(h.start());
+  Message m;
+  RegionIoFdsMsg q{256, 0, kRegionBar0, 0};
+  ASSERT_EQ(h.call(Cmd::kDeviceGetRegionIoFds, RawClient::bytes_of(q), &m), 0);
+  ASSERT_EQ(m.fds.size(), 1u);
+  for (int i = 0; i < 3; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));  // the reactor sleeps
+    const nvme::Cqe e = h.io(cmd::exist(reinterpret_cast<const uint8_t*>("good"), 4));
+    EXPECT_EQ(nvme::status_code(e.status), Status::kSuccess);
+  }
+  m.fds.clear();  // closed by the host
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_EQ(nvme::status_code(h.io(cmd::exist(reinterpret_cast<const uint8_t*>("good"), 4)).status),
+            Status::kSuccess);
+  UniqueFd e(::eventfd(UINT32_MAX, EFD_CLOEXEC));
+  const uint64_t fill = UINT64_MAX - 1 - UINT32_MAX;
+  ASSERT_EQ(::write(e.get(), &fill, sizeof(fill)), 8);
+  IrqSetMsg s{20, kIrqSetDataEventfd | kIrqSetActionTrigger, kIrqMsix, 3, 1};
+  ASSERT_EQ(h.call(Cmd::kDeviceSetIrqs, RawClient::bytes_of(s), nullptr, std::vector<int>{e.get()}),
+            0);
+  // The host now waits on an eventfd that is no longer its vector's: no interrupt comes, but the
+  // completion is posted and the reactor carries on.
+  (void)h.io(cmd::exist(reinterpret_cast<const uint8_t*>("good"), 4), 50);
+  expect_good_client_works();
+}
+
 }  // namespace
 }  // namespace gdkv

@@ -239,7 +239,8 @@ uint16_t NvmeController::identify(const nvme::Sqe& sqe) {
       GdkvVendorInfo vi{};
       std::memcpy(vi.magic, "GDKV", 4);
       vi.version = 1;
-      vi.flags = kVendorCounterDoorbells | (config_.importer ? kVendorDeviceMemory : 0);
+      vi.flags =
+          kVendorCounterDoorbells | kVendorWakeups | (config_.importer ? kVendorDeviceMemory : 0);
       vi.max_value_bytes = config_.max_value_bytes;
       vi.msix_vectors = config_.msix_vectors;
       vi.max_queue_entries = config_.max_queue_entries;
@@ -484,6 +485,7 @@ uint16_t NvmeController::create_cq(const nvme::Sqe& sqe) {
       dma_.acquire_queue(sqe.dptr.prp.prp1, uint64_t{size} * sizeof(nvme::Cqe), true, &map);
   if (ring == nullptr) return sf(Status::kDataTransferError);
   store_db(cq_doorbell(static_cast<uint16_t>(qid)), 0);
+  __atomic_store_n(cq_arm_word(static_cast<uint16_t>(qid)), 0u, __ATOMIC_RELEASE);
   Cq& cq = cqs_[qid];
   cq = Cq{};
   cq.active = true;
@@ -493,6 +495,7 @@ uint16_t NvmeController::create_cq(const nvme::Sqe& sqe) {
   cq.ring = reinterpret_cast<nvme::Cqe*>(ring);
   cq.map = map;
   cq.ien = ien;
+  cq.armed = ien && (sqe.cdw12 & kArmedInterrupts);
   cq.iv = static_cast<uint16_t>(iv);
   return sf(0);
 }

@@ -2,6 +2,9 @@
 // completion posting (see nvme_ctrl.h, nvme_ctrl_impl.h).
 #include "vfio_user/nvme_ctrl_impl.h"
 
+#include <sched.h>
+#include <sys/eventfd.h>
+
 namespace gdkv::vfio_user {
 
 NvmeController::NvmeController(Controller& ctl, DmaSpace& dma, IrqSink& irq,
@@ -26,6 +29,8 @@ NvmeController::NvmeController(Controller& ctl, DmaSpace& dma, IrqSink& irq,
     throw std::runtime_error(std::string("doorbell mmap: ") + std::strerror(errno));
   }
   db_ = reinterpret_cast<uint32_t*>(static_cast<char*>(db_map_) + kDoorbellPage);
+  wake_fd_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!wake_fd_.valid()) throw std::runtime_error(std::string("eventfd: ") + std::strerror(errno));
   features_[kFeatTemperatureThreshold] = 0x0157;  // 343 K
   // MDTS: the smallest power-of-two number of pages that holds the largest value (and at least
   // 1 MiB, for List buffers).
@@ -48,6 +53,16 @@ volatile uint32_t* NvmeController::sq_doorbell(uint16_t qid) const {
 }
 volatile uint32_t* NvmeController::cq_doorbell(uint16_t qid) const {
   return db_ + (2u * qid + 1) * (kDoorbellStride / 4);
+}
+uint32_t* NvmeController::cq_arm_word(uint16_t qid) const {
+  return db_ + (2u * qid + 1) * (kDoorbellStride / 4) + kWakeArmOffset / 4;
+}
+
+void NvmeController::announce_sleep(bool sleeping) {
+  // Only for a host that took the ioeventfd: others never see the word change. The reactor
+  // fences after announcing and before its last look at the doorbells (tests/handshake_model_test).
+  if (!doorbell_wake_.load(std::memory_order_relaxed)) return;
+  __atomic_store_n(db_ + kWakeSleepingOffset / 4, sleeping ? 1u : 0u, __ATOMIC_SEQ_CST);
 }
 
 // ---- Registers (socket thread)
@@ -150,8 +165,11 @@ bool NvmeController::bar0_write(uint64_t offset, std::span<const std::byte> in) 
     if (dword_at < reg::kDoorbells) {
       write_reg32(dword_at, v);
     } else if (doorbell) {
-      // A doorbell written by message instead of through the mapping: the same memory.
+      // A doorbell written by message instead of through the mapping: the same memory. It comes
+      // by message, so the reactor may be asleep: wake it (a full counter is still a wake-up).
       store_db(db_ + (dword_at - reg::kDoorbells) / 4, v);
+      const uint64_t one = 1;
+      (void)!::write(wake_fd_.get(), &one, sizeof(one));
     }
   }
   return true;
@@ -418,14 +436,34 @@ bool NvmeController::flush(Cq& cq) {
 }
 
 void NvmeController::signal_irqs() {
+  bool woke_waiter = false;
   for (Cq& cq : cqs_) {
     if (!cq.irq_due) continue;
     cq.irq_due = false;
     if (cq.active && cq.ien) {
+      if (cq.armed) {
+        // Store-buffering with the host's arm-then-look (its CQEs were stored above, it stored
+        // the arm word): a full fence before the load, else both could miss the other.
+        atomic::fence();
+        uint32_t* w = cq_arm_word(cq.id);
+        uint32_t armed = 0;
+        if (__atomic_load_n(w, __ATOMIC_SEQ_CST) == 0 ||
+            (armed = __atomic_exchange_n(w, 0u, __ATOMIC_SEQ_CST)) == 0) {
+          continue;
+        }
+        // The arm word is 1 + the CPU the waiter blocked on (1 when it did not say): a waiter on
+        // this reactor's own core needs the core back.
+        woke_waiter |= armed == 1 || armed - 2 == static_cast<uint32_t>(::sched_getcpu());
+      }
       irq_.signal(cq.iv);
       stats_.interrupts.fetch_add(1, std::memory_order_relaxed);
     }
   }
+  // A client thread blocked on this core for its completion was just woken, and the scheduler
+  // tends to leave it queued behind the reactor, which would spin idle for idle_spin_us before
+  // letting it run: the reactor sleeps at once if nothing else comes (a yield instead would queue
+  // the reactor behind every other program on a loaded core). A waiter elsewhere has its core.
+  if (woke_waiter) hint_requester_woken();
 }
 
 uint32_t NvmeController::sq_head_index(const Sq& sq) const {

@@ -112,6 +112,7 @@ struct NvmeStats {
   std::atomic<uint64_t> read_commands{0};   // Retrieves that succeeded (SMART host reads)
   std::atomic<uint64_t> write_commands{0};  // Stores that succeeded (SMART host writes)
   std::atomic<uint64_t> interrupts{0};
+  std::atomic<uint64_t> doorbell_wakeups{0};  // the reactor woken through wake_fd()
   std::atomic<uint64_t> bounced_commands{0};  // commands that used message-only DMA memory
 };
 
@@ -125,6 +126,13 @@ class NvmeController final : public Poller {
 
   // ---- socket thread ----
   int doorbell_fd() const { return db_fd_.get(); }
+  // The doorbell page's ioeventfd (DEVICE_GET_REGION_IO_FDS): the host signals it after a
+  // doorbell write that found the reactor asleep; handing it out turns the sleeping word on.
+  int doorbell_event_fd() {
+    doorbell_wake_.store(true, std::memory_order_release);
+    return wake_fd_.get();
+  }
+  bool doorbell_wake() const { return doorbell_wake_.load(std::memory_order_acquire); }
   // BAR0 access, any size inside the BAR. False when out of range.
   bool bar0_read(uint64_t offset, std::span<std::byte> out) const;
   bool bar0_write(uint64_t offset, std::span<const std::byte> in);
@@ -146,6 +154,9 @@ class NvmeController final : public Poller {
 
   // ---- reactor thread ----
   bool poll() override;
+  int wake_fd() const override { return wake_fd_.get(); }
+  void announce_sleep(bool sleeping) override;
+  void woken_by_fd() override { stats_.doorbell_wakeups.fetch_add(1, std::memory_order_relaxed); }
 
   // The admin command set, exposed for tests and the fuzz target: executes one admin command as
   // if fetched from the admin queue (REQUIRES: the reactor thread, or no reactor running this
@@ -176,6 +187,7 @@ class NvmeController final : public Poller {
     uint32_t head = 0;  // last valid head doorbell value
     uint16_t phase = 1;
     bool ien = false;
+    bool armed = false;  // kArmedInterrupts: signal only while the host armed it
     uint16_t iv = 0;
     uint32_t sqs = 0;  // SQs completing here
     bool irq_due = false;
@@ -239,6 +251,7 @@ class NvmeController final : public Poller {
   void signal_irqs();
   volatile uint32_t* sq_doorbell(uint16_t qid) const;
   volatile uint32_t* cq_doorbell(uint16_t qid) const;
+  uint32_t* cq_arm_word(uint16_t qid) const;
 
   // Admin commands; each returns the status field and sets dw0.
   uint16_t admin(const nvme::Sqe& sqe, uint32_t* dw0, bool* deferred);
@@ -272,7 +285,9 @@ class NvmeController final : public Poller {
   // Doorbell page.
   UniqueFd db_fd_;
   void* db_map_ = nullptr;
-  uint32_t* db_ = nullptr;  // the doorbell page (BAR0 + 0x1000)
+  uint32_t* db_ = nullptr;                  // the doorbell page (BAR0 + 0x1000)
+  UniqueFd wake_fd_;                        // eventfd: the doorbell page's ioeventfd
+  std::atomic<bool> doorbell_wake_{false};  // handed out: keep the sleeping word
 
   // Registers.
   mutable std::mutex regs_mu_;

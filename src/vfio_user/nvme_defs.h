@@ -11,6 +11,13 @@
 //     lists).
 //   - Admin opcode C0h: register or unregister device (GPU) memory by CUDA IPC handle.
 //   - Identify Controller vendor area (bytes 3072+): GdkvVendorInfo.
+//   - Wake-ups (vendor flag kVendorWakeups, docs/vfio-user.md "Wake-ups"): once the host fetched
+//     BAR0's ioeventfd (DEVICE_GET_REGION_IO_FDS), gdkvd keeps the word at doorbell page offset
+//     kWakeSleepingOffset at 1 while the reactor serving the connection sleeps; a host that finds
+//     it set after ringing a doorbell signals the ioeventfd. Create I/O CQ CDW12 bit 30 ("armed
+//     interrupts", with IEN): the CQ's vector is signalled only while the host has armed it by a
+//     nonzero word kWakeArmOffset bytes into the CQ's head doorbell stride (2 + the CPU the
+//     waiter blocks on, or 1); gdkvd clears the word when it signals.
 #pragma once
 
 #include <cstddef>
@@ -84,6 +91,12 @@ enum class AdminOp : uint8_t {
 
 // Create I/O SQ/CQ CDW12 bit 31 (gdkv): counter doorbells, see the top of this file.
 inline constexpr uint32_t kCounterDoorbells = 1u << 31;
+// Create I/O CQ CDW12 bit 30 (gdkv): armed interrupts, see the top of this file.
+inline constexpr uint32_t kArmedInterrupts = 1u << 30;
+// Byte offsets of the wake-up words: in the doorbell page (the admin SQ tail's stride, unused by
+// the doorbell itself), and in a CQ head doorbell's stride.
+inline constexpr uint32_t kWakeSleepingOffset = 0x20;
+inline constexpr uint32_t kWakeArmOffset = 0x20;
 
 // Identify CNS values.
 inline constexpr uint8_t kCnsNamespace = 0x00;
@@ -229,6 +242,7 @@ struct GdkvVendorInfo {
 static_assert(sizeof(GdkvVendorInfo) == 24);
 inline constexpr uint16_t kVendorCounterDoorbells = 1u << 0;
 inline constexpr uint16_t kVendorDeviceMemory = 1u << 1;
+inline constexpr uint16_t kVendorWakeups = 1u << 2;
 
 struct LbaFormat {
   uint16_t ms;

@@ -8,9 +8,14 @@ namespace gdkv::vfio_user {
 // ----------------------------------------------------------------------
 
 void NvmeController::dma_done(DmaXfer* x) {
-  std::lock_guard lk(dma_mu_);
-  dma_done_.push_back(x);
-  dma_pending_.store(true, std::memory_order_release);
+  {
+    std::lock_guard lk(dma_mu_);
+    dma_done_.push_back(x);
+    dma_pending_.store(true, std::memory_order_release);
+  }
+  // The reactor may sleep: its wake fd ends that at once (else its sleep timeout would).
+  const uint64_t one = 1;
+  (void)!::write(wake_fd_.get(), &one, sizeof(one));
 }
 
 bool NvmeController::process_dma() {

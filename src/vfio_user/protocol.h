@@ -187,6 +187,28 @@ struct IrqSetMsg {
 };
 static_assert(sizeof(IrqSetMsg) == 20);
 
+// DEVICE_GET_REGION_IO_FDS: request and reply header, then `count` sub-regions (the reply's fds
+// come as SCM_RIGHTS, each sub-region naming one by index).
+struct RegionIoFdsMsg {
+  uint32_t argsz;  // request: the reply payload the client can take; reply: what it needs
+  uint32_t flags;  // 0
+  uint32_t index;  // region
+  uint32_t count;  // reply: sub-regions
+};
+static_assert(sizeof(RegionIoFdsMsg) == 16);
+inline constexpr uint32_t kIoFdTypeIoeventfd = 0;
+inline constexpr uint32_t kIoFdTypeIoregionfd = 1;
+struct IoFdSubRegion {
+  uint64_t offset;  // in the region
+  uint64_t size;
+  uint32_t fd_index;
+  uint32_t type;  // kIoFdType*
+  uint32_t flags;
+  uint32_t padding;
+  uint64_t datamatch;  // ioeventfd: with KVM_IOEVENTFD_FLAG_DATAMATCH (not used here)
+};
+static_assert(sizeof(IoFdSubRegion) == 40);
+
 struct RegionAccessMsg {
   uint64_t offset;
   uint32_t region;

@@ -97,6 +97,7 @@ struct VfioUserServer::Impl {
   std::atomic<uint64_t> messages{0}, message_errors{0}, bad_messages{0};
   std::atomic<uint64_t> io_commands{0}, io_errors{0}, admin_commands{0}, bad_doorbells{0};
   std::atomic<uint64_t> dma_messages{0}, dma_bytes{0}, dma_failures{0}, bounced{0};
+  std::atomic<uint64_t> interrupts{0}, doorbell_wakeups{0};
 
   Impl(Controller& c, VfioUserServerOptions o) : ctl(c), options(std::move(o)) {}
 
@@ -263,6 +264,8 @@ void VfioUserServer::Impl::retire(const Connection& c) {
   admin_commands.fetch_add(s.admin_commands.load());
   bad_doorbells.fetch_add(s.bad_doorbells.load());
   bounced.fetch_add(s.bounced_commands.load());
+  interrupts.fetch_add(s.interrupts.load());
+  doorbell_wakeups.fetch_add(s.doorbell_wakeups.load());
   const auto& d = c.session->stats();
   dma_messages.fetch_add(d.dma_messages.load());
   dma_bytes.fetch_add(d.dma_bytes.load());
@@ -395,6 +398,7 @@ void VfioUserServer::collect(MetricList& out) const {
   uint64_t bad_db = s.bad_doorbells.load(), maps = 0, map_bytes = 0, live = 0;
   uint64_t dma_msgs = s.dma_messages.load(), dma_bytes = s.dma_bytes.load(),
            dma_fail = s.dma_failures.load(), bounced = s.bounced.load();
+  uint64_t irqs = s.interrupts.load(), db_wakeups = s.doorbell_wakeups.load();
   {
     std::lock_guard lk(s.mu);
     for (const auto& c : s.conns) {
@@ -406,6 +410,8 @@ void VfioUserServer::collect(MetricList& out) const {
       adm += st.admin_commands.load();
       bad_db += st.bad_doorbells.load();
       bounced += st.bounced_commands.load();
+      irqs += st.interrupts.load();
+      db_wakeups += st.doorbell_wakeups.load();
       const auto& d = c->session->stats();
       dma_msgs += d.dma_messages.load();
       dma_bytes += d.dma_bytes.load();
@@ -447,6 +453,12 @@ void VfioUserServer::collect(MetricList& out) const {
   add("vfio_user_admin_commands_total", "NVMe admin commands", MetricType::kCounter, adm);
   add("vfio_user_bad_doorbells_total", "invalid doorbell writes ignored", MetricType::kCounter,
       bad_db);
+  add("vfio_user_interrupts_total", "MSI-X interrupts signalled to clients", MetricType::kCounter,
+      irqs);
+  add("vfio_user_doorbell_wakeups_total",
+      "sleeping reactors woken through a connection's eventfd (its doorbell ioeventfd, a "
+      "doorbell written by message, a DMA reply)",
+      MetricType::kCounter, db_wakeups);
 }
 
 }  // namespace gdkv

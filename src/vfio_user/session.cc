@@ -1,6 +1,7 @@
 // One client's device: vfio-user request handling (see session.h).
 #include "vfio_user/session.h"
 
+#include <fcntl.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -10,11 +11,27 @@
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 #include <thread>
 
 namespace gdkv::vfio_user {
 
 namespace {
+
+// An interrupt descriptor gdkvd may signal from a reactor: an eventfd (anything else, a pipe
+// say, could block the reactor), made non-blocking so that a client that lets its counter reach
+// the maximum cannot block it either. The flag is the open file's, shared with the client;
+// interrupt eventfds are read by event loops (QEMU) or consumed by KVM, so it is harmless there.
+bool usable_irq_fd(int fd) {
+  char link[64];
+  const std::string path = "/proc/self/fd/" + std::to_string(fd);
+  const ssize_t n = ::readlink(path.c_str(), link, sizeof(link) - 1);
+  if (n <= 0) return false;
+  link[n] = 0;
+  if (std::strcmp(link, "anon_inode:[eventfd]") != 0) return false;
+  const int fl = ::fcntl(fd, F_GETFL);
+  return fl >= 0 && ((fl & O_NONBLOCK) || ::fcntl(fd, F_SETFL, fl | O_NONBLOCK) == 0);
+}
 
 template <class T>
 void append(std::vector<std::byte>& out, const T& v) {
@@ -289,6 +306,8 @@ Reply DeviceSession::handle(Message& m) {
         err = ENOTTY;
         break;  // no migration or dirty tracking
       case Cmd::kDeviceGetRegionIoFds:
+        err = on_region_io_fds(m, r);
+        break;
       case Cmd::kMigDataRead:
       case Cmd::kMigDataWrite:
         err = ENOTSUP;
@@ -451,6 +470,31 @@ int DeviceSession::on_region_info(const Message& m, Reply& r) {
   return 0;
 }
 
+int DeviceSession::on_region_io_fds(const Message& m, Reply& r) {
+  PayloadReader p(m.payload);
+  auto req = p.get<RegionIoFdsMsg>();
+  if (!req || req->argsz < sizeof(RegionIoFdsMsg) || req->flags != 0 ||
+      req->index >= kNumPciRegions) {
+    return EINVAL;
+  }
+  RegionIoFdsMsg out{sizeof(RegionIoFdsMsg), 0, req->index, 0};
+  if (req->index != kRegionBar0) {
+    append(r.payload, out);  // no other region has io fds
+    return 0;
+  }
+  // One ioeventfd over the doorbell page: a write there (by a host that traps it, or gdkv's
+  // client after a doorbell that found the reactor asleep) wakes the reactor serving this
+  // connection. No datamatch: any write.
+  const IoFdSubRegion sub{kDoorbellPage, kDoorbellPage, 0, kIoFdTypeIoeventfd, 0, 0, 0};
+  out.count = 1;
+  out.argsz = sizeof(RegionIoFdsMsg) + sizeof(sub);
+  append(r.payload, out);
+  if (req->argsz < out.argsz) return 0;  // says what it needs; the client asks again
+  append(r.payload, sub);
+  r.fds.push_back(nvme_->doorbell_event_fd());
+  return 0;
+}
+
 int DeviceSession::on_irq_info(const Message& m, Reply& r) {
   PayloadReader p(m.payload);
   auto req = p.get<IrqInfoMsg>();
@@ -483,6 +527,12 @@ int DeviceSession::on_set_irqs(Message& m) {
   if (data == kIrqSetDataEventfd) {
     if (!m.fds.empty() && m.fds.size() != req->count) return EINVAL;
     if (action != kIrqSetActionTrigger) return 0;  // mask/unmask notifications: not generated
+    for (const UniqueFd& fd : m.fds) {
+      if (!usable_irq_fd(fd.get())) {
+        refusal_ = "an interrupt descriptor is not an eventfd";
+        return EINVAL;
+      }
+    }
     std::lock_guard lk(irq_mu_);
     for (uint32_t i = 0; i < req->count; ++i) {
       // No descriptors: de-assign these vectors.

@@ -109,6 +109,7 @@ class DeviceSession final : public IrqSink, public DmaChannel {
   int on_dma_unmap(Message& m, Reply& r);
   int on_device_info(const Message& m, Reply& r);
   int on_region_info(const Message& m, Reply& r);
+  int on_region_io_fds(const Message& m, Reply& r);
   int on_irq_info(const Message& m, Reply& r);
   int on_set_irqs(Message& m);
   uint32_t irq_count(uint32_t index) const;
