@@ -29,7 +29,7 @@ _core._set_error_factory(errors._make)
 # gdkv.TimeoutError and gdkv.ConnectionError are left out, so `from gdkv import *` does not
 # shadow the builtins (they subclass them: `except TimeoutError` still catches gdkv's).
 __all__ = [
-    "open", "connect", "Client", "chain_keys", "hash128", "backends", "cuda_build",
+    "open", "connect", "Client", "chain_keys", "hash128", "backends", "cuda_build", "features",
     "Error", "KeyNotFoundError", "KeyExistsError", "InvalidKeyError", "ValueSizeError",
     "CapacityError", "NotReadyError", "ClosedError",
 ]
@@ -111,6 +111,24 @@ def chain_keys(token_ids: Iterable[int], block_tokens: int, salt: str | bytes = 
     """
     ids = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
     return _core.chain_keys(ids, block_tokens, salt, parent)
+
+
+def features() -> dict:
+    """What this build of gdkv has: its backends (``rados`` and ``tiered`` only when librados
+    was found at build time), CUDA copy engines, and the paths of the ``gdkvd`` daemon and the
+    ``gdkv`` CLI installed with it (next to this Python, else the first on PATH; None if none).
+
+    >>> gdkv.features()
+    {'backends': ['memory', 'local', 'rados', 'tiered'], 'rados': True, 'cuda': False,
+     'gdkvd': '/venv/bin/gdkvd', 'gdkv': '/venv/bin/gdkv'}
+
+    A missing backend is an error when it is opened (gdkv.Error naming it), not at import.
+    """
+    from . import server
+
+    have = backends()
+    return {"backends": have, "rados": "rados" in have, "cuda": cuda_build,
+            "gdkvd": server.installed("gdkvd"), "gdkv": server.installed("gdkv")}
 
 
 def hash128(data) -> bytes:
