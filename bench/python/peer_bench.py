@@ -84,20 +84,31 @@ class timed:
         self.s = time.perf_counter() - self.t0
 
 
+def groups(batch: int) -> Callable[[], list[int]]:
+    """Each call: the next ``batch`` key indices, cycling through the KEYS keys."""
+    state = {"at": 0}
+
+    def group() -> list[int]:
+        at = state["at"]
+        state["at"] = (at + batch) % (KEYS - KEYS % batch or KEYS)
+        return list(range(at, at + batch))
+
+    return group
+
+
 def memcpy_rate(size: int, batch: int, seconds: float) -> float:
     """A numpy copy of ``batch`` values into ``batch`` buffers, cycling through KEYS sources as
     the stores cycle through their keys (the same working set: 128 MiB at 2 MiB, not one value
     that stays in the CPU cache)."""
     src = values(size)
     dst = [np.empty(size, np.uint8) for _ in range(batch)]
-    state = {"at": 0}
+    group = groups(batch)
 
     def once() -> tuple[int, float]:
-        at = state["at"]
-        state["at"] = (at + batch) % (KEYS - KEYS % batch or KEYS)
+        idx = group()
         with timed() as t:
-            for j in range(batch):
-                np.copyto(dst[j], src[at + j])
+            for j, i in enumerate(idx):
+                np.copyto(dst[j], src[i])
         return size * batch, t.s
 
     return rate(once, seconds)
@@ -125,12 +136,7 @@ def gdkv_figures(c: gdkv.Client, size: int, batch: int, seconds: float) -> dict[
     for s, v in zip(shared, vals):
         s[:] = v
     c.put_many(zip(keys, vals))
-    state = {"at": 0}
-
-    def group() -> list[int]:
-        at = state["at"]
-        state["at"] = (at + batch) % (KEYS - KEYS % batch or KEYS)
-        return list(range(at, at + batch))
+    group = groups(batch)
 
     def put_zero_copy() -> tuple[int, float]:
         idx = group()
@@ -249,14 +255,10 @@ def mooncake_figures(s, size: int, batch: int, seconds: float) -> dict[str, floa
     for k, v in zip(keys, vals):
         if s.put(k, v.tobytes()) != 0:
             raise SystemExit("peer_bench: Mooncake put failed")
-    state = {"at": 0}
     ptr_s = [src.ctypes.data + j * size for j in range(batch)]
     ptr_d = [dst.ctypes.data + j * size for j in range(batch)]
 
-    def group() -> list[int]:
-        at = state["at"]
-        state["at"] = (at + batch) % (KEYS - KEYS % batch or KEYS)
-        return list(range(at, at + batch))
+    group = groups(batch)
 
     def ok(rcs, want) -> None:
         if any(r != want for r in rcs):
