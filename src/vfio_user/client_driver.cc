@@ -20,6 +20,7 @@
 #include <fcntl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bitset>
 #include <cerrno>
 #include <chrono>
@@ -29,12 +30,14 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <shared_mutex>
 #include <stdexcept>
 #include <thread>
 #include <unordered_map>
 #include <utility>
 
 #include "gdkv/vfio_user.h"
+#include "vfio_user/in_place.h"
 #include "vfio_user/nvme_defs.h"
 #include "vfio_user/pci_config.h"
 #include "vfio_user/protocol.h"
@@ -160,13 +163,70 @@ class ShmAllocator {
   std::unordered_map<size_t, size_t> used_;  // offset -> length
 };
 
+// The ranges of this process's memory shared in place (VfioUserDevice::share), by address.
+class InPlaceSet {
+ public:
+  struct Range {
+    uint64_t size = 0;
+    uint64_t ino = 0;   // its memfd (release_in_place)
+    uint32_t refs = 0;  // share() calls not yet undone
+  };
+  // On every staged buffer's way (ShmStager::acquire): nothing shared, no lock.
+  bool contains(const void* p, size_t len) const {
+    if (count_.load(std::memory_order_acquire) == 0) return false;
+    const auto a = reinterpret_cast<uint64_t>(p);
+    std::shared_lock lk(mu_);
+    auto it = ranges_.upper_bound(a);
+    if (it == ranges_.begin()) return false;
+    --it;
+    return a - it->first < it->second.size && len <= it->second.size - (a - it->first);
+  }
+  // The range holding [p, p + len), if any (and whether one overlaps it without holding it).
+  std::map<uint64_t, Range>::iterator find(const void* p, size_t len, bool* overlaps) {
+    const auto a = reinterpret_cast<uint64_t>(p);
+    std::shared_lock lk(mu_);
+    *overlaps = false;
+    auto it = ranges_.upper_bound(a);
+    if (it != ranges_.end() && it->first < a + len) *overlaps = true;
+    if (it == ranges_.begin()) return ranges_.end();
+    --it;
+    if (a - it->first < it->second.size) {
+      if (len <= it->second.size - (a - it->first)) return it;
+      *overlaps = true;
+    }
+    return ranges_.end();
+  }
+  std::map<uint64_t, Range>::iterator end() { return ranges_.end(); }
+  void insert(uint64_t addr, Range r) {
+    std::unique_lock lk(mu_);
+    ranges_[addr] = r;
+    count_.store(ranges_.size(), std::memory_order_release);
+  }
+  void erase(std::map<uint64_t, Range>::iterator it) {
+    std::unique_lock lk(mu_);
+    ranges_.erase(it);
+    count_.store(ranges_.size(), std::memory_order_release);
+  }
+  std::vector<uint64_t> inodes() const {
+    std::shared_lock lk(mu_);
+    std::vector<uint64_t> out;
+    for (const auto& [a, r] : ranges_) out.push_back(r.ino);
+    return out;
+  }
+
+ private:
+  mutable std::shared_mutex mu_;
+  std::map<uint64_t, Range> ranges_;  // writers also hold the device's share mutex
+  std::atomic<size_t> count_{0};      // ranges_.size()
+};
+
 // Stages a synchronous call's buffer through shared memory (or uses it in place when it already
-// is shared memory).
+// is shared memory, or memory shared in place).
 class ShmStager final : public BufferStager {
  public:
-  explicit ShmStager(ShmAllocator& a) : a_(a) {}
+  ShmStager(ShmAllocator& a, const InPlaceSet& in_place) : a_(a), in_place_(in_place) {}
   uint64_t acquire(const void* p, size_t len, bool to_controller, bool wait) override {
-    if (a_.contains(p, len)) return reinterpret_cast<uint64_t>(p);
+    if (a_.contains(p, len) || in_place_.contains(p, len)) return reinterpret_cast<uint64_t>(p);
     void* s = wait ? a_.alloc_wait(len, 64, std::chrono::seconds(10)) : a_.alloc(len, 64);
     if (s == nullptr) return 0;
     if (to_controller) std::memcpy(s, p, len);
@@ -181,6 +241,7 @@ class ShmStager final : public BufferStager {
 
  private:
   ShmAllocator& a_;
+  const InPlaceSet& in_place_;
 };
 
 // ---- Wake-ups (docs/vfio-user.md "Wake-ups") ----
@@ -309,7 +370,8 @@ struct IoQueue {
 
 class Driver final : public VfioUserDevice {
  public:
-  Driver(const std::string& dir, const VfioUserClientOptions& o) : options_(o), stager_(alloc_) {
+  Driver(const std::string& dir, const VfioUserClientOptions& o)
+      : options_(o), stager_(alloc_, in_place_) {
     connect(dir);
     negotiate();
     map_doorbells();
@@ -321,6 +383,7 @@ class Driver final : public VfioUserDevice {
   }
 
   ~Driver() override {
+    for (uint64_t ino : in_place_.inodes()) vfio_user::release_in_place(ino);
     if (doorbell_efd_.valid()) {
       std::lock_guard lk(g_doorbell_fds_mu);
       g_doorbell_fds.erase(sleeping_word());
@@ -349,7 +412,11 @@ class Driver final : public VfioUserDevice {
   std::unique_ptr<Client> open_client(uint32_t depth);
   void* alloc(size_t bytes, size_t align) override { return alloc_.alloc(bytes, align); }
   void free(void* p) override { alloc_.free(p); }
-  bool contains(const void* p, size_t len) const override { return alloc_.contains(p, len); }
+  bool contains(const void* p, size_t len) const override {
+    return alloc_.contains(p, len) || in_place_.contains(p, len);
+  }
+  Result<void> share(const void* p, size_t len) override;
+  Result<void> unshare(const void* p) override;
   std::vector<uint32_t> namespaces() override;
   CmdResult admin(nvme::Sqe sqe, void* data, size_t len) override;
   CmdResult register_device_memory(const void* handle, uint64_t iova, uint64_t size) override;
@@ -701,6 +768,9 @@ class Driver final : public VfioUserDevice {
   std::byte* shm_ = nullptr;
   size_t shm_size_ = 0;
   ShmAllocator alloc_;
+  InPlaceSet in_place_;
+  std::mutex share_mu_;                             // share() and unshare(), one at a time
+  std::multimap<const void*, uint64_t> shared_by_;  // share()'s pointer -> its range; share_mu_
   ShmStager stager_;
   // Admin queue.
   std::mutex admin_mu_;
@@ -902,6 +972,61 @@ std::unique_ptr<Client> Driver::open_client(uint32_t depth) {
   client->set_liveness([self] { return !self->peer_gone(); });
   client->set_on_failure([self](ClientFailure) { self->poison(); });
   return client;
+}
+
+Result<void> Driver::share(const void* p, size_t len) {
+  return catch_error([&] {
+    if (len == 0) fail("share: an empty range");
+    if (alloc_.contains(p, len)) return;  // the connection's own shared memory
+    std::lock_guard lk(share_mu_);
+    bool overlaps = false;
+    auto it = in_place_.find(p, len, &overlaps);
+    if (it != in_place_.end()) {
+      ++it->second.refs;
+      shared_by_.emplace(p, it->first);
+      return;
+    }
+    if (overlaps) fail("share: the range overlaps memory shared before without lying inside it");
+    vfio_user::InPlaceRange r = vfio_user::share_in_place(p, len);
+    const DmaMapMsg m{sizeof(DmaMapMsg), kDmaFlagRead | kDmaFlagWrite, r.offset, r.addr, r.size};
+    const int fds[1] = {r.fd.get()};
+    int e = EIO;
+    try {
+      e = request(Cmd::kDmaMap, as_bytes_of(m), nullptr, fds);
+    } catch (const std::exception&) {
+      vfio_user::release_in_place(r.ino);
+      throw;
+    }
+    if (e != 0) {
+      vfio_user::release_in_place(r.ino);
+      fail(where_ + ": gdkvd refused to map the memory shared in place: " + std::strerror(e));
+    }
+    in_place_.insert(r.addr, InPlaceSet::Range{r.size, r.ino, 1});
+    shared_by_.emplace(p, r.addr);
+  });
+}
+
+Result<void> Driver::unshare(const void* p) {
+  return catch_error([&] {
+    std::lock_guard lk(share_mu_);
+    auto by = shared_by_.find(p);
+    if (by == shared_by_.end()) {
+      if (alloc_.contains(p, 1)) return;  // share() of the connection's own memory: a no-op
+      fail("unshare: this memory was not shared");
+    }
+    bool overlaps = false;
+    auto it = in_place_.find(reinterpret_cast<const void*>(by->second), 1, &overlaps);
+    shared_by_.erase(by);
+    if (it == in_place_.end() || --it->second.refs > 0) return;
+    const uint64_t addr = it->first, size = it->second.size, ino = it->second.ino;
+    in_place_.erase(it);  // buffers there are staged from now on
+    vfio_user::release_in_place(ino);
+    if (failed_.load()) return;  // the connection is gone, and its maps with it
+    const DmaUnmapMsg m{sizeof(DmaUnmapMsg), 0, addr, size};
+    const int e = request(Cmd::kDmaUnmap, as_bytes_of(m), nullptr);
+    if (e != 0)
+      fail(where_ + ": gdkvd refused to unmap memory shared in place: " + std::strerror(e));
+  });
 }
 
 CmdResult Driver::register_device_memory(const void* handle, uint64_t iova, uint64_t size) {

@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <random>
@@ -499,6 +500,192 @@ TEST_F(VfioUserE2E, MessageOnlyMemory) {
   EXPECT_FALSE(backend_get(k3, stored));
 }
 
+// ---- Memory shared in place (VfioUserDevice::share) ----
+
+// Private anonymous memory of `pages` pages, as a large malloc gets it; unmapped at the end.
+struct AnonPages {
+  explicit AnonPages(size_t pages, int prot = PROT_READ | PROT_WRITE)
+      : n(pages * 4096),
+        p(static_cast<std::byte*>(::mmap(nullptr, n, prot, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0))) {}
+  ~AnonPages() { ::munmap(p, n); }
+  size_t n;
+  std::byte* p;
+};
+
+size_t resident_bytes() {
+  std::ifstream f("/proc/self/statm");
+  size_t total = 0, resident = 0;
+  f >> total >> resident;
+  return resident * 4096;
+}
+
+TEST_F(VfioUserE2E, MemorySharedInPlaceIsReadAndWrittenWhereItLies) {
+  auto dev = VfioUserDevice::open(dir_.path()).value();
+  auto c = dev->make_client().value();
+  // Not page-aligned, with bytes of its own on either side in the same pages.
+  std::vector<std::byte> owner(3 << 20);
+  const auto v = pattern(owner.size() - 200, 7);
+  std::memcpy(owner.data() + 100, v.data(), v.size());
+  std::memset(owner.data(), 0x5A, 100);
+  std::byte* buf = owner.data() + 100;
+  const std::span<std::byte> value(buf, v.size());
+  ASSERT_FALSE(dev->contains(buf, v.size()));
+  ASSERT_TRUE(dev->share(buf, v.size()).ok());
+  EXPECT_TRUE(dev->contains(buf, v.size()));
+  // The contents (and the neighbours' bytes) are what they were, at the same addresses.
+  EXPECT_EQ(std::memcmp(buf, v.data(), v.size()), 0);
+  EXPECT_EQ(owner[99], std::byte{0x5A});
+
+  const Key k = *Key::from_string("in-place");
+  ASSERT_TRUE(c->put(k, value).ok());
+  std::memset(buf, 0, v.size());
+  CmdResult r = c->get(k, value);
+  ASSERT_TRUE(r.ok()) << describe(r);
+  EXPECT_EQ(std::memcmp(buf, v.data(), v.size()), 0);
+  EXPECT_EQ(c->copies().copies, 0u);  // neither direction was staged
+  std::vector<std::byte> stored;
+  ASSERT_TRUE(backend_get(k, stored));
+  EXPECT_EQ(stored, std::vector<std::byte>(v.begin(), v.end()));
+  // Raw commands (no stager) and scatter destinations reach it too; before, both were 04h.
+  std::memset(buf, 0, v.size());
+  r = c->execute(cmd::retrieve(k.bytes, k.len, buf, static_cast<uint32_t>(v.size())));
+  ASSERT_TRUE(r.ok()) << describe(r);
+  EXPECT_EQ(std::memcmp(buf, v.data(), v.size()), 0);
+  const nvme::ScatterEntry pieces[2] = {{reinterpret_cast<uint64_t>(buf + 8000), 0, 1000},
+                                        {reinterpret_cast<uint64_t>(buf), 5000, 2000}};
+  std::memset(buf, 0, 9000);
+  ASSERT_TRUE(c->scatter_get(k, pieces).ok());
+  EXPECT_EQ(std::memcmp(buf + 8000, v.data(), 1000), 0);
+  EXPECT_EQ(std::memcmp(buf, v.data() + 5000, 2000), 0);
+  std::memcpy(buf, v.data(), v.size());
+
+  // A range inside counts as one more share; each share is undone by one unshare.
+  ASSERT_TRUE(dev->share(buf + 4096, 100).ok());
+  ASSERT_TRUE(dev->unshare(buf).ok());
+  EXPECT_TRUE(dev->contains(buf, v.size()));
+  ASSERT_TRUE(dev->unshare(buf + 4096).ok());
+  EXPECT_FALSE(dev->contains(buf, v.size()));
+  EXPECT_FALSE(dev->unshare(buf).ok());
+  // Unshared: staged again, still right, and the memory is still the caller's.
+  ASSERT_TRUE(c->put(k, value).ok());
+  EXPECT_EQ(c->copies().copies, 1u);
+  EXPECT_EQ(c->execute(cmd::retrieve(k.bytes, k.len, buf, 4096)).status,
+            Status::kDataTransferError);
+  std::memset(buf, 0, v.size());
+  ASSERT_TRUE(c->get(k, value).ok());
+  EXPECT_EQ(std::memcmp(buf, v.data(), v.size()), 0);
+  // The connection's own shared memory: a share that changes nothing.
+  void* shm = dev->alloc(4096);
+  EXPECT_TRUE(dev->share(shm, 4096).ok());
+  EXPECT_TRUE(dev->unshare(shm).ok());
+  dev->free(shm);
+}
+
+TEST_F(VfioUserE2E, SharingInPlaceRefusesWhatIsNotPrivateMemory) {
+  auto dev = VfioUserDevice::open(dir_.path()).value();
+  // Unmapped.
+  void* gone = ::mmap(nullptr, 8192, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(gone, MAP_FAILED);
+  ::munmap(gone, 8192);
+  auto r = dev->share(gone, 8192);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().find("not mapped"), std::string::npos) << r.error();
+  // Half mapped: the first page is, the second is not.
+  AnonPages two(2);
+  ::munmap(two.p + 4096, 4096);
+  r = dev->share(two.p, 8192);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().find("not mapped"), std::string::npos) << r.error();
+  // Read-only pages, a file, a shared mapping.
+  AnonPages ro(2, PROT_READ);
+  r = dev->share(ro.p, 8192);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().find("not private anonymous"), std::string::npos) << r.error();
+  const std::string path = dir_.path() + "/file";
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, 8192), 0);
+  void* file = ::mmap(nullptr, 8192, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+  void* shared = ::mmap(nullptr, 8192, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  ::close(fd);
+  EXPECT_FALSE(dev->share(file, 8192).ok());
+  EXPECT_FALSE(dev->share(shared, 8192).ok());
+  ::munmap(file, 8192);
+  ::munmap(shared, 8192);
+  // A range overlapping a shared one without lying inside it.
+  AnonPages four(4);
+  ASSERT_TRUE(dev->share(four.p, 2 * 4096).ok());
+  r = dev->share(four.p + 4096, 2 * 4096);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().find("overlaps"), std::string::npos) << r.error();
+  EXPECT_FALSE(dev->share(nullptr, 0).ok());
+  ASSERT_TRUE(dev->unshare(four.p).ok());
+}
+
+TEST_F(VfioUserE2E, MemorySharedInPlaceIsReachedOnlyByItsOwnConnection) {
+  auto dev = VfioUserDevice::open(dir_.path()).value();
+  auto other = VfioUserDevice::open(dir_.path()).value();
+  auto c = dev->make_client().value();
+  auto o = other->make_client().value();
+  AnonPages mem(4);
+  const auto v = pattern(mem.n, 3);
+  std::memcpy(mem.p, v.data(), v.size());
+  const Key k = *Key::from_string("mine");
+  ASSERT_TRUE(o->put(k, pattern(mem.n, 4)).ok());
+  ASSERT_TRUE(dev->share(mem.p, mem.n).ok());
+  // The other connection naming these addresses: 04h, and the memory is untouched.
+  EXPECT_EQ(o->execute(cmd::retrieve(k.bytes, k.len, mem.p, 4096)).status,
+            Status::kDataTransferError);
+  EXPECT_EQ(o->execute(cmd::store(k.bytes, k.len, mem.p, 4096)).status, Status::kDataTransferError);
+  EXPECT_EQ(std::memcmp(mem.p, v.data(), v.size()), 0);
+  std::vector<std::byte> stored;
+  ASSERT_TRUE(o->get(k, stored).ok());
+  EXPECT_EQ(stored, pattern(mem.n, 4));
+  // Both connections sharing one buffer map one memfd: what one writes, the other reads.
+  ASSERT_TRUE(other->share(mem.p, mem.n).ok());
+  ASSERT_TRUE(c->get(k, std::span(mem.p, mem.n)).ok());  // dev's gdkvd writes the memfd
+  const Key k2 = *Key::from_string("copied");
+  ASSERT_TRUE(o->put(k2, std::span<const std::byte>(mem.p, mem.n)).ok());  // other's reads it
+  ASSERT_TRUE(c->get(k2, stored).ok());
+  EXPECT_EQ(stored, pattern(mem.n, 4));
+  ASSERT_TRUE(dev->unshare(mem.p).ok());
+  std::memcpy(mem.p, v.data(), v.size());
+  const uint64_t staged = o->copies().copies;
+  ASSERT_TRUE(o->put(k2, std::span<const std::byte>(mem.p, mem.n)).ok());
+  EXPECT_EQ(o->copies().copies, staged);  // still in place for the other connection
+  ASSERT_TRUE(c->get(k2, stored).ok());
+  EXPECT_EQ(stored, v);
+  // The device going away leaves the memory to the process, still the same bytes.
+  other.reset();
+  o.reset();
+  EXPECT_EQ(std::memcmp(mem.p, v.data(), v.size()), 0);
+  mem.p[0] = std::byte{1};
+  // Sharing it again (no connection holds it now) copies it onto a new memfd.
+  ASSERT_TRUE(dev->share(mem.p, mem.n).ok());
+  EXPECT_EQ(mem.p[0], std::byte{1});
+  const uint64_t before = c->copies().copies;
+  ASSERT_TRUE(c->get(k2, std::span(mem.p, mem.n)).ok());
+  EXPECT_EQ(std::memcmp(mem.p, v.data(), v.size()), 0);
+  EXPECT_EQ(c->copies().copies, before);
+}
+
+TEST_F(VfioUserE2E, SharingUntouchedMemoryCopiesNothing) {
+  auto dev = VfioUserDevice::open(dir_.path()).value();
+  auto c = dev->make_client().value();
+  AnonPages big(16384);             // 64 MiB, never touched
+  big.p[big.n - 1] = std::byte{9};  // one page held
+  const size_t before = resident_bytes();
+  ASSERT_TRUE(dev->share(big.p, big.n).ok());
+  EXPECT_LT(resident_bytes(), before + (8u << 20));
+  EXPECT_EQ(big.p[0], std::byte{0});
+  EXPECT_EQ(big.p[big.n - 1], std::byte{9});
+  const Key k = *Key::from_string("tail");
+  ASSERT_TRUE(c->put(k, std::span<const std::byte>(big.p + big.n - 4096, 4096)).ok());
+  ASSERT_TRUE(c->get(k, std::span(big.p, 4096)).ok());
+  EXPECT_EQ(big.p[4095], std::byte{9});
+  EXPECT_EQ(c->copies().copies, 0u);
+}
+
 // The vendor admin command C0h (device memory by IPC handle) without a GPU: an importer that
 // resolves handles to host buffers and a copy engine that copies any memory kind stand in for
 // cudaIpcOpenMemHandle and the CUDA engine, so registration, I/O into the registered region,
@@ -803,7 +990,15 @@ TEST_F(VfioUserWake, OffByOptionIsTheOldPath) {
   EXPECT_FALSE(dev->doorbell_wakeups());
   EXPECT_FALSE(dev->completion_wakeups());
   auto c = dev->make_client().value();
-  const double irqs = metric("vfio_user_interrupts_total");  // the admin queue's, no eventfd
+  // The admin queue's (no eventfd). The server counts an admin completion's interrupt after
+  // posting it, so the client may see the completion first: read once the count has settled.
+  double irqs = metric("vfio_user_interrupts_total");
+  for (int i = 0; i < 100; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    const double now = metric("vfio_user_interrupts_total");
+    if (now == irqs) break;
+    irqs = now;
+  }
   calls_after_pauses(*c, 5, 2);  // the reactor's sleep timeout still finds the work
   EXPECT_EQ(metric("vfio_user_doorbell_wakeups_total"), 0);
   EXPECT_EQ(metric("vfio_user_interrupts_total"), irqs);  // I/O completions raise none

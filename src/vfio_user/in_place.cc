@@ -1,0 +1,213 @@
+// See in_place.h.
+#include "vfio_user/in_place.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <vector>
+
+namespace gdkv::vfio_user {
+
+namespace {
+
+[[noreturn]] void fail(const std::string& what) { throw std::runtime_error(what); }
+
+std::string hex(uint64_t v) {
+  char b[24];
+  std::snprintf(b, sizeof(b), "0x%" PRIx64, v);
+  return b;
+}
+
+// One line of /proc/self/maps.
+struct Vma {
+  uint64_t start = 0, end = 0, offset = 0, ino = 0;
+  std::string perms, path;
+};
+
+// The mappings overlapping [a, b), in address order.
+std::vector<Vma> vmas_over(uint64_t a, uint64_t b) {
+  std::ifstream in("/proc/self/maps");
+  if (!in) fail("cannot read /proc/self/maps");
+  std::vector<Vma> out;
+  std::string line;
+  while (std::getline(in, line)) {
+    Vma v;
+    char range[64], perms[8], dev[16];
+    unsigned long long off = 0, ino = 0;
+    int used = 0;
+    if (std::sscanf(line.c_str(), "%63s %7s %llx %15s %llu %n", range, perms, &off, dev, &ino,
+                    &used) < 5) {
+      continue;
+    }
+    unsigned long long s = 0, e = 0;
+    if (std::sscanf(range, "%llx-%llx", &s, &e) != 2) continue;
+    if (e <= a || s >= b) continue;
+    v.start = s;
+    v.end = e;
+    v.offset = off;
+    v.ino = ino;
+    v.perms = perms;
+    v.path = used > 0 && static_cast<size_t>(used) <= line.size() ? line.substr(used) : "";
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
+bool private_anonymous(const Vma& v) {
+  return v.perms.size() >= 4 && v.perms[0] == 'r' && v.perms[1] == 'w' && v.perms[3] == 'p' &&
+         v.ino == 0 && (v.path.empty() || v.path == "[heap]" || v.path.rfind("[anon:", 0) == 0);
+}
+
+bool ours(const Vma& v) {
+  return v.perms.size() >= 4 && v.perms[0] == 'r' && v.perms[1] == 'w' && v.perms[3] == 's' &&
+         v.path.rfind(std::string("/memfd:") + kInPlaceName, 0) == 0;
+}
+
+std::string describe(const Vma& v) {
+  return hex(v.start) + "-" + hex(v.end) + " " + v.perms + (v.path.empty() ? "" : " " + v.path);
+}
+
+// Whole pages, so also bytes around the caller's buffer that belong to other allocations: the
+// kernel copies them (process_vm_readv on this process), which a sanitizer does not see as
+// reading outside an object (AddressSanitizer's redzones lie in those pages); memcpy where the
+// call is refused (a seccomp filter).
+void copy_pages(std::byte* dst, const std::byte* src, size_t n) {
+  while (n > 0) {
+    iovec local{dst, n}, remote{const_cast<std::byte*>(src), n};
+    const ssize_t got = ::process_vm_readv(::getpid(), &local, 1, &remote, 1, 0);
+    if (got <= 0) break;
+    dst += got;
+    src += got;
+    n -= static_cast<size_t>(got);
+  }
+  if (n > 0) std::memcpy(dst, src, n);
+}
+
+// Copies the pages of [src, src + n) the kernel holds (present or swapped out, per
+// /proc/self/pagemap) to dst; untouched pages read as zero on both sides and are skipped, so a
+// fresh allocation costs no copy and commits no memory. Without pagemap, copies everything.
+void copy_held_pages(std::byte* dst, const std::byte* src, size_t n, size_t page) {
+  const size_t pages = n / page;
+  std::vector<uint64_t> flags(pages);
+  const int fd = ::open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+  bool known = false;
+  if (fd >= 0) {
+    const auto at = static_cast<off_t>(reinterpret_cast<uintptr_t>(src) / page * 8);
+    const ssize_t want = static_cast<ssize_t>(pages * 8);
+    known = ::pread(fd, flags.data(), static_cast<size_t>(want), at) == want;
+    ::close(fd);
+  }
+  constexpr uint64_t kPresent = 1ull << 63, kSwapped = 1ull << 62;
+  size_t i = 0;
+  while (i < pages) {
+    if (known && !(flags[i] & (kPresent | kSwapped))) {
+      ++i;
+      continue;
+    }
+    size_t j = i + 1;
+    while (j < pages && (!known || (flags[j] & (kPresent | kSwapped)))) ++j;
+    copy_pages(dst + i * page, src + i * page, (j - i) * page);
+    i = j;
+  }
+}
+
+struct Shared {
+  UniqueFd fd;
+  uint32_t refs = 0;
+};
+std::mutex g_mu;
+std::map<uint64_t, Shared> g_shared;  // memfd inode -> fd; guarded by g_mu
+
+}  // namespace
+
+InPlaceRange share_in_place(const void* p, size_t len) {
+  const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const auto u = reinterpret_cast<uintptr_t>(p);
+  if (len == 0 || u + len < u || u + len > UINTPTR_MAX - page) fail("share: an empty or bad range");
+  const uint64_t a = u / page * page;
+  const uint64_t b = (u + len + page - 1) / page * page;
+  std::lock_guard lk(g_mu);
+  const std::vector<Vma> vmas = vmas_over(a, b);
+  uint64_t at = a;
+  for (const Vma& v : vmas) {
+    if (v.start > at) break;
+    at = v.end;
+  }
+  if (at < b) {
+    fail("share: memory at " + hex(std::max(at, a)) + " is not mapped in this process");
+  }
+  // Already ours, shared by another connection: the same memfd, if the range lies in one.
+  bool all_live = true, any_live = false;
+  uint64_t ino = 0, offset = 0;
+  for (const Vma& v : vmas) {
+    const bool live = ours(v) && g_shared.count(v.ino) != 0;
+    any_live |= live;
+    const uint64_t off = v.offset + a - v.start;  // the memfd offset v implies for a
+    if (!live || (ino != 0 && (v.ino != ino || off != offset))) {
+      all_live = false;
+    }
+    if (ino == 0 && live) {
+      ino = v.ino;
+      offset = off;
+    }
+    if (!live && !private_anonymous(v) && !ours(v)) {
+      fail("share: memory at " + describe(v) +
+           " is not private anonymous read-write memory (malloc, numpy or torch arrays); a "
+           "file, a shared mapping, read-only pages or a stack cannot be shared in place");
+    }
+  }
+  if (all_live) {
+    Shared& s = g_shared[ino];
+    UniqueFd dup(::fcntl(s.fd.get(), F_DUPFD_CLOEXEC, 0));
+    if (!dup.valid()) fail(std::string("share: dup: ") + std::strerror(errno));
+    ++s.refs;
+    return InPlaceRange{a, b - a, offset, std::move(dup), ino};
+  }
+  if (any_live) {
+    fail("share: " + hex(u) + " (+" + std::to_string(len) +
+         ") overlaps memory shared before without lying inside it");
+  }
+  // Private pages: into a sealed memfd, which then takes their place.
+  const size_t n = b - a;
+  UniqueFd fd(::memfd_create(kInPlaceName, MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (!fd.valid() || ::ftruncate(fd.get(), static_cast<off_t>(n)) != 0 ||
+      ::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    fail(std::string("share: memfd: ") + std::strerror(errno));
+  }
+  void* tmp = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+  if (tmp == MAP_FAILED) fail(std::string("share: mmap: ") + std::strerror(errno));
+  copy_held_pages(static_cast<std::byte*>(tmp), reinterpret_cast<const std::byte*>(a), n, page);
+  void* moved = ::mremap(tmp, n, n, MREMAP_MAYMOVE | MREMAP_FIXED, reinterpret_cast<void*>(a));
+  if (moved == MAP_FAILED) {
+    const int e = errno;
+    ::munmap(tmp, n);
+    fail(std::string("share: mremap: ") + std::strerror(e));
+  }
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) fail(std::string("share: fstat: ") + std::strerror(errno));
+  UniqueFd dup(::fcntl(fd.get(), F_DUPFD_CLOEXEC, 0));
+  if (!dup.valid()) fail(std::string("share: dup: ") + std::strerror(errno));
+  Shared& s = g_shared[st.st_ino];
+  s.fd = std::move(fd);
+  s.refs = 1;
+  return InPlaceRange{a, n, 0, std::move(dup), static_cast<uint64_t>(st.st_ino)};
+}
+
+void release_in_place(uint64_t ino) {
+  std::lock_guard lk(g_mu);
+  auto it = g_shared.find(ino);
+  if (it != g_shared.end() && --it->second.refs == 0) g_shared.erase(it);
+}
+
+}  // namespace gdkv::vfio_user

@@ -1,0 +1,50 @@
+// Memory a client already has, shared with gdkvd where it lies (VfioUserDevice::share).
+//
+// gdkvd reaches a client's memory only through the memory fds the client DMA_MAPs, so memory an
+// engine allocated itself (malloc, a torch or numpy array: private anonymous pages) is first made
+// memfd-backed at the same addresses: a sealed memfd of the range's pages gets their contents
+// (only the pages the kernel holds: untouched ones are zero on both sides), is mapped over a
+// spare address, and mremap(MREMAP_FIXED) moves that mapping onto the range, replacing the old
+// pages in one step. The process then sees the same bytes at the same addresses, and gdkvd maps
+// the same memfd. What it costs the caller:
+//   - writes to the range by other threads while it is being shared are lost (share memory
+//     before it is in use: an engine's KV pool at registration);
+//   - a child forked later shares these pages with the parent instead of getting a copy;
+//   - the memory must stay allocated while it is shared (unshare before freeing it).
+//
+// A process-wide table keeps the memfd of each range shared by at least one connection, so a
+// second connection sharing the same memory maps the same memfd (copying it again would leave
+// the first connection's gdkvd with pages the process no longer sees). When the last connection
+// lets go, the fd is closed; the pages stay memfd-backed, and a later share copies them anew.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "vfio_user/socket_io.h"
+
+namespace gdkv::vfio_user {
+
+struct InPlaceRange {
+  uint64_t addr = 0;    // page-aligned start
+  uint64_t size = 0;    // page-aligned length
+  uint64_t offset = 0;  // of addr in the memfd
+  UniqueFd fd;          // a duplicate of the memfd, for DMA_MAP
+  uint64_t ino = 0;     // the memfd's inode: what release() takes
+};
+
+// Makes the pages covering [p, p + len) memfd-backed (or finds them so already, shared by
+// another connection) and takes a reference on their memfd. Throws std::runtime_error naming the
+// problem: memory that is not mapped, not private anonymous read-write memory (a file, a shared
+// mapping, read-only pages, the stack), or that overlaps a range shared before without lying
+// inside it. REQUIRES: len > 0.
+InPlaceRange share_in_place(const void* p, size_t len);
+
+// Drops the reference share_in_place took (`ino` of its range).
+void release_in_place(uint64_t ino);
+
+// The memfd name that marks gdkv's own in-place mappings in /proc/self/maps.
+inline constexpr const char* kInPlaceName = "gdkv-in-place";
+
+}  // namespace gdkv::vfio_user
