@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <string_view>
 #include <vector>
 
 namespace gdkv::bench {
@@ -91,6 +92,33 @@ inline Trace make_trace(const TraceOptions& o) {
   t.starts.push_back(t.refs.size());
   t.unique_blocks = next_id;
   return t;
+}
+
+// The named mixes of cache_trace_bench --mix: "default", "chat" (mostly long conversations),
+// "scan" (heavy batch traffic between interactive requests), "shared" (one-shot requests on
+// popular system prompts), "gaps" (conversations whose next turn comes long after: 8,000 open).
+inline TraceOptions mix(std::string_view name, uint64_t requests, uint64_t seed) {
+  TraceOptions o;
+  o.requests = requests;
+  o.seed = seed;
+  if (name == "chat") {  // mostly long conversations
+    o.p_chat = 0.8;
+    o.p_scan = 0.02;
+    o.active_chats = 400;
+  } else if (name == "scan") {  // heavy batch traffic between interactive requests
+    o.p_chat = 0.35;
+    o.p_scan = 0.12;
+  } else if (name == "shared") {  // one-shot requests on popular system prompts
+    o.p_chat = 0.15;
+    o.p_scan = 0.03;
+    o.zipf = 1.1;
+  } else if (name == "gaps") {  // conversations whose next turn comes long after (many open)
+    o.p_chat = 0.6;
+    o.p_scan = 0.02;
+    o.active_chats = 8000;
+    o.turns_max = 12;
+  }
+  return o;
 }
 
 }  // namespace gdkv::bench

@@ -147,6 +147,10 @@ class Backend {
     (void)nsid;
     (void)keys;
   }
+  // A scheduler hint (Prefetch with the hint option): the keys will be read soon, in this order.
+  // The host cache also protects the resident ones from eviction until read or until the hint
+  // ages out. Default: the same as prefetch, so a decorator that forwards prefetch stays correct.
+  virtual void hint(uint32_t nsid, std::span<const Key> keys) { prefetch(nsid, keys); }
 };
 
 // The `memory` backend: a map per namespace, for tests and benchmarks. capacity_bytes counts key

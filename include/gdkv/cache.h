@@ -12,7 +12,7 @@
 //   key that followed each key last time) warm the cache ahead of demand reads. At most
 //   max_prefetch_inflight prefetch reads are outstanding, so they never queue ahead of demand
 //   reads in any number; the rest wait in a bounded queue.
-// - Eviction: a policy chosen by name ("prefix", "adaptive", "lru-k", "lru", "arc");
+// - Eviction: a policy chosen by name ("adaptive", "prefix", "lru-k", "lru", "arc", "s3-fifo");
 // docs/cache.md compares them.
 //
 // Coherence covers the writes that pass through this cache, and Deletes by other nodes that the
@@ -36,12 +36,12 @@ namespace gdkv {
 
 struct CacheOptions {
   uint64_t capacity_bytes = uint64_t{1} << 30;  // value bytes held, default 1 GiB (0: no caching)
-  // "prefix" (default: blocks seen once wait in a small probation segment, blocks seen again or
-  // remembered from the history of evicted keys are protected, chains go from their tails),
-  // "adaptive" (follows whichever of LRU, LRU-2 and ARC hits most on shadow caches), "lru-k"
-  // (evicts the entry whose K-th most recent reference is oldest), "lru" or "arc" (Megiddo and
-  // Modha's ARC, in bytes).
-  std::string policy = "prefix";
+  // "adaptive" (default: follows whichever of prefix, LRU, LRU-2, ARC and S3-FIFO hits most on
+  // shadow caches), "prefix" (blocks seen once wait in a small probation segment, blocks seen
+  // again or remembered from the history of evicted keys are protected, chains go from their
+  // tails), "lru-k" (evicts the entry whose K-th most recent reference is oldest), "lru", "arc"
+  // (Megiddo and Modha's ARC, in bytes) or "s3-fifo" (Yang et al.'s S3-FIFO, in bytes).
+  std::string policy = "adaptive";
   uint32_t k = 2;  // LRU-K's K, 1..8 (lru-k only)
   // Evicted keys whose reference times LRU-K keeps, so a returning key keeps its count (prefix:
   // evicted keys remembered). Default 0: as many as there are cached entries (prefix: twice).
@@ -53,6 +53,13 @@ struct CacheOptions {
   uint32_t max_prefetch_inflight = 16;  // prefetch reads outstanding at once, default 16 (0: none)
   uint32_t prefetch_queue = 4096;       // prefetch keys waiting for a slot; more are dropped
   uint64_t chain_entries = 1u << 20;    // learned key → next-key transitions kept, default 1 Mi
+  // Scheduler hints (Prefetch with the hint option): hinted keys remembered, default 64 Ki (more
+  // push out the oldest); how long a hint protects a cached key, microseconds, default 2 s; and
+  // the share of the capacity hints may protect, default 0.5. Hinted keys that are not cached are
+  // fetched like other prefetches (max_prefetch_inflight, prefetch_queue bound them).
+  uint64_t hint_entries = 65536;
+  uint64_t hint_ttl_us = 2'000'000;
+  double hint_share = 0.5;
   // Slab pages: allocate `bytes` (aligned to 4096) and free them. The GPU runtime passes pinned
   // memory here so cached values can be DMA'd directly. Default: the host heap.
   std::function<void*(size_t bytes)> alloc;

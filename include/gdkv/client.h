@@ -126,6 +126,12 @@ class Client {
   // Every key (List commands continued until the end).
   CmdResult list_all(std::vector<Key>& out, uint32_t nsid = 1);
   CmdResult prefetch(std::span<const Key> keys, uint32_t nsid = 1);
+  // Scheduler hint: `keys` will be read soon, in this order (Prefetch 81h with the hint option).
+  // The cache keeps the cached ones from eviction until read or until the hint ages out, and
+  // fetches the others from its lower tier ahead of the read. Keys stored nowhere cost nothing.
+  // An empty list or one over 64 KiB of KeyList is 02h (invalid field), a key that is not
+  // 1..16 bytes 86h (invalid key size); neither is sent.
+  CmdResult hint(std::span<const Key> keys, uint32_t nsid = 1);
   // One value into several places (e.g. one slot per layer).
   CmdResult scatter_get(const Key& key, std::span<const nvme::ScatterEntry> pieces,
                         uint32_t nsid = 1);

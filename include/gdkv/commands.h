@@ -67,6 +67,14 @@ GDKV_HD inline nvme::Sqe prefetch(const void* key_list, uint32_t buf_len,
   return s;
 }
 
+// Scheduler hint: a Prefetch with the hint option (nvme_kv.h kPrefetchHint); the keys in the
+// KeyList will be read soon, in this order.
+GDKV_HD inline nvme::Sqe hint(const void* key_list, uint32_t buf_len, uint32_t nsid = 1) noexcept {
+  nvme::Sqe s = prefetch(key_list, buf_len, nsid);
+  s.options = nvme::kPrefetchHint;
+  return s;
+}
+
 // Scatter retrieve: desc holds a ScatterHeader and its entries, desc_len bytes in all.
 GDKV_HD inline nvme::Sqe scatter_retrieve(const uint8_t* key, uint32_t key_len, const void* desc,
                                           uint32_t desc_len, uint32_t nsid = 1) noexcept {

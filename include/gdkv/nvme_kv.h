@@ -106,6 +106,11 @@ inline constexpr uint8_t kStoreOptionsValid =
     kStoreMustExist | kStoreMustNotExist | kStoreCompressHint;
 inline constexpr uint8_t kRetrieveRaw = 0x01;  // no decompression: gdkv never compresses
 inline constexpr uint8_t kRetrieveOptionsValid = kRetrieveRaw;
+// Prefetch (81h): bit 0 = scheduler hint. The keys will be read soon, in the list's order: the
+// cache also keeps the resident ones from eviction until read or until the hint ages out. Clear
+// (a stock host): a plain warm-up. Other bits are reserved (02h invalid field).
+inline constexpr uint8_t kPrefetchHint = 0x01;
+inline constexpr uint8_t kPrefetchOptionsValid = kPrefetchHint;
 
 // PSDT (CDW0 bits 15:14): how the data pointer is to be read.
 inline constexpr uint8_t kPsdtPrp = 0;

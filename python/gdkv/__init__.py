@@ -48,7 +48,7 @@ def backends() -> list[str]:
 def open(backend: str = "local", *, store: Optional[str] = None, capacity: int = 0,
          pool: str = "gdkv-rep3", ceph_conf: str = "", ceph_client: str = "client.admin",
          ceph_keyring: str = "", ceph_timeout_ms: int = 5000, cache_bytes: int = 0,
-         cache_policy: str = "prefix", prefetch_depth: int = 8, reactors: int = 1,
+         cache_policy: str = "adaptive", prefetch_depth: int = 8, reactors: int = 1,
          nsid: int = 1, max_value_bytes: int = 64 << 20, queue_depth: int = 1024,
          cuda_device: Optional[int] = None) -> Client:
     """A client with a controller in this process, over ``backend`` (the CLI's options).

@@ -11,7 +11,8 @@ Open one with :func:`gdkv.open` (a controller in this process over a backend) or
 
 Zero copy: ``put`` reads the caller's buffer and ``get_into`` writes it where it is (bytes-like
 objects, numpy arrays, torch tensors). In-process, any host buffer is reached in place. Through
-gdkvd, only memory shared with gdkvd is: allocate it with :meth:`Client.empty`; other buffers are
+gdkvd, only memory shared with gdkvd is: allocate it with :meth:`Client.empty`, or share memory you
+already have where it lies with :meth:`Client.register` (an engine's KV pool); other buffers are
 staged (copied) through shared memory, and :meth:`Client.copies` counts those copies.
 
 A client is safe to use from several threads; every command releases the GIL while it waits, and
@@ -124,6 +125,21 @@ class Client:
         """
         return self._core.lookup_prefix(list(keys))
 
+    def hint(self, keys: Iterable[Key]) -> None:
+        """Tells gdkv these keys will be read soon, in this order (a scheduler hint: the
+        requests waiting in an engine's queue). The cache keeps the cached ones from eviction
+        until read or until the hint ages out, and fetches the others from its lower tier ahead
+        of the read. Keys stored nowhere cost nothing. Returns once the hint is given. An empty
+        list raises ValueError, a bad key InvalidKeyError, more than 64 KiB of key list (about
+        3,600 16-byte keys) gdkv.Error with status 0x02.
+
+        >>> c.hint(gdkv.chain_keys(tokens, 16, salt))   # None: the blocks are on their way
+        """
+        keys = list(keys)
+        if not keys:
+            raise ValueError("hint: no keys")
+        self._core.hint(keys)
+
     def delete_many(self, keys: Iterable[Key], *, missing_ok: bool = False) -> list[bool]:
         """Deletes every key in one round: whether each existed. A missing key raises KeyError
         unless ``missing_ok``; the first failure raises after the round (the others are deleted)."""
@@ -177,13 +193,33 @@ class Client:
         """Whether the controller reads and writes this buffer in place (no staging copy)."""
         return self._core.reaches(buffer)
 
-    def register(self, tensor: Buffer) -> None:
-        """Registers a CUDA tensor's memory with the controller's copy engines (in-process
-        clients opened with cuda_device=N); unregister() before freeing it."""
-        self._core.register(tensor)
+    def register(self, buffer: Buffer) -> None:
+        """Makes memory you already have reachable in place (zero copy) until unregister():
 
-    def unregister(self, tensor: Buffer) -> None:
-        self._core.unregister(tensor)
+        - host memory through gdkvd (a numpy array, a CPU torch tensor, an engine's KV pool):
+          shared in place. Its pages are moved onto memory shared with gdkvd at the same
+          addresses, contents kept, so the buffer stays what it was and ``reaches()`` becomes
+          True for it and for any buffer inside it. Only private memory (malloc, numpy, torch)
+          can be; a file mapping, shared memory or read-only memory raises ValueError. Register
+          before the memory is in use: writes by other threads while it is being shared are
+          lost. A process forked later shares these pages with this one. In-process, host memory
+          is reached already and this changes nothing.
+        - a CUDA tensor: joins the controller's copy engines (in-process clients opened with
+          cuda_device=N).
+
+        The client keeps a reference to ``buffer`` while it is registered; a buffer registered
+        twice needs two unregister() calls.
+
+        >>> kv = torch.zeros((layers, blocks, block_bytes), dtype=torch.uint8)
+        >>> c.register(kv)            # gets and puts on kv's pages are now in place
+        """
+        self._core.register(buffer)
+
+    def unregister(self, buffer: Buffer) -> None:
+        """Undoes one register(buffer) (the same object or one at the same address). Through
+        gdkvd, once commands on it are done, buffers there are staged again; the memory stays
+        yours and keeps its contents."""
+        self._core.unregister(buffer)
 
     def copies(self) -> tuple[int, int]:
         """(buffers, bytes) this client had to copy through staging memory: (0, 0) when every
@@ -235,6 +271,9 @@ class Client:
 
     async def alookup_prefix(self, keys: Iterable[Key]) -> int:
         return await self._run(self.lookup_prefix, list(keys))
+
+    async def ahint(self, keys: Iterable[Key]) -> None:
+        return await self._run(self.hint, list(keys))
 
 
 def _cuda_sync(*buffers: Any) -> None:

@@ -51,6 +51,8 @@ _IN_PROCESS: dict[tuple, Client] = {}
 _IN_PROCESS_LOCK = threading.Lock()
 T = TypeVar("T")
 
+#: Keys per hint command (EngineStore.hint).
+HINT_BATCH = 2048
 #: The failures that mean "gdkv is not there right now": the caller falls back to recompute.
 UNAVAILABLE = (errors.ConnectionError, errors.TimeoutError, errors.ClosedError,
                errors.NotReadyError)
@@ -364,6 +366,20 @@ class EngineStore:
         except errors.Error as e:
             self.note(e, what)
             return default
+
+    def hint(self, client: Client, keys: list[bytes]) -> None:
+        """Tells gdkv ``keys`` will be read next, in order (:meth:`Client.hint`), in commands of
+        at most HINT_BATCH keys (a hint's key list is at most 64 KiB: about 3,600 keys).
+        Advisory: a failure is logged at debug level and returns; gdkv unavailable drops
+        ``client``, as for any command."""
+        try:
+            for start in range(0, len(keys), HINT_BATCH):
+                client.hint(keys[start: start + HINT_BATCH])
+        except UNAVAILABLE as e:
+            log.debug("gdkv: hint of %d keys failed: %s", len(keys), e)
+            self.fail(client, e)
+        except errors.Error as e:
+            log.debug("gdkv: hint of %d keys failed: %s", len(keys), e)
 
     def close(self) -> None:
         """Closes a gdkvd connection (in-process controllers live as long as the process), for

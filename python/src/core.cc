@@ -3,8 +3,9 @@
 //
 // Buffers: bytes-like objects (buffer protocol: bytes, bytearray, memoryview, numpy arrays) and
 // DLPack objects (torch tensors, CPU or CUDA) are passed to the controller by address, never
-// copied here. Through gdkvd the controller reaches only the memory shared with it (alloc()); a
-// buffer elsewhere is staged by the C++ client and counted in copies().
+// copied here. Through gdkvd the controller reaches only the memory shared with it (alloc(), and
+// memory shared in place by register()); a buffer elsewhere is staged by the C++ client and
+// counted in copies().
 //
 // Threads: every call releases the GIL while it waits; close() waits for calls in flight.
 #include <nanobind/nanobind.h>
@@ -336,6 +337,14 @@ class PyClient {
     return out;
   }
 
+  // A scheduler hint: these keys will be read soon, in this order (one Prefetch with the hint
+  // option). Empty list or one too long: ValueError (02h); bad key: the key error.
+  void hint(nb::handle keys_obj) {
+    std::vector<Key> keys = to_keys(keys_obj);
+    CmdResult r = run([&](gdkv::Client& c) { return c.hint(keys, nsid_); });
+    check("hint", nullptr, r);
+  }
+
   // ---- batches: one submission round for many keys ----
   std::vector<bool> exists_many(nb::handle keys_obj) {
     std::vector<Key> keys = to_keys(keys_obj);
@@ -518,10 +527,32 @@ class PyClient {
     return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(p, {nbytes}, owner);
   }
 
-  // Makes a CUDA tensor's memory reachable by the controller's copy engines, until unregister().
+  // Makes memory the caller already has reachable in place, until unregister(): a CUDA tensor by
+  // the controller's copy engines (in-process with cuda_device); host memory through gdkvd
+  // shared in place (VfioUserDevice::share: its pages moved onto a memfd gdkvd maps, at the same
+  // addresses), and in-process as it is. The object is kept alive while registered.
   void register_memory(nb::handle obj) {
-    Buffer b = get_buffer(obj, true, "tensor");
-    if (!b.cuda) raise_value("register() takes CUDA memory; host memory needs no registration");
+    Buffer b = get_buffer_any(obj, true, "buffer");
+    if (b.len == 0) raise_value("register() of an empty buffer");
+    if (!b.cuda) {
+      std::shared_ptr<gdkv::VfioUserDevice> dev;
+      {
+        std::shared_lock lk(mu_);
+        if (!client_) raise_closed();
+        dev = device_;
+      }
+      if (dev) {
+        gdkv::Result<void> r;
+        {
+          nb::gil_scoped_release nogil;
+          r = dev->share(b.ptr, b.len);
+        }
+        if (!r) raise_value("register(): " + r.error());
+      }
+      std::lock_guard rl(reg_mu_);
+      host_.emplace(reinterpret_cast<uintptr_t>(b.ptr), nb::borrow(obj));
+      return;
+    }
     if (!cuda_) raise_value("register() needs a client opened with cuda_device=N (a CUDA build)");
     std::shared_lock lk(mu_);
     if (!client_) raise_closed();
@@ -537,7 +568,30 @@ class PyClient {
     registered_[reinterpret_cast<uintptr_t>(b.ptr)] = b.len;
   }
   void unregister_memory(nb::handle obj) {
-    Buffer b = get_buffer(obj, false, "tensor");
+    Buffer b = get_buffer_any(obj, false, "buffer");
+    if (!b.cuda) {
+      nb::object keep;  // released after the locks, with the GIL
+      std::shared_ptr<gdkv::VfioUserDevice> dev;
+      {
+        std::shared_lock lk(mu_);
+        if (!client_) raise_closed();
+        dev = device_;
+        std::lock_guard rl(reg_mu_);
+        auto it = host_.find(reinterpret_cast<uintptr_t>(b.ptr));
+        if (it == host_.end()) raise_value("this memory was not registered");
+        keep = std::move(it->second);
+        host_.erase(it);
+      }
+      if (dev) {
+        gdkv::Result<void> r;
+        {
+          nb::gil_scoped_release nogil;
+          r = dev->unshare(b.ptr);
+        }
+        if (!r) raise_value("unregister(): " + r.error());
+      }
+      return;
+    }
     std::shared_lock lk(mu_);
     if (!client_) raise_closed();
     std::lock_guard rl(reg_mu_);
@@ -598,7 +652,12 @@ class PyClient {
       if (client_) closed_copies_ = client_->copies();
       c = std::move(client_);
       c.reset();
-      device_.reset();
+      device_.reset();  // gdkvd lets go of memory shared in place; the process keeps it
+    }
+    std::multimap<uintptr_t, nb::object> held;
+    {
+      std::lock_guard rl(reg_mu_);
+      held.swap(host_);
     }
   }
   bool closed() {
@@ -733,7 +792,8 @@ class PyClient {
   uint32_t timeout_ms_;
   gdkv::CopyCounters closed_copies_;
   std::mutex reg_mu_;
-  std::map<uintptr_t, size_t> registered_;  // CUDA memory: address -> bytes
+  std::map<uintptr_t, size_t> registered_;     // CUDA memory: address -> bytes
+  std::multimap<uintptr_t, nb::object> host_;  // host memory registered: address -> the buffer
 };
 
 std::unique_ptr<PyClient> open_in_process(const OpenOptions& o, uint32_t nsid) {
@@ -885,6 +945,7 @@ NB_MODULE(_core, m) {
       .def("list", &PyClient::list, nb::arg("prefix").none())
       .def("exists_many", &PyClient::exists_many, nb::arg("keys"))
       .def("lookup_prefix", &PyClient::lookup_prefix, nb::arg("keys"))
+      .def("hint", &PyClient::hint, nb::arg("keys"))
       .def("delete_many", &PyClient::delete_many, nb::arg("keys"), nb::arg("missing_ok"))
       .def("put_many", &PyClient::put_many, nb::arg("keys"), nb::arg("values"))
       .def("get_many", &PyClient::get_many, nb::arg("keys"), nb::arg("size_hint"))

@@ -27,15 +27,17 @@ CEPH_CONF = os.environ.get("GDKV_CEPH_CONF", "")
 class Gdkvd:
     """A gdkvd child process serving a temporary socket directory."""
 
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, metrics: bool = False):
         if not GDKVD.exists():
             raise RuntimeError(f"{GDKVD} is missing: build the C++ tree first (scripts/test does)")
         self.dir = tempfile.mkdtemp(prefix="gdkvd-py-")
         self.log_path = Path(self.dir) / "gdkvd.log"
         self._log = open(self.log_path, "wb")
+        # metrics: /metrics at a port the kernel picks (gdkvd logs it).
+        port = ["--metrics-port", "0" if metrics else "-1"]
         self.proc = subprocess.Popen(
-            [str(GDKVD), "--socket-dir", self.dir, "--metrics-port", "-1", "--reactors", "1",
-             *args], stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+            [str(GDKVD), "--socket-dir", self.dir, *port, "--reactors", "1", *args],
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 20
         while b"ready:" not in self.log_path.read_bytes():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -44,6 +46,17 @@ class Gdkvd:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def metrics(self) -> dict[str, float]:
+        """gdkvd's /metrics (started with metrics=True): {'name{labels}': value}."""
+        import re
+        import urllib.request
+        m = re.search(r"metrics on http://[0-9.]+:(\d+)/metrics", self.log())
+        assert m, "gdkvd serves no /metrics: " + self.log()
+        url = f"http://127.0.0.1:{m.group(1)}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        return {name: float(v) for name, v in
+                (line.rsplit(" ", 1) for line in text.splitlines() if line and line[0] != "#")}
 
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)
@@ -73,6 +86,30 @@ def gdkvd_local(tmp_path):
               str(256 << 20))
     yield d
     d.stop()
+
+
+def hint_gdkvd() -> Gdkvd:
+    """A gdkvd with a DRAM cache (the target of scheduler hints) and /metrics."""
+    return Gdkvd("--backend", "memory", "--cache-bytes", str(64 << 20), metrics=True)
+
+
+def hinted(d: Gdkvd) -> float:
+    """The keys gdkvd's cache has been hinted."""
+    return d.metrics()["gdkv_cache_hint_keys_total"]
+
+
+def record_hints(client, monkeypatch) -> list:
+    """The key lists client.hint is given (each still goes to gdkv)."""
+    calls: list = []
+    real = client.hint
+
+    def hint(keys):
+        keys = list(keys)
+        calls.append(keys)
+        return real(keys)
+
+    monkeypatch.setattr(client, "hint", hint)
+    return calls
 
 
 def open_kind(kind: str, tmp_path: Path, gdkvd_factory):

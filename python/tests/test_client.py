@@ -243,9 +243,13 @@ def test_open_errors(tmp_path):
             gdkv.open("local", store=str(tmp_path / "s"), capacity=64 << 20)
     with pytest.raises(gdkv.ConnectionError):
         gdkv.connect(str(tmp_path / "no-daemon"))
-    if gdkv.cuda_build:
-        with gdkv.open("memory") as c, pytest.raises(ValueError, match="register|CUDA"):
-            c.register(np.zeros(4))
+    with gdkv.open("memory") as c:   # in-process, host memory is reached as it is
+        a = np.zeros(4)
+        c.register(a)
+        assert c.reaches(a)
+        c.unregister(a)
+        with pytest.raises(ValueError, match="not registered"):
+            c.unregister(a)
 
 
 def test_local_store_persists_across_opens(tmp_path):
@@ -273,3 +277,48 @@ def test_gil_is_released_while_waiting(gdkvd):
         t.join(5)
         assert done.is_set()
         assert n > 100_000  # the spinning main thread was never blocked on the GIL
+
+
+def test_register_shares_host_memory_with_gdkvd_in_place(gdkvd):
+    """Memory the caller allocated (numpy, torch) is read and written where it lies once
+    registered: no staging copy, the same bytes, and only private memory is accepted."""
+    import mmap
+
+    import torch
+
+    with gdkv.connect(gdkvd.dir) as c:
+        pool = np.random.default_rng(1).integers(0, 256, (64, 65536), dtype=np.uint8)
+        before = pool.copy()
+        assert not c.reaches(pool)
+        c.register(pool)
+        assert c.reaches(pool) and c.reaches(pool[3])
+        assert np.array_equal(pool, before)          # contents kept, same addresses
+        c.put_many((b"row%d" % i, pool[i]) for i in range(64))
+        pool[:] = 0
+        assert c.get_many_into([b"row%d" % i for i in range(64)], list(pool)) == [65536] * 64
+        assert np.array_equal(pool, before)
+        # a value spread over rows of the pool (a scatter list) lands in place too
+        assert c.get_into(b"row5", [pool[10, :1000], pool[20]], partial=True) == 65536
+        assert np.array_equal(pool[10, :1000], before[5, :1000])
+        assert c.copies() == (0, 0)
+        c.unregister(pool)
+        assert not c.reaches(pool)
+        c.get_into(b"row7", pool[0])                  # staged again, still right
+        assert np.array_equal(pool[0], before[7]) and c.copies()[0] == 1
+
+        kv = torch.zeros((4, 32768), dtype=torch.float16)
+        c.register(kv)
+        c.register(kv[2])                             # inside: counted again
+        c.get_into(b"row1", kv[1])
+        assert bytes(kv[1].numpy().tobytes()) == before[1].tobytes()
+        c.unregister(kv[2])
+        assert c.reaches(kv)
+        c.unregister(kv)
+        assert c.copies()[0] == 1
+
+        with pytest.raises(ValueError, match="not private anonymous"):
+            c.register(mmap.mmap(-1, 1 << 16))       # a shared mapping
+        with pytest.raises(ValueError, match="not registered"):
+            c.unregister(np.zeros(8))
+        with pytest.raises(ValueError, match="empty"):
+            c.register(np.zeros(0))

@@ -12,6 +12,7 @@ vLLM paged cache on CPU. gdkvd is the real child process of conftest.Gdkvd.
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import subprocess
 import threading
@@ -33,9 +34,10 @@ from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 from lmcache.v1.storage_backend import CreateStorageBackends  # noqa: E402
 from lmcache.v1.storage_backend.remote_backend import RemoteBackend  # noqa: E402
 
+import gdkv  # noqa: E402
 from gdkv.lmcache import GdkvConnector, parse_url  # noqa: E402
 
-from conftest import GDKVD, Gdkvd  # noqa: E402
+from conftest import GDKVD, Gdkvd, hint_gdkvd, hinted, record_hints  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, CHUNK = 2, 2, 8, 16
 # One chunk: [2, layers, chunk tokens, heads * head dim] bf16 = 2 KiB.
@@ -619,6 +621,77 @@ def test_through_gdkvd_one_copy_each_way(gdkvd, tmp_path, stacks):
     release(got)
 
 
+# ---- scheduler hints: the lookup hints the chunks LMCache will retrieve ----
+def test_lookup_hints_the_chunks_found(tmp_path, stacks, loop, monkeypatch):
+    """RemoteBackend's batched contains, sync and from the loop (LMCache's lookup paths): the
+    leading run found reaches gdkvd's cache as a hint, in order; a lookup finding nothing and a
+    one-key contains hint nothing."""
+    d = hint_gdkvd()
+    try:
+        md = metadata()
+        backends = stacks(plugin_config(tmp_path, f"gdkv://{d.dir}"), md)
+        rb, conn = remote(backends)
+        keys = chunk_keys(md, range(100, 108))
+        objs = chunks(backends, md, 8)
+        put(rb, keys[:5] + keys[6:], objs[:5] + objs[6:])   # a hole at 5
+        hints = record_hints(conn.client(), monkeypatch)
+        assert hinted(d) == 0
+        assert rb.batched_contains(keys) == 5
+        assert hints == [[conn._key(k) for k in keys[:5]]]
+        assert hinted(d) == 5
+        assert run(loop, rb.batched_async_contains("lookup-1", keys[2:], pin=True)) == 3
+        assert hints[1:] == [[conn._key(k) for k in keys[2:5]]] and hinted(d) == 8
+        assert rb.batched_contains(keys[5:]) == 0
+        assert rb.contains(keys[0]) and len(hints) == 2 and hinted(d) == 8
+        got = rb.batched_get_blocking(keys[:5])
+        assert all(same(g, o) for g, o in zip(got, objs))
+        release(got)
+    finally:
+        d.stop()
+
+
+def test_a_failing_hint_changes_no_lookup(tmp_path, stacks, monkeypatch, caplog):
+    """A hint gdkvd refuses is logged at debug level and keeps the client; gdkvd dying between
+    the lookup and the hint drops it: either way the lookup answers what it found, and nothing
+    raises to LMCache."""
+    d = hint_gdkvd()
+    try:
+        md = metadata()
+        url = f"gdkv://{d.dir}?retry_interval_s=60&timeout_ms=2000"
+        backends = stacks(plugin_config(tmp_path, url), md)
+        rb, conn = remote(backends)
+        keys = chunk_keys(md, range(4))
+        objs = chunks(backends, md, 4)
+        put(rb, keys, objs)
+        c = conn.client()
+        real = c.hint
+
+        def refused(keys):
+            raise gdkv.Error("hint: invalid field", 0x02)
+
+        monkeypatch.setattr(c, "hint", refused)
+        with caplog.at_level(logging.DEBUG, logger="gdkv"):
+            assert rb.batched_contains(keys) == 4
+        assert [r.levelname for r in caplog.records if "hint" in r.getMessage()] == ["DEBUG"]
+        assert conn.client() is c and conn.store.failures == 0 and hinted(d) == 0
+        got = rb.batched_get_blocking(keys)
+        assert all(same(g, o) for g, o in zip(got, objs))
+        release(got)
+
+        def dies(keys):
+            d.signal(signal.SIGKILL)
+            d.proc.wait()
+            return real(keys)
+
+        monkeypatch.setattr(c, "hint", dies)
+        assert conn.batched_contains(keys) == 4
+        assert d.proc.poll() is not None and conn.store.failures == 1
+        assert conn.client() is None and rb.batched_contains(keys) == 0
+        assert rb.batched_get_blocking(keys) == [None] * 4
+    finally:
+        d.stop()
+
+
 # ---- LMCache's engine ----
 class CpuKVConnector(GPUConnectorInterface):
     """The serving engine's side of LMCacheEngine, on CPU: KV cache ``[2, layers, tokens,
@@ -646,17 +719,22 @@ class CpuKVConnector(GPUConnectorInterface):
         return self.md.get_shapes(num_tokens)[0]
 
 
-def test_lmcache_engine_store_lookup_retrieve(gdkvd, tmp_path):
-    from lmcache.v1.cache_engine import LMCacheEngineBuilder
-
-    text = f"""\
+def engine_config(socket_dir: str) -> str:
+    """An LMCache engine's config: a small local CPU cache, gdkv (at socket_dir) as its remote."""
+    return f"""\
 chunk_size: {CHUNK}
 local_cpu: true
 max_local_cpu_size: 0.05
 pre_caching_hash_algorithm: sha256_cbor
 remote_serde: naive
-{PLUGIN}  remote_storage_plugin.gdkv.url: "gdkv://{gdkvd.dir}"
+{PLUGIN}  remote_storage_plugin.gdkv.url: "gdkv://{socket_dir}"
 """
+
+
+def test_lmcache_engine_store_lookup_retrieve(gdkvd, tmp_path):
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+    text = engine_config(gdkvd.dir)
     md = metadata()
     ids = [f"gdkv-test-{time.monotonic_ns()}-{i}" for i in range(2)]
     engines = []
@@ -691,3 +769,50 @@ remote_serde: naive
     finally:
         for i in ids:
             LMCacheEngineBuilder.destroy(i)
+
+
+def test_lmcache_engine_lookup_hints_what_it_retrieves(tmp_path, monkeypatch):
+    """LMCacheEngine.lookup asks its local CPU cache first and gdkv for the rest: the chunks
+    gdkv holds are hinted (they are what retrieve reads next), and chunks LMCache holds locally
+    are not."""
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+    d = hint_gdkvd()
+    text = engine_config(d.dir)
+    md = metadata()
+    ids = [f"gdkv-hint-{time.monotonic_ns()}-{i}" for i in range(2)]
+    try:
+        a, b = [LMCacheEngineBuilder.get_or_create(i, yaml_config(tmp_path, text), md,
+                                                   CpuKVConnector(md), None, None) for i in ids]
+        for e in (a, b):
+            e.post_init()
+        tokens = torch.arange(100)  # 6 full chunks reach gdkv
+        src = torch.randn(2, LAYERS, 100, HEADS * HEAD_DIM).to(torch.bfloat16)
+        a.store(tokens, kvcache=src)
+        rb_a, conn_a = remote(a.storage_manager.storage_backends)
+        deadline = time.monotonic() + 10
+        while len(conn_a.client().list()) < 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(conn_a.client().list()) == 6
+        assert a.lookup(tokens) == 96 and hinted(d) == 0   # A's local CPU cache has them all
+
+        rb_b, conn_b = remote(b.storage_manager.storage_backends)
+        hints = record_hints(conn_b.client(), monkeypatch)
+        assert b.lookup(tokens) == 96
+        assert hints[:1] == [[conn_b._key(k) for _, _, k in
+                              b.token_database.process_tokens(tokens=tokens)][:6]]
+        assert hinted(d) == 6
+        dst = torch.zeros_like(src)
+        assert int(b.retrieve(tokens, kvcache=dst).sum()) == 96
+        assert torch.equal(dst[:, :, :96], src[:, :, :96])
+        # retrieve maps its chunks to backends again (get_block_mapping: batched_contains),
+        # which hints them once more just before reading them.
+        assert hints[1:] == [hints[0]] and hinted(d) == 12
+        # Now in B's local CPU cache: LMCache does not ask gdkv, and nothing is hinted.
+        assert len(b.storage_manager.storage_backends["LocalCPUBackend"].hot_cache) == 6
+        assert b.lookup(tokens) == 96
+        assert len(hints) == 2 and hinted(d) == 12
+    finally:
+        for i in ids:
+            LMCacheEngineBuilder.destroy(i)
+        d.stop()

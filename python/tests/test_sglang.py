@@ -10,6 +10,7 @@ sglang cannot be imported (the main environment has no SGLang).
 
 from __future__ import annotations
 
+import logging
 import signal
 import subprocess
 import threading
@@ -23,7 +24,7 @@ pytest.importorskip("sglang")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from conftest import GDKVD  # noqa: E402
+from conftest import GDKVD, hint_gdkvd, hinted, record_hints  # noqa: E402
 from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
@@ -437,6 +438,87 @@ def test_hicache_controller_backup_and_prefetch(gdkvd, process_group, layout):
             assert torch.equal(page(host, 24 + i), src[i])
     finally:
         ctl.detach_storage_backend()
+
+
+# ---- scheduler hints: the pages a waiting request's prefetch will read ----
+def test_prefetch_hints_the_pages_it_reads(process_group, monkeypatch):
+    """SGLang's prefetch thread asks batch_exists for a waiting request's pages; the leading run
+    found (every value of each page, page after page) reaches gdkvd's cache as a hint before
+    SGLang reads it. A lookup that finds nothing, exists() and backups hint nothing."""
+    d = hint_gdkvd()
+    ctl, host = controller(process_group, "page_first", {"socket_dir": d.dir})
+    try:
+        s = ctl.storage_backend
+        hints = record_hints(s.store.client(), monkeypatch)
+        tokens = list(range(3000, 3000 + 6 * PAGE))
+        page_hashes = get_storage_hash_str(tokens, None, page_size=PAGE)
+        assert backup(ctl, [0, 1, 2], page_hashes[:3]) == 3 * PAGE
+        assert backup(ctl, [4, 5], page_hashes[4:]) == 2 * PAGE
+        assert hints == [] and hinted(d) == 0
+        assert prefetch(ctl, tokens, 20) == (3 * PAGE, 3 * PAGE)   # page 3 is missing
+        assert hints == [s._keys(page_hashes[:3])]                  # K and V of pages 0, 1, 2
+        assert hinted(d) == 6
+        assert backup(ctl, [3], page_hashes[3:4]) == PAGE
+        assert prefetch(ctl, tokens, 24) == (6 * PAGE, 6 * PAGE)
+        assert hints[1:] == [s._keys(page_hashes)] and hinted(d) == 18
+        assert prefetch(ctl, list(range(9000, 9000 + 4 * PAGE)), 24) == (0, 0)
+        assert s.exists(page_hashes[0])
+        assert len(hints) == 2 and hinted(d) == 18
+
+        # More keys than one hint command takes (64 KiB): sent in chunks, in order.
+        many = hashes(2000, seed=7)
+        for start in range(0, len(many), 32):
+            chunk = many[start: start + 32]
+            assert s.batch_set_v1(chunk, indices(list(range(len(chunk))))) == [True] * len(chunk)
+        assert s.batch_exists(many) == 2000
+        assert [len(h) for h in hints[2:]] == [2048, 4000 - 2048]
+        assert hints[2] + hints[3] == s._keys(many)
+        assert hinted(d) == 18 + 4000
+    finally:
+        ctl.detach_storage_backend()
+        d.stop()
+
+
+def test_a_failing_hint_changes_no_answer(process_group, monkeypatch, caplog):
+    """A hint gdkvd refuses is logged at debug level, the client is kept and the prefetch loads;
+    gdkvd dying between the
+    lookup and the hint drops the client, SGLang's hit query still gets its answer (no exception
+    in its prefetch thread) and the transfer that follows is a miss."""
+    d = hint_gdkvd()
+    ctl, host = controller(process_group, "page_first",
+                           {"socket_dir": d.dir, "timeout_ms": 2000, "retry_interval_s": 60})
+    try:
+        s = ctl.storage_backend
+        c = s.store.client()
+        real = c.hint
+        tokens = list(range(4000, 4000 + 4 * PAGE))
+        page_hashes = get_storage_hash_str(tokens, None, page_size=PAGE)
+        src = [page(host, p) for p in range(4)]
+        assert backup(ctl, [0, 1, 2, 3], page_hashes) == 4 * PAGE
+
+        def refused(keys):
+            raise gdkv.Error("hint: invalid field", 0x02)
+
+        monkeypatch.setattr(c, "hint", refused)
+        with caplog.at_level(logging.DEBUG, logger="gdkv"):
+            assert prefetch(ctl, tokens, 20) == (4 * PAGE, 4 * PAGE)
+        assert [r.levelname for r in caplog.records if "hint" in r.getMessage()] == ["DEBUG"]
+        for i in range(4):
+            assert torch.equal(page(host, 20 + i), src[i])
+        assert s.store.client() is c and s.store.failures == 0 and hinted(d) == 0
+
+        def dies(keys):
+            d.signal(signal.SIGKILL)
+            d.proc.wait()
+            return real(keys)
+
+        monkeypatch.setattr(c, "hint", dies)
+        assert prefetch(ctl, tokens, 24) == (4 * PAGE, 0)
+        assert d.proc.poll() is not None and s.store.failures == 1
+        assert s.store.client() is None and s.batch_exists(page_hashes) == 0
+    finally:
+        ctl.detach_storage_backend()
+        d.stop()
 
 
 # ---- failures ----

@@ -3,6 +3,7 @@ vLLM's Scheduler, Request objects and KV cache allocator; the model runner's par
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -16,7 +17,7 @@ pytest.importorskip("vllm")
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 import gdkv  # noqa: E402
-from conftest import Gdkvd  # noqa: E402
+from conftest import Gdkvd, hint_gdkvd, hinted, record_hints  # noqa: E402
 from gdkv.engine import EngineStore  # noqa: E402
 from gdkv.vllm import Transfer  # noqa: E402
 from vllm_instance import BS, Instance, llama_dir  # noqa: E402
@@ -451,6 +452,100 @@ def test_worker_without_gdkv_turns_the_scheduler_off(model_dir, tmp_path):
     assert out.num_scheduled_tokens == {"c": 200} and not failed   # no external tokens
     assert not out.kv_connector_metadata.loads and not out.kv_connector_metadata.saves
     inst.close()
+
+
+# ---- scheduler hints: what the waiting requests will load ----
+def test_arriving_requests_hint_what_they_will_load(model_dir, monkeypatch):
+    """vLLM's scheduler hands the connector each request as it enters the waiting queue: the
+    values past vLLM's own prefix cache that gdkv holds (the leading run) reach gdkvd's cache
+    as a hint, in order, once per request."""
+    d = hint_gdkvd()
+    try:
+        cfg = {"socket_dir": d.dir, "timeout_ms": 5000}
+        one = Instance(model_dir, cfg)
+        a = one.add("a", PROMPT_A)              # gdkv holds none of it: nothing to hint
+        one.run()
+        assert hinted(d) == 0
+        two = Instance(model_dir, cfg)
+        sched = two.scheduler.connector.scheduler
+        keys = sched.spaces[0].keys
+        hints = record_hints(sched.store.client(), monkeypatch)
+        b = two.add("b", PROMPT_B)              # shares 10 stored values with A, then 3 new
+        c = two.add("c", PROMPT_A)              # waits behind b: A's 12 values
+        assert hints == [keys(b.block_hashes[:10]), keys(a.block_hashes[:12])]
+        assert hinted(d) == 22
+        # vLLM asks get_num_new_matched_tokens again each step a request cannot be admitted;
+        # that hints nothing more.
+        conn = two.scheduler.connector
+        assert conn.get_num_new_matched_tokens(b, 0) == (160, True)
+        assert conn.get_num_new_matched_tokens(b, 0) == (160, True)
+        two.run()
+        assert b.is_finished() and c.is_finished()
+        assert len(hints) == 2 and hinted(d) == 22
+        assert two.worker.stats["loaded_values"] > 0
+
+        # Instance one's prefix cache holds A's 12 blocks: a request for PROMPT_B there loads
+        # only B's last 3 values (saved by two) from gdkv, and only those are hinted.
+        hints_one = record_hints(one.scheduler.connector.scheduler.store.client(), monkeypatch)
+        e = one.add("e", PROMPT_B)
+        assert hints_one == [keys(b.block_hashes[10:13])]
+        assert hinted(d) == 25
+        out, failed = one.step()
+        assert [t.hashes for t in out.kv_connector_metadata.loads] == [b.block_hashes[10:13]]
+        one.run()
+        assert e.is_finished() and hinted(d) == 25
+        one.close()
+        two.close()
+    finally:
+        d.stop()
+
+
+def test_a_failing_hint_never_fails_the_request(model_dir, monkeypatch, caplog):
+    """A hint gdkvd refuses is logged at debug level and leaves the client and the request's
+    load alone; gdkvd dying between an arriving request's lookup and its hint drops the client,
+    and the request runs without gdkv. add_request never raises."""
+    d = hint_gdkvd()
+    try:
+        cfg = {"socket_dir": d.dir, "timeout_ms": 2000, "retry_interval_s": 60}
+        one = Instance(model_dir, cfg)
+        one.add("a", PROMPT_A)
+        one.run()
+        two = Instance(model_dir, cfg)
+        sched = two.scheduler.connector.scheduler
+        client = sched.store.client()
+        real = client.hint
+
+        def refused(keys):
+            raise gdkv.Error("hint: invalid field", 0x02)
+
+        monkeypatch.setattr(client, "hint", refused)
+        with caplog.at_level(logging.DEBUG, logger="gdkv"):
+            b = two.add("b", PROMPT_B)
+        assert [r.levelname for r in caplog.records if "hint" in r.getMessage()] == ["DEBUG"]
+        assert sched.store.client() is client and sched.store.failures == 0
+        assert hinted(d) == 0
+        out, failed = two.step()
+        assert b.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not failed
+        two.run()
+        assert b.is_finished() and two.worker.stats["loaded_values"] == 10
+
+        def dies(keys):
+            d.signal(signal.SIGKILL)
+            d.proc.wait()
+            return real(keys)
+
+        monkeypatch.setattr(client, "hint", dies)
+        c = two.add("c", list(PROMPT_A))      # blocks 0..9 in vLLM's cache, 10..11 in gdkv
+        assert d.proc.poll() is not None      # the hint ran, against a dead gdkvd
+        assert sched.store.failures == 1 and sched.store.client() is None
+        out, failed = two.step()
+        assert out.num_scheduled_tokens == {"c": len(PROMPT_A) - 10 * BS} and not failed
+        two.run()
+        assert c.is_finished()
+        one.close()
+        two.close()
+    finally:
+        d.stop()
 
 
 # ---- a frozen gdkvd never stalls the caller ----

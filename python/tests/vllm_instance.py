@@ -101,13 +101,14 @@ class Instance:
 
     def step(self, check_load=None):
         """One engine step, as vLLM's model runner does it; returns the scheduler output and
-        the block ids the connector reported as failed loads."""
+        the block ids the connector reported as failed loads. ``check_load(out)`` runs after the
+        scheduler planned the step and before the worker starts its loads."""
         out = self.scheduler.schedule()
         c = self.connector
         c.bind_connector_metadata(out.kv_connector_metadata)
-        c.start_load_kv(None)
         if check_load is not None:
             check_load(out)
+        c.start_load_kv(None)
         # The forward pass: every full block this step computes gets its KV.
         for new in out.scheduled_new_reqs:
             self._compute(new.req_id, new.num_computed_tokens, out)

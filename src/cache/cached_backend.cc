@@ -63,7 +63,7 @@ enum PrefetchSource : uint8_t { kChain, kHint };
 class CachedBackend final : public Backend {
  public:
   CachedBackend(std::shared_ptr<Backend> inner, const CacheOptions& o,
-                std::unique_ptr<cache::EvictionPolicy> policy)
+                std::unique_ptr<cache::HintedPolicy> policy)
       : inner_(std::move(inner)),
         capacity_(o.capacity_bytes),
         depth_(o.prefetch_depth),
@@ -161,6 +161,7 @@ class CachedBackend final : public Backend {
           d(c.failed));
       add("cache_prefetch_dropped_total", "prefetch keys dropped because the queue was full", kC,
           d(c.dropped));
+      add("cache_hint_keys_total", "keys named by scheduler hints", kC, d(c.hints));
       const uint64_t issued = c.issued[kChain] + c.issued[kHint];
       add("cache_prefetch_accuracy", "prefetch used / issued since start", kG,
           issued ? d(c.used) / d(issued) : 0.0);
@@ -225,7 +226,7 @@ class CachedBackend final : public Backend {
   struct Counters {
     uint64_t hits = 0, misses = 0, merges = 0, fills = 0, write_fills = 0, evictions = 0,
              invalidations = 0, exists_hits = 0, direct = 0, remote_invalidations = 0;
-    uint64_t issued[2] = {}, used = 0, wasted = 0, failed = 0, dropped = 0;
+    uint64_t issued[2] = {}, used = 0, wasted = 0, failed = 0, dropped = 0, hints = 0;
   };
   // Per stream: the chain learning and readahead state.
   struct Readahead {
@@ -492,6 +493,29 @@ class CachedBackend final : public Backend {
     start(launch);
   }
 
+  // Scheduler hint: the keys will be read soon, in this order. Each is remembered by the policy
+  // (which keeps it from eviction while the hint lasts); those not cached are fetched ahead, in
+  // order, through the prefetch queue (its slots and length bound the work). A key stored nowhere
+  // costs one failed backend read and changes nothing.
+  void hint(uint32_t nsid, std::span<const Key> keys) override {
+    Launch launch;
+    if (capacity_ != 0) {
+      std::lock_guard lk(mu_);
+      const uint64_t now = tick();
+      for (const Key& k : keys) {
+        if (!k.valid()) continue;
+        const NsKey key{nsid, k};
+        policy_->hint(key, now);
+        ++n_.hints;
+        if (max_inflight_ != 0) {
+          queue_prefetch(key, kHint);
+          pump(launch);
+        }
+      }
+    }
+    start(launch);
+  }
+
   // REQUIRES: mu_ held. A stream's state; the last one asked for is remembered (a queue's
   // commands come in runs), and unordered_map's elements never move.
   Readahead& readahead_of(uint64_t stream) {
@@ -704,7 +728,7 @@ class CachedBackend final : public Backend {
   const std::shared_ptr<SlabAllocator> slab_;
 
   mutable std::mutex mu_;
-  std::unique_ptr<cache::EvictionPolicy> policy_;
+  std::unique_ptr<cache::HintedPolicy> policy_;
   std::unordered_map<NsKey, Entry, NsKeyHash> entries_;
   uint64_t bytes_ = 0;
   std::unordered_map<NsKey, Flight*, NsKeyHash> flights_;  // attached flights
@@ -727,7 +751,9 @@ class CachedBackend final : public Backend {
 
 }  // namespace
 
-std::vector<std::string> cache_policies() { return {"prefix", "adaptive", "lru-k", "lru", "arc"}; }
+std::vector<std::string> cache_policies() {
+  return {"adaptive", "prefix", "lru-k", "lru", "arc", "s3-fifo"};
+}
 
 Result<std::shared_ptr<Backend>> make_cached_backend(std::shared_ptr<Backend> inner,
                                                      const CacheOptions& options) {
@@ -739,16 +765,22 @@ Result<std::shared_ptr<Backend>> make_cached_backend(std::shared_ptr<Backend> in
   po.correlated_window = options.correlated_window_us * 1000;  // the cache's clock is in ns
   // A first guess (64 KiB values); the adaptive policy corrects it once the cache has filled.
   po.expected_entries = options.capacity_bytes / (64 * 1024);
-  auto policy = cache::make_policy(options.policy, po);
-  if (!policy) {
+  auto inner_policy = cache::make_policy(options.policy, po);
+  if (!inner_policy) {
     if (options.policy == "lru-k") {
       return Error{"cache: k must be 1.." + std::to_string(cache::kMaxK) + ", not " +
                    std::to_string(options.k)};
     }
     return Error{"cache: unknown policy '" + options.policy +
-                 "' (prefix, adaptive, lru-k, lru or arc)"};
+                 "' (adaptive, prefix, lru-k, lru, arc or s3-fifo)"};
   }
+  cache::HintOptions ho;
+  ho.capacity_bytes = options.capacity_bytes;
+  ho.max_hints = std::max<uint64_t>(1, options.hint_entries);
+  ho.ttl = options.hint_ttl_us * 1000;
+  ho.max_share = std::clamp(options.hint_share, 0.0, 1.0);
   return catch_error([&]() -> std::shared_ptr<Backend> {
+    auto policy = cache::make_hinted_policy(std::move(inner_policy), ho);
     return std::make_shared<CachedBackend>(std::move(inner), options, std::move(policy));
   });
 }

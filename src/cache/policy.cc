@@ -1,7 +1,7 @@
-// LRU, LRU-K, ARC and the adaptive policy, as one engine template.
+// LRU, LRU-K, ARC, S3-FIFO and the adaptive policy, as one engine template.
 //
-// Every policy is an Engine<experts> running some of three "experts" (LRU, LRU-K, ARC). A key has
-// one node that carries each expert's state, so the adaptive policy, which keeps all three in
+// Every policy is an Engine<experts> running some of four "experts" (LRU, LRU-K, ARC, S3-FIFO). A
+// key has one node that carries each expert's state, so the adaptive policy, which keeps all in
 // step, pays one hash lookup per reference rather than one per expert. The single-expert policies
 // are the same code compiled with the other experts left out, node state included: an LRU node
 // holds no LRU-K or ARC state (NodeT's parts are empty bases then).
@@ -20,11 +20,13 @@
 namespace gdkv::cache {
 namespace {
 
-enum Expert : uint8_t { kArc, kLruK, kLru, kExperts };
-constexpr const char* kExpertNames[kExperts] = {"arc", "lru-k", "lru"};
+// kPrefix is the prefix policy (prefix_policy.cc), an expert of the adaptive policy only: a whole
+// policy object it keeps in step with the cache, not a part of the node.
+enum Expert : uint8_t { kArc, kLruK, kLru, kS3, kPrefix, kExperts };
+constexpr const char* kExpertNames[kExperts] = {"arc", "lru-k", "lru", "s3-fifo", "prefix"};
 
 constexpr uint32_t bit(Expert e) { return 1u << e; }
-constexpr uint32_t kAllExperts = bit(kArc) | bit(kLruK) | bit(kLru);
+constexpr uint32_t kAllExperts = bit(kArc) | bit(kLruK) | bit(kLru) | bit(kS3) | bit(kPrefix);
 
 template <class N>
 struct LinkT {
@@ -75,6 +77,23 @@ enum KState : uint8_t { kKNone, kKResident, kKHistory };
 
 enum ArcList : uint8_t { kT1, kT2, kB1, kB2, kArcNone };
 
+// ---- S3-FIFO state ----
+//
+// S3-FIFO (Yang et al., SOSP 2023) in bytes: new keys enter a small FIFO S (a tenth of the
+// capacity); a key evicted from S that was hit while there moves to the main FIFO M, one that was
+// not leaves and is remembered in a ghost FIFO G. A missed key found in G enters M directly. M is
+// a FIFO with a second chance: each hit raises a key's count (at most 3), and a key at M's tail
+// with a count is put back at M's head with one less. G remembers at most M's share of the
+// capacity in bytes. A prefetched key's first use is its first reference, not a hit.
+
+enum S3Queue : uint8_t { kS3None, kS3Small, kS3Main, kS3Ghost };
+
+struct S3Part {
+  S3Queue s3 = kS3None;
+  uint8_t s3_freq = 0;
+  bool s3_prefetched = false;
+};
+
 // A node's LRU-K state, while resident or remembered.
 template <class N>
 struct LruKPart {
@@ -94,7 +113,8 @@ struct ArcPart {
 // A key's node in an Engine<M>: the parts of the experts in M (the others are empty bases).
 template <uint32_t M>
 struct NodeT : std::conditional_t<(M & bit(kLruK)) != 0, LruKPart<NodeT<M>>, Empty<0>>,
-               std::conditional_t<(M & bit(kArc)) != 0, ArcPart, Empty<1>> {
+               std::conditional_t<(M & bit(kArc)) != 0, ArcPart, Empty<1>>,
+               std::conditional_t<(M & bit(kS3)) != 0, S3Part, Empty<2>> {
   using Link = LinkT<NodeT>;
   NsKey key;
   uint64_t size = 0;
@@ -102,6 +122,7 @@ struct NodeT : std::conditional_t<(M & bit(kLruK)) != 0, LruKPart<NodeT<M>>, Emp
   Link lru;
   Link k_fifo;  // LRU-K's history, while remembered
   Link arc_link;
+  Link s3_link;
 };
 
 // An intrusive list through one of a node's links; front = least recently used.
@@ -150,12 +171,59 @@ class List {
   size_t n_ = 0;
 };
 
+// A shadow cache over any policy (the adaptive policy's prefix expert): keys and sizes only, with
+// the calls shadow_reference makes of a single-expert Engine.
+class Shadow {
+ public:
+  using Entry = std::pair<const NsKey, uint64_t>;  // key, size
+  explicit Shadow(std::unique_ptr<EvictionPolicy> p) : p_(std::move(p)) {}
+  Entry* find_resident(const NsKey& key) {
+    auto it = sizes_.find(key);
+    return it == sizes_.end() ? nullptr : &*it;
+  }
+  void touch(Entry* e, uint64_t size, uint64_t now) {
+    bytes_ = bytes_ - e->second + size;
+    e->second = size;
+    p_->record_access(e->first, size, now);
+  }
+  uint64_t resident_bytes() const { return bytes_; }
+  bool evict(NsKey* victim) {
+    if (!p_->evict(victim)) return false;
+    auto it = sizes_.find(*victim);
+    bytes_ -= it->second;
+    sizes_.erase(it);
+    return true;
+  }
+  void prepare_insert(const NsKey& key, uint64_t size, AddKind kind) {
+    p_->prepare_insert(key, size, kind);
+  }
+  void add(const NsKey& key, uint64_t size, uint64_t now, AddKind kind) {
+    p_->add(key, size, now, kind);
+    sizes_[key] = size;
+    bytes_ += size;
+  }
+  void remove(const NsKey& key) {
+    auto it = sizes_.find(key);
+    if (it == sizes_.end()) return;
+    p_->remove(key);
+    bytes_ -= it->second;
+    sizes_.erase(it);
+  }
+  void record_chain(const NsKey& key, const NsKey& pred) { p_->record_chain(key, pred); }
+
+ private:
+  std::unique_ptr<EvictionPolicy> p_;
+  std::unordered_map<NsKey, uint64_t, NsKeyHash> sizes_;
+  uint64_t bytes_ = 0;
+};
+
 // M: a bit per Expert. Several experts: the adaptive policy, with shadow caches to score them.
 template <uint32_t M>
 class Engine final : public EvictionPolicy {
  public:
   using Node = NodeT<M>;
   static constexpr bool kAdaptive = std::popcount(M) > 1;
+  static_assert(kAdaptive || (M & bit(kPrefix)) == 0, "the prefix policy alone is its own class");
 
   // `name`: what name() reports.
   Engine(const char* name, const PolicyOptions& o)
@@ -172,9 +240,10 @@ class Engine final : public EvictionPolicy {
       }
     }
     if constexpr (kAdaptive) {
+      prefix_ = make_prefix_policy(o);
       adaptive_ = o.pin_expert.empty();
       if (adaptive_) {
-        leader_ = kArc;  // until the shadows know better: the middle ground is never far off
+        leader_ = kPrefix;  // until the shadows know better: it is rarely far off on KV traffic
         reshard(ideal_shift(o.expected_entries));
       }
     }
@@ -183,6 +252,7 @@ class Engine final : public EvictionPolicy {
   const char* name() const override { return name_; }
 
   void prepare_insert(const NsKey& key, uint64_t size, AddKind kind) override {
+    if constexpr (has(kPrefix)) prefix_->prepare_insert(key, size, kind);
     pending_b2_ = false;
     if constexpr (has(kArc)) {
       if (kind != AddKind::kDemand) return;
@@ -212,6 +282,11 @@ class Engine final : public EvictionPolicy {
       arc_ghost = n->arc == kB1 || n->arc == kB2;
       if (arc_ghost) arc_unlink(n);
     }
+    bool s3_ghost = false;
+    if constexpr (has(kS3)) {
+      s3_ghost = n->s3 == kS3Ghost;
+      s3_unlink(n);
+    }
     n->resident = true;
     n->size = size;
     ++resident_;
@@ -219,6 +294,8 @@ class Engine final : public EvictionPolicy {
     if constexpr (has(kLru)) lru_.push_back(n);
     if constexpr (has(kLruK)) lruk_add(n, now, kind);
     if constexpr (has(kArc)) arc_add(n, now, kind, arc_ghost);
+    if constexpr (has(kS3)) s3_add(n, kind, s3_ghost);
+    if constexpr (has(kPrefix)) prefix_->add(key, size, now, kind);
     pending_b2_ = false;
     if constexpr (kAdaptive) {
       if (adaptive_) observe(key, size, now, kind);
@@ -232,16 +309,19 @@ class Engine final : public EvictionPolicy {
   void touch(Node* n, uint64_t size, uint64_t now) {
     const NsKey& key = n->key;
     resident_bytes_ = resident_bytes_ - n->size + size;
+    if constexpr (has(kS3)) s3_access(n, size);  // before the node takes the new size
     if constexpr (has(kArc)) arc_access(n, size, now);
     n->size = size;
     if constexpr (has(kLru)) lru_.move_to_back(n);
     if constexpr (has(kLruK)) lruk_access(n, now);
+    if constexpr (has(kPrefix)) prefix_->record_access(key, size, now);
     if constexpr (kAdaptive) {
       if (adaptive_) observe(key, size, now, AddKind::kDemand);
     }
   }
 
   void remove(const NsKey& key) override {
+    if constexpr (has(kPrefix)) prefix_->remove(key);  // it forgets a remembered key too
     auto it = nodes_.find(key);
     if (it == nodes_.end() || !it->second.resident) return;
     Node* n = &it->second;
@@ -251,6 +331,7 @@ class Engine final : public EvictionPolicy {
       n->k = kKNone;
     }
     if constexpr (has(kArc)) arc_unlink(n);
+    if constexpr (has(kS3)) s3_unlink(n);
     leave(n);
     release(n);
     if constexpr (kAdaptive) {
@@ -276,6 +357,19 @@ class Engine final : public EvictionPolicy {
         n = (t1 ? arc_lists_[kT1] : arc_lists_[kT2]).front();
       }
     }
+    if constexpr (has(kS3)) {
+      if (leader_ == kS3) n = s3_victim();
+    }
+    if constexpr (has(kPrefix)) {
+      if (leader_ == kPrefix) {
+        NsKey v;
+        if (!prefix_->evict(&v) || (n = find_resident(v)) == nullptr) return false;  // never
+        *victim = v;
+        evict_node(n);
+        return true;
+      }
+      prefix_->evict_key(n->key);
+    }
     *victim = n->key;
     evict_node(n);
     return true;
@@ -283,8 +377,22 @@ class Engine final : public EvictionPolicy {
 
   void evict_key(const NsKey& key) override {
     auto it = nodes_.find(key);
-    if (it != nodes_.end() && it->second.resident) evict_node(&it->second);
+    if (it == nodes_.end() || !it->second.resident) return;
+    if constexpr (has(kPrefix)) prefix_->evict_key(key);
+    evict_node(&it->second);
   }
+
+  void record_chain(const NsKey& key, const NsKey& pred) override {
+    if constexpr (has(kPrefix)) {
+      prefix_->record_chain(key, pred);
+      if (adaptive_ && shadow_prefix_ && sampled(key) && sampled(pred)) {
+        shadow_prefix_->record_chain(key, pred);
+      }
+    } else {
+      (void)key, (void)pred;
+    }
+  }
+  bool uses_chains() const override { return has(kPrefix); }
 
   size_t entries() const override { return resident_; }
 
@@ -308,6 +416,7 @@ class Engine final : public EvictionPolicy {
             static_cast<double>(bytes_[kB1] + bytes_[kB2]));
     }
     if constexpr (kAdaptive) {
+      prefix_->collect(out);
       for (uint8_t e = 0; e < kExperts; ++e) {
         if (!has(static_cast<Expert>(e))) continue;
         const std::string name = e == kLruK ? "lru-" + std::to_string(k_) : kExpertNames[e];
@@ -351,6 +460,9 @@ class Engine final : public EvictionPolicy {
     if constexpr (has(kArc)) {
       if (n->arc != kArcNone) return;
     }
+    if constexpr (has(kS3)) {
+      if (n->s3 != kS3None) return;
+    }
     nodes_.erase(n->key);
   }
 
@@ -358,10 +470,12 @@ class Engine final : public EvictionPolicy {
     if constexpr (has(kLru)) lru_.erase(n);
     if constexpr (has(kLruK)) lruk_to_history(n);
     if constexpr (has(kArc)) arc_to_ghost(n);
+    if constexpr (has(kS3)) s3_to_ghost(n);
     leave(n);
     release(n);  // n may be gone from here on: the trims free what they drop
     if constexpr (has(kLruK)) trim_history();
     if constexpr (has(kArc)) trim_ghosts();
+    if constexpr (has(kS3)) s3_trim_ghost();
   }
 
   // ---- LRU-K ----
@@ -497,6 +611,73 @@ class Engine final : public EvictionPolicy {
     while (!arc_lists_[kB1].empty() && total() > 2 * c_) arc_drop_lru(kB1);
   }
 
+  // ---- S3-FIFO ----
+
+  void s3_link(Node* n, S3Queue to) {
+    s3_lists_[to].push_back(n);
+    n->s3 = to;
+    s3_bytes_[to] += n->size;
+  }
+  void s3_unlink(Node* n) {
+    if (n->s3 == kS3None) return;
+    s3_lists_[n->s3].erase(n);
+    s3_bytes_[n->s3] -= n->size;
+    n->s3 = kS3None;
+  }
+
+  // `ghost`: the key was in G (and has been unlinked from it, at its old size).
+  void s3_add(Node* n, AddKind kind, bool ghost) {
+    n->s3_freq = 0;
+    n->s3_prefetched = kind == AddKind::kPrefetch;
+    s3_link(n, ghost && kind == AddKind::kDemand ? kS3Main : kS3Small);
+  }
+
+  void s3_access(Node* n, uint64_t size) {
+    s3_bytes_[n->s3] = s3_bytes_[n->s3] - n->size + size;
+    if (n->s3_prefetched) {
+      n->s3_prefetched = false;
+    } else if (n->s3_freq < 3) {
+      ++n->s3_freq;
+    }
+  }
+
+  // The entry S3-FIFO evicts next. Entries it passes over move (S to M, or back to M's head);
+  // M's tail is always reached, as every pass lowers a count.
+  Node* s3_victim() {
+    for (;;) {
+      auto& small = s3_lists_[kS3Small];
+      auto& main = s3_lists_[kS3Main];
+      if (!small.empty() && (s3_bytes_[kS3Small] >= c_ / 10 || main.empty())) {
+        Node* t = small.front();
+        if (t->s3_freq == 0) return t;  // not hit in S: it goes (to G)
+        s3_unlink(t);
+        t->s3_freq = 0;
+        s3_link(t, kS3Main);
+        continue;
+      }
+      Node* t = main.front();
+      if (t->s3_freq == 0) return t;
+      --t->s3_freq;
+      main.move_to_back(t);
+    }
+  }
+
+  void s3_to_ghost(Node* n) {
+    const bool small = n->s3 == kS3Small;
+    s3_unlink(n);
+    if (small) s3_link(n, kS3Ghost);
+  }
+
+  void s3_trim_ghost() {
+    auto& ghost = s3_lists_[kS3Ghost];
+    while (!ghost.empty() &&
+           (s3_bytes_[kS3Ghost] > c_ - c_ / 10 || ghost.size() > std::max<size_t>(resident_, 1))) {
+      Node* old = ghost.front();
+      s3_unlink(old);
+      release(old);
+    }
+  }
+
   // ---- Adaptive ----
   //
   // No single policy wins at every size on KV-cache traffic: LRU-2 (frequency) wins when the
@@ -532,6 +713,8 @@ class Engine final : public EvictionPolicy {
     shadow_arc_ = std::make_unique<Engine<bit(kArc)>>(kExpertNames[kArc], so);
     shadow_lruk_ = std::make_unique<Engine<bit(kLruK)>>(kExpertNames[kLruK], so);
     shadow_lru_ = std::make_unique<Engine<bit(kLru)>>(kExpertNames[kLru], so);
+    shadow_s3_ = std::make_unique<Engine<bit(kS3)>>(kExpertNames[kS3], so);
+    shadow_prefix_ = std::make_unique<Shadow>(make_prefix_policy(so));
   }
 
   bool sampled(const NsKey& key) const {
@@ -584,6 +767,12 @@ class Engine final : public EvictionPolicy {
       case kLruK:
         if (shadow_lruk_) f(*shadow_lruk_);
         break;
+      case kS3:
+        if (shadow_s3_) f(*shadow_s3_);
+        break;
+      case kPrefix:
+        if (shadow_prefix_) f(*shadow_prefix_);
+        break;
       default:
         if (shadow_lru_) f(*shadow_lru_);
     }
@@ -628,6 +817,9 @@ class Engine final : public EvictionPolicy {
   std::array<uint64_t, 4> bytes_{};
   uint64_t p_ = 0;  // target bytes of T1
   bool pending_b2_ = false;
+  // S3-FIFO
+  std::array<List<Node, &Node::s3_link>, 4> s3_lists_;  // by S3Queue (kS3None unused)
+  std::array<uint64_t, 4> s3_bytes_{};
   // Adaptive
   bool adaptive_ = false;
   uint8_t leader_ = kExperts;
@@ -635,6 +827,9 @@ class Engine final : public EvictionPolicy {
   std::unique_ptr<Engine<bit(kArc)>> shadow_arc_;
   std::unique_ptr<Engine<bit(kLruK)>> shadow_lruk_;
   std::unique_ptr<Engine<bit(kLru)>> shadow_lru_;
+  std::unique_ptr<Engine<bit(kS3)>> shadow_s3_;
+  std::unique_ptr<Shadow> shadow_prefix_;
+  std::unique_ptr<EvictionPolicy> prefix_;  // the prefix expert, in step with the cache
   std::array<double, kExperts> score_{};
   uint32_t shift_ = 0;
   uint64_t shadow_capacity_ = 0;
@@ -656,11 +851,14 @@ std::unique_ptr<EvictionPolicy> make_policy(std::string_view name, const PolicyO
     return std::make_unique<Engine<bit(kLruK)>>("lru-k", o);
   }
   if (name == "arc") return std::make_unique<Engine<bit(kArc)>>("arc", o);
+  if (name == "s3-fifo") return std::make_unique<Engine<bit(kS3)>>("s3-fifo", o);
   if (name == "adaptive") {
     PolicyOptions a = o;
     a.k = 2;
-    if (!a.pin_expert.empty() && a.pin_expert != "arc" && a.pin_expert != "lru-k" &&
-        a.pin_expert != "lru") {
+    if (!(o.probation_share >= 0 && o.probation_share <= 1)) return nullptr;
+    if (!a.pin_expert.empty() &&
+        std::find(std::begin(kExpertNames), std::end(kExpertNames), a.pin_expert) ==
+            std::end(kExpertNames)) {
       return nullptr;
     }
     return std::make_unique<Engine<kAllExperts>>("adaptive", a);

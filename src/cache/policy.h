@@ -8,11 +8,12 @@
 //   miss:  prepare_insert, evict (until the value fits), add
 //   gone:  remove (deleted or invalidated: forgotten, no history)
 //   chain: record_chain, after the hit or add of a key read right after its chain predecessor
-// Policies: "prefix" (the cache's default, prefix_policy.cc: probation and protected segments, a
-// history of evicted keys, chains evicted from their tails, a hill-climbed probation share);
-// "lru"; "lru-k" (O'Neil's LRU-K with history and a correlated-reference window); "arc" (Megiddo
-// and Modha's ARC, in bytes); "adaptive" (runs LRU, LRU-2 and ARC side by side on shadow copies of
-// the key stream and evicts as the one that has been hitting most lately does).
+// Policies: "adaptive" (the cache's default: runs prefix, LRU, LRU-2, ARC and S3-FIFO side by side
+// on shadow copies of the key stream and evicts as the one that has been hitting most lately
+// does); "prefix" (prefix_policy.cc: probation and protected segments, a history of evicted keys,
+// chains evicted from their tails, a hill-climbed probation share); "lru"; "lru-k" (O'Neil's LRU-K
+// with history and a correlated-reference window); "arc" (Megiddo and Modha's ARC, in bytes);
+// "s3-fifo" (Yang et al.'s S3-FIFO, in bytes).
 //
 // Not thread-safe: the cache calls it under its lock.
 #pragma once
@@ -89,7 +90,8 @@ struct PolicyOptions {
   // follow only a sample of the keys (one in 2^n, with capacity scaled alike) of at least ~8192
   // entries, which estimates each expert's hit ratio well at a fraction of the cost.
   uint64_t expected_entries = 0;
-  // Adaptive, for tests and experiments: always follow this expert ("arc", "lru-k" or "lru").
+  // Adaptive, for tests and experiments: always follow this expert ("arc", "lru-k", "lru" or
+  // "s3-fifo").
   std::string pin_expert;
   // Prefix, for tests and experiments: a fixed probation share of the capacity in (0, 1] instead
   // of the hill-climbed one (0). Its history_entries: evicted keys remembered (0 = twice the
@@ -99,7 +101,33 @@ struct PolicyOptions {
 
 inline constexpr uint32_t kMaxK = 8;
 
-// "prefix", "lru", "lru-k", "arc" or "adaptive"; null for an unknown name or k outside 1..kMaxK.
+// Scheduler hints (docs/cache.md, "Scheduler hints"): a decorator over any policy. A hinted key
+// the inner policy chooses to evict is kept in a protected set instead, until it is read (then it
+// returns to the inner policy as a reference to a remembered key), until its hint ages out, or
+// until the protected set would exceed its share of the capacity. Aged-out protected keys go
+// first. Memory is bounded: at most max_hints hints (resident or not) are remembered, the oldest
+// dropped first. A hint for a key that is not resident changes no eviction.
+struct HintOptions {
+  uint64_t capacity_bytes = 0;  // the cache's capacity in bytes
+  uint64_t max_hints = 65536;   // hinted keys remembered, default 64 Ki; more push out the oldest
+  uint64_t ttl = 0;             // ticks a hint lasts (the cache: ns); 0 = until read or pushed out
+  double max_share = 0.5;       // protected bytes at most this share of the capacity, default 0.5
+};
+
+class HintedPolicy : public EvictionPolicy {
+ public:
+  // `key` will be read soon: hints given later are read later.
+  virtual void hint(const NsKey& key, uint64_t now) = 0;
+  virtual bool hinted(const NsKey& key) const = 0;
+  virtual uint64_t hints() const = 0;            // hints remembered (<= max_hints)
+  virtual uint64_t protected_bytes() const = 0;  // resident bytes kept only by hints
+};
+
+std::unique_ptr<HintedPolicy> make_hinted_policy(std::unique_ptr<EvictionPolicy> inner,
+                                                 const HintOptions& options);
+
+// "adaptive", "prefix", "lru", "lru-k", "arc" or "s3-fifo"; null for an unknown name or k outside
+// 1..kMaxK.
 std::unique_ptr<EvictionPolicy> make_policy(std::string_view name, const PolicyOptions& options);
 std::unique_ptr<EvictionPolicy> make_prefix_policy(const PolicyOptions& options);
 

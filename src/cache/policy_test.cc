@@ -165,6 +165,136 @@ TEST(LruKPolicy, MatchesReferenceModelOnRandomTraces) {
   EXPECT_EQ(traces, 4 * 3 * 3 * 6);
 }
 
+// S3-FIFO as the paper states it (Yang et al., SOSP 2023, Algorithm 1), in bytes, with deques and
+// linear scans: S takes a tenth of the capacity, G remembers up to M's share in bytes and no more
+// keys than are resident.
+class S3FifoModel {
+ public:
+  explicit S3FifoModel(uint64_t capacity) : c_(capacity) {}
+
+  bool resident(uint64_t id) const { return at(small_, id) || at(main_, id); }
+  size_t size() const { return small_.size() + main_.size(); }
+  uint64_t bytes() const { return sum(small_) + sum(main_); }
+
+  void add(uint64_t id, uint64_t size, AddKind kind) {
+    const bool ghost = at(ghost_, id) != nullptr;
+    erase(ghost_, id);
+    E e{id, size, 0, kind == AddKind::kPrefetch};
+    (ghost && kind == AddKind::kDemand ? main_ : small_).push_back(e);
+  }
+  void access(uint64_t id, uint64_t size) {
+    E* e = at(small_, id) ? at(small_, id) : at(main_, id);
+    e->size = size;
+    if (e->prefetched) {
+      e->prefetched = false;
+    } else {
+      e->freq = std::min(e->freq + 1, 3);
+    }
+  }
+  void remove(uint64_t id) {
+    erase(small_, id);
+    erase(main_, id);
+  }
+  uint64_t evict() {
+    const uint64_t victim = pick();
+    while (!ghost_.empty() &&
+           (sum(ghost_) > c_ - c_ / 10 || ghost_.size() > std::max<size_t>(size(), 1))) {
+      ghost_.erase(ghost_.begin());
+    }
+    return victim;
+  }
+
+ private:
+  struct E {
+    uint64_t id, size;
+    int freq;
+    bool prefetched;
+  };
+  uint64_t pick() {
+    for (;;) {
+      if (!small_.empty() && (sum(small_) >= c_ / 10 || main_.empty())) {
+        E t = small_.front();
+        small_.erase(small_.begin());
+        if (t.freq > 0) {
+          t.freq = 0;
+          main_.push_back(t);
+          continue;
+        }
+        ghost_.push_back(t);
+        return t.id;
+      }
+      E t = main_.front();
+      main_.erase(main_.begin());
+      if (t.freq == 0) return t.id;
+      --t.freq;
+      main_.push_back(t);
+    }
+  }
+  static const E* at(const std::vector<E>& v, uint64_t id) {
+    for (const E& e : v) {
+      if (e.id == id) return &e;
+    }
+    return nullptr;
+  }
+  static E* at(std::vector<E>& v, uint64_t id) {
+    return const_cast<E*>(at(static_cast<const std::vector<E>&>(v), id));
+  }
+  static uint64_t sum(const std::vector<E>& v) {
+    uint64_t s = 0;
+    for (const E& e : v) s += e.size;
+    return s;
+  }
+  static void erase(std::vector<E>& v, uint64_t id) {
+    std::erase_if(v, [&](const E& e) { return e.id == id; });
+  }
+  uint64_t c_;
+  std::vector<E> small_, main_, ghost_;  // front: the tail of each FIFO (oldest)
+};
+
+TEST(S3FifoPolicy, MatchesReferenceModelOnRandomTraces) {
+  std::mt19937_64 rng(29);
+  for (int rep = 0; rep < 120; ++rep) {
+    PolicyOptions po;
+    po.capacity_bytes = 20 + rng() % 400;
+    auto policy = make_policy("s3-fifo", po);
+    ASSERT_NE(policy, nullptr);
+    S3FifoModel model(po.capacity_bytes);
+    const uint64_t universe = 8 + rng() % 60;
+    std::vector<double> weights(universe);
+    for (uint64_t i = 0; i < universe; ++i) weights[i] = 1.0 / (1 + i);
+    std::discrete_distribution<uint64_t> pick(weights.begin(), weights.end());
+    for (uint64_t now = 1; now < 2000; ++now) {
+      const uint64_t id = pick(rng);
+      const NsKey key = numbered_key(id);
+      const uint64_t size = 1 + rng() % 20;
+      const unsigned what = rng() % 20;
+      if (what == 0) {
+        policy->remove(key);
+        model.remove(id);
+      } else if (model.resident(id)) {
+        policy->record_access(key, size, now);
+        model.access(id, size);
+        while (model.bytes() > po.capacity_bytes) {
+          NsKey victim;
+          ASSERT_TRUE(policy->evict(&victim));
+          ASSERT_EQ(id_of(victim), model.evict()) << "rep " << rep << " at " << now;
+        }
+      } else {
+        const AddKind kind = what < 3 ? AddKind::kPrefetch : AddKind::kDemand;
+        policy->prepare_insert(key, size, kind);
+        while (model.size() > 0 && model.bytes() + size > po.capacity_bytes) {
+          NsKey victim;
+          ASSERT_TRUE(policy->evict(&victim));
+          ASSERT_EQ(id_of(victim), model.evict()) << "rep " << rep << " at " << now;
+        }
+        policy->add(key, size, now, kind);
+        model.add(id, size, kind);
+      }
+      ASSERT_EQ(policy->entries(), model.size());
+    }
+  }
+}
+
 // Hits of `policy` on a trace of demand references, with room for `capacity` unit-size entries.
 double hit_ratio(const std::string& name, const std::vector<uint64_t>& trace, uint64_t capacity,
                  PolicyOptions po = {}) {
@@ -289,7 +419,7 @@ TEST(LruPolicy, EqualsLruKWithKOne) {
 // size changes).
 TEST(AdaptivePolicy, PinnedToAnExpertBehavesAsThatPolicy) {
   std::mt19937_64 rng(21);
-  for (const char* expert : {"arc", "lru-k", "lru"}) {
+  for (const char* expert : {"arc", "lru-k", "lru", "s3-fifo", "prefix"}) {
     for (int rep = 0; rep < 20; ++rep) {
       PolicyOptions po;
       po.capacity_bytes = 200 + rng() % 2000;

@@ -369,6 +369,23 @@ CmdResult Client::prefetch(std::span<const Key> keys, uint32_t nsid) {
                       buf.size(), true, true);
 }
 
+CmdResult Client::hint(std::span<const Key> keys, uint32_t nsid) {
+  constexpr size_t kMaxHintBytes = 64 * 1024;  // the controller's limit for a Prefetch key list
+  if (keys.empty()) return CmdResult{nvme::Status::kInvalidField, nvme::kSctGeneric, 0};
+  size_t bytes = sizeof(nvme::KeyListHeader);
+  for (const Key& k : keys) {
+    if (!k.valid()) return CmdResult{nvme::Status::kInvalidKeySize, nvme::kSctGeneric, 0};
+    bytes += nvme::key_list_entry_size(k.len);
+  }
+  if (bytes > kMaxHintBytes) return CmdResult{nvme::Status::kInvalidField, nvme::kSctGeneric, 0};
+  std::vector<std::byte> buf(bytes);
+  nvme::KeyListWriter w(buf.data(), buf.size());
+  for (const Key& k : keys) w.add(k.bytes, k.len);
+  w.finish();
+  return execute_data(cmd::hint(buf.data(), static_cast<uint32_t>(bytes), nsid), buf.data(),
+                      buf.size(), true, true);
+}
+
 CmdResult Client::scatter_get(const Key& key, std::span<const nvme::ScatterEntry> pieces,
                               uint32_t nsid) {
   std::vector<std::byte> desc = scatter_descriptor(pieces);

@@ -88,6 +88,23 @@ bool parse_key_list(std::span<const std::byte> buf, std::vector<Key>& out) {
   });
 }
 
+// Why a KeyList that parse_key_list refused is bad: a key of 0 or more than 16 bytes is 86h
+// (invalid key size), any other damage (short, count too large) 02h (invalid field).
+Status key_list_status(std::span<const std::byte> buf) {
+  const auto* b = reinterpret_cast<const unsigned char*>(buf.data());
+  if (buf.size() < sizeof(nvme::KeyListHeader)) return Status::kInvalidField;
+  const uint32_t count =
+      uint32_t{b[0]} | uint32_t{b[1]} << 8 | uint32_t{b[2]} << 16 | uint32_t{b[3]} << 24;
+  if (count > buf.size() / 4) return Status::kInvalidField;
+  size_t off = sizeof(nvme::KeyListHeader);
+  for (uint32_t i = 0; i < count && off + 2 <= buf.size(); ++i) {
+    const uint16_t klen = static_cast<uint16_t>(b[off] | b[off + 1] << 8);
+    if (klen < 1 || klen > nvme::kMaxKeyLength) return Status::kInvalidKeySize;
+    off += nvme::key_list_entry_size(klen);
+  }
+  return Status::kInvalidField;
+}
+
 std::span<std::byte> retrieve_sink(BackendOp* op, uint64_t value_len) {
   auto* cmd = static_cast<Command*>(op->user);
   CommandState& st = state_of(cmd);
@@ -183,8 +200,16 @@ void after_staging(Command* cmd) {
   }
   if (st.phase == CmdPhase::kPrefetchStaging) {
     st.op.keys.clear();
-    if (!parse_key_list(buf, st.op.keys)) return finish(cmd, Status::kInvalidField);
-    st.ctl->backend->prefetch(cmd->sqe.nsid, st.op.keys);  // a hint: done once it is given
+    const bool hint = (cmd->sqe.options & nvme::kPrefetchHint) != 0;
+    if (!parse_key_list(buf, st.op.keys)) {
+      return finish(cmd, hint ? key_list_status(buf) : Status::kInvalidField);
+    }
+    if (hint) {
+      if (st.op.keys.empty()) return finish(cmd, Status::kInvalidField);
+      st.ctl->backend->hint(cmd->sqe.nsid, st.op.keys);
+    } else {
+      st.ctl->backend->prefetch(cmd->sqe.nsid, st.op.keys);  // a hint: done once it is given
+    }
     return finish(cmd, Status::kSuccess);
   }
   // Scatter: a header and `count` entries; each entry's destination must be mapped.
@@ -267,7 +292,8 @@ void Controller::Impl::execute(Command* cmd) {
   const auto opcode = static_cast<nvme::Opcode>(sqe.opcode);
   if (opcode == nvme::Opcode::kPrefetch) {
     const uint32_t len = sqe.cdw10;
-    if (len < sizeof(nvme::KeyListHeader) || len > kMaxPrefetchBytes) {
+    if (len < sizeof(nvme::KeyListHeader) || len > kMaxPrefetchBytes ||
+        (sqe.options & ~nvme::kPrefetchOptionsValid) != 0) {
       return finish(cmd, Status::kInvalidField);
     }
     if (Status s = cmd->space->map_data(sqe, len, false, st.segs); s != Status::kSuccess) {

@@ -406,7 +406,7 @@ int load(int argc, char** argv, Config& c, std::string* error) {
                "reactors poll without ever sleeping (lowest latency, one core each)")
       ->envname("GDKVD_NEVER_SLEEP");
   opt("--cache-bytes", c.cache_bytes, "host cache size in bytes (0: off)", "GDKVD_CACHE_BYTES");
-  opt("--cache-policy", c.cache_policy, "prefix, adaptive, lru-k, lru or arc",
+  opt("--cache-policy", c.cache_policy, "adaptive, prefix, lru-k, lru, arc or s3-fifo",
       "GDKVD_CACHE_POLICY");
   opt("--max-clients", c.max_clients, "vfio-user connections at once", "GDKVD_MAX_CLIENTS")
       ->check(CLI::Range(1u, 4096u));
