@@ -188,6 +188,14 @@ class VfioUserDevice : public std::enable_shared_from_this<VfioUserDevice> {
   virtual bool completion_wakeups() const = 0;
 };
 
+// Moves the pages covering [p, p + len) onto memory gdkvd can map (a sealed memfd, at the same
+// addresses, contents kept), with no connection needed: every later VfioUserDevice::share of
+// that memory, by any connection (one opened after a gdkvd restart too), then copies nothing and
+// loses nothing other threads write. Call it once, before the memory is in use (an engine's KV
+// pool at registration): writes by other threads during this call are lost. The same rules and
+// Errors as share(); the memfd is kept while the pages stay mapped.
+Result<void> prepare_shared_memory(const void* p, size_t len);
+
 // A Client on a running gdkvd: VfioUserDevice::open(socket_dir, options), then make_client().
 Result<std::unique_ptr<Client>> connect_vfio_user(const std::string& socket_dir,
                                                   const VfioUserClientOptions& options = {});

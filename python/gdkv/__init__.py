@@ -30,6 +30,7 @@ _core._set_error_factory(errors._make)
 # shadow the builtins (they subclass them: `except TimeoutError` still catches gdkv's).
 __all__ = [
     "open", "connect", "Client", "chain_keys", "hash128", "backends", "cuda_build", "features",
+    "prepare_shared_memory",
     "Error", "KeyNotFoundError", "KeyExistsError", "InvalidKeyError", "ValueSizeError",
     "CapacityError", "NotReadyError", "ClosedError",
 ]
@@ -129,6 +130,21 @@ def features() -> dict:
     have = backends()
     return {"backends": have, "rados": "rados" in have, "cuda": cuda_build,
             "gdkvd": server.installed("gdkvd"), "gdkv": server.installed("gdkv")}
+
+
+def prepare_shared_memory(buffer) -> None:
+    """Readies host memory you already have (a numpy array, a CPU torch tensor, an engine's KV
+    pool) to be shared with gdkvd in place: its pages move onto memory gdkvd can map, at the
+    same addresses, contents kept. Every later :meth:`Client.register` of it, by any client
+    (one opened after gdkvd restarted too), then copies nothing, so it is safe while other
+    threads use the memory. Call it once, before the memory is in use: writes by other threads
+    during this call are lost. The rules of :meth:`Client.register` apply (only private memory;
+    a file mapping, shared or read-only memory raises ValueError); no gdkvd is needed.
+
+    >>> kv = torch.zeros((layers, blocks, block_bytes), dtype=torch.uint8)
+    >>> gdkv.prepare_shared_memory(kv)     # at start-up; c.register(kv) whenever a client opens
+    """
+    _core.prepare_shared_memory(buffer)
 
 
 def hash128(data) -> bytes:

@@ -42,7 +42,7 @@ import tempfile
 import threading
 from typing import Any, Callable, Mapping, Optional, TypeVar
 
-from . import connect, errors, hash128
+from . import connect, errors, hash128, prepare_shared_memory
 from . import open as open_client
 from .client import Client
 
@@ -245,6 +245,10 @@ class EngineStore:
                              "the connector's config, or $GDKV_SOCKET_DIR")
         self._client: Optional[Client] = None
         self._lock = threading.Lock()
+        # Engine memory gdkvd reaches in place (share()), registered with every client opened;
+        # _share_lock orders share() against a connect publishing its client.
+        self._shared: list[Any] = []
+        self._share_lock = threading.Lock()
         self._connecting: Optional[threading.Event] = None   # set once its first try ended
         self._closed = threading.Event()
         self.failures = 0
@@ -299,11 +303,15 @@ class EngineStore:
                 first_try.set()
                 delay = self.retry_interval_s
                 continue
-            with self._lock:
-                closed = self._closed.is_set()
-                if not closed:
-                    self._client = client
-                self._connecting = None
+            with self._share_lock:
+                if not self.backend:
+                    for buf in self._shared:
+                        self._register(client, buf)
+                with self._lock:
+                    closed = self._closed.is_set()
+                    if not closed:
+                        self._client = client
+                    self._connecting = None
             if not closed:
                 log.info("gdkv: connected to %s", self)
             elif not self.backend:   # closed meanwhile
@@ -313,6 +321,39 @@ class EngineStore:
         with self._lock:
             self._connecting = None
         first_try.set()
+
+    def share(self, buffer: Any) -> bool:
+        """Engine-owned host memory (a KV pool: a CPU torch tensor, a numpy array) that gdkv
+        should read and write where it lies: through gdkvd, its pages are moved onto memory
+        gdkvd can map now (:func:`gdkv.prepare_shared_memory`, so call this at registration,
+        before the engine uses the memory) and registered with this client and every client
+        opened later, so transfers on it are not staged. In-process the controller reaches host
+        memory already. Whether gdkv reaches it in place; memory that cannot be shared (a file
+        mapping, pinned CUDA host memory) is logged and stays staged."""
+        if self.backend:
+            return True
+        try:
+            prepare_shared_memory(buffer)
+        except (ValueError, TypeError) as e:
+            log.warning("gdkv: the engine's memory cannot be shared with gdkvd (%s); its "
+                        "transfers are staged (one copy each way)", e)
+            return False
+        with self._share_lock:
+            self._shared.append(buffer)
+            c = self._client
+            if c is not None:
+                self._register(c, buffer)
+        return True
+
+    @staticmethod
+    def _register(client: Client, buffer: Any) -> None:
+        """Registers shared engine memory with ``client``; a refusal (gdkvd out of maps) leaves
+        it staged through that client."""
+        try:
+            client.register(buffer)
+        except (errors.Error, ValueError) as e:
+            log.warning("gdkv: gdkvd did not map the engine's memory (%s); its transfers are "
+                        "staged", e)
 
     def client(self) -> Optional[Client]:
         """The open client, or None while gdkv is unavailable (then try again later). Never

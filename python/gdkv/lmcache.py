@@ -44,9 +44,12 @@ backends), ``remote_serde`` must be ``naive`` and ``use_layerwise`` false (the c
 other configs when it is created).
 
 Copies: ``put`` reads the MemoryObj's bytes in place and ``get`` writes into a MemoryObj from
-LMCache's own allocator (LocalCPUBackend) in place. In-process (``backend=...``) that is zero copy;
-through gdkvd, LMCache's memory is not shared with gdkvd, so the package stages each chunk through
-the shared memory: one copy per chunk each way, counted in ``client.copies()``.
+LMCache's own allocator (LocalCPUBackend) in place. In-process (``backend=...``) that is zero copy,
+and through gdkvd too: the connector shares the allocator's buffer with gdkvd in place when it is
+created (:meth:`gdkv.engine.EngineStore.share`; LMCache creates its remote connector at start-up,
+after the allocator and before any chunk is stored; a connector LMCache creates again later maps
+the same memory without copying it). An allocator without one CPU buffer, or memory that cannot
+be shared, is staged through shared memory: one copy per chunk each way, in ``client.copies()``.
 
 Keys: LMCache's chunk hashes must be the same in every process sharing the store: set
 ``pre_caching_hash_algorithm: sha256_cbor`` (LMCache's default ``builtin`` is Python's hash(),
@@ -276,6 +279,12 @@ class GdkvConnector(RemoteConnector):
         self.keyspace = KeySpace("lmcache", metadata.model_name, dtype, layout,
                                  str((settings or {}).get("namespace", "")))
         self.store: Optional[EngineStore] = EngineStore(settings) if settings is not None else None
+        # LMCache's CPU memory (its allocator's one buffer, allocated before its backends are
+        # created): through gdkvd, chunks then move where they lie in it (no staging copy).
+        pool = getattr(getattr(local_cpu_backend, "memory_allocator", None), "buffer", None)
+        if self.store is not None and pool is not None and getattr(pool, "numel", lambda: 0)() \
+                and getattr(pool, "device", None) is not None and pool.device.type == "cpu":
+            self.store.share(pool)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             int((settings or {}).get("threads", 4)), thread_name_prefix="gdkv-lmcache")
         self._closed = False

@@ -30,12 +30,14 @@ view, in its C order: the bytes of SGLang's flat data page):
 
 - ``page_first``, ``page_first_direct``, ``page_head`` (MHA): 2 runs, the page's K and its V;
   MLA ``page_first``/``page_first_direct``: 1 run. Each run is its own gdkv value (a page of 2
-  runs is 2 keys), read and written where it lies in the pool: zero copy in-process; through
-  gdkvd the package stages each run through shared memory (one copy, in ``client.copies()``).
+  runs is 2 keys), read and written where it lies in the pool: zero copy, in-process and
+  through gdkvd, which reaches the pool in place once ``register_mem_pool_host`` has shared it
+  (:meth:`gdkv.engine.EngineStore.share`). A pool that cannot be shared (pinned by CUDA, a file
+  mapping) is staged through shared memory (one copy, in ``client.copies()``).
 - ``layer_first``: 2 x layers runs (MLA: layers). The page is one value, scattered over the runs
-  by ``get_into(key, [runs])`` in-process (zero copy); a put gathers the runs into one buffer
-  (one copy). Through gdkvd both directions are copied through a ``client.empty()`` buffer (one
-  copy, counted in :meth:`GdkvStorage.copies`).
+  by ``get_into(key, [runs])`` (zero copy, in-process and through gdkvd on a shared pool); a
+  put gathers the runs into one buffer (one copy, counted in :meth:`GdkvStorage.copies`). On a
+  pool gdkvd does not reach, gets are copied through a ``client.empty()`` buffer too.
 
 ``batch_exists`` looks up every value of the pages (one ``lookup_prefix`` over them all, which
 stops at the first missing one): a page counts only while all its values are stored, since the
@@ -225,6 +227,9 @@ class GdkvStorage(HiCacheStorage):
                        f"/page_bytes={layout.page_bytes}")
         self.keyspace = KeySpace("sglang", "|".join([model, *shard]), dtype, pool_layout,
                                  self.namespace)
+        # Through gdkvd, pages then move where they lie in the pool (no staging copy). SGLang
+        # registers the pool before its first transfer, so nothing writes it during the share.
+        self.store.share(layout.host)
         self.layout = layout
         log.info("gdkv: %s; %d value(s) per page of %d bytes (%s)", self, len(layout.parts),
                  layout.page_bytes, "scattered" if layout.scattered else "in place")

@@ -55,9 +55,11 @@ How it works:
   request waits in vLLM's WAITING_FOR_REMOTE_KVS and comes back through
   ``get_transfer_results``); saves have another thread, so a load never waits behind saves. A
   value is written straight into its blocks' pages (zero copy, one scatter list per value) when
-  the controller reaches vLLM's KV memory (an in-process gdkv over CPU tensors); otherwise (gdkvd,
-  and CUDA KV caches) it lands in a staging buffer gdkv reaches and is copied into the pages (on
-  CUDA with one indexed copy per layer from pinned staging). Loading straight into CUDA pages
+  the controller reaches vLLM's KV memory: in-process over CPU tensors, and through gdkvd once
+  ``register_kv_caches`` has shared the CPU KV tensors with it in place
+  (:meth:`gdkv.engine.EngineStore.share`). Otherwise (CUDA KV caches, memory that cannot be
+  shared) it lands in a staging buffer gdkv reaches and is copied into the pages (on CUDA with
+  one indexed copy per layer from pinned staging). Loading straight into CUDA pages
   through the controller's copy engines is not built yet. The load staging is reserved before any save takes memory shared with gdkvd, and the
   save queue is capped to what is left, so saves never starve a load. Saves gather the pages into
   a buffer of their own in ``wait_for_save`` (so vLLM may reuse the blocks at once) and are put by
@@ -483,6 +485,13 @@ class _WorkerSide:
         self.np_pages = [pg.numpy() for pg in pages] if pages[0].device.type == "cpu" else []
         self.value_bytes = p.blocks_per_value * len(pages) * p.page_bytes
         self.device = pages[0].device
+        if self.device.type == "cpu" and self.store is not None:
+            # Through gdkvd, loads then land in the pages where they lie (no staging copy).
+            for storage in {kv_caches[n].untyped_storage().data_ptr():
+                            kv_caches[n].untyped_storage() for n in p.layer_names}.values():
+                flat = torch.empty(0, dtype=torch.uint8)
+                flat.set_(storage, 0, (storage.nbytes(),), (1,))
+                self.store.share(flat)
 
     def worker_meta(self) -> Optional[GdkvWorkerMeta]:
         # Every step while gdkv is off (it is tiny), so no step's output can lose it.
@@ -574,7 +583,8 @@ class _WorkerSide:
 
     def _needs_staging(self, client) -> bool:
         """Whether loads go through a staging buffer (the controller does not reach the pages)."""
-        return not (self.device.type == "cpu" and client.reaches(self.pages[0][0]))
+        return not (self.device.type == "cpu" and
+                    all(client.reaches(pg[0]) and client.reaches(pg[-1]) for pg in self.pages))
 
     def _stage(self, client) -> torch.Tensor:
         """The load staging of this client: rows of value size in memory gdkv reaches, reserved

@@ -981,6 +981,20 @@ NB_MODULE(_core, m) {
       },
       nb::arg("tokens"), nb::arg("block_tokens"), nb::arg("salt"), nb::arg("parent").none());
   m.def(
+      "prepare_shared_memory",
+      [](nb::handle obj) {
+        Buffer b = get_buffer_any(obj, true, "buffer");
+        if (b.cuda) raise_value("prepare_shared_memory takes host memory");
+        if (b.len == 0) raise_value("prepare_shared_memory of an empty buffer");
+        gdkv::Result<void> r;
+        {
+          nb::gil_scoped_release nogil;
+          r = gdkv::prepare_shared_memory(b.ptr, b.len);
+        }
+        if (!r) raise_value("prepare_shared_memory(): " + r.error());
+      },
+      nb::arg("buffer"));
+  m.def(
       "hash128",
       [](nb::handle data) {
         Buffer b = get_buffer(data, false, "data");

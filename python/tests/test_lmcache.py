@@ -606,7 +606,9 @@ def test_in_process_is_zero_copy(tmp_path, stacks):
     release(got)
 
 
-def test_through_gdkvd_one_copy_each_way(gdkvd, tmp_path, stacks):
+def test_through_gdkvd_is_zero_copy(gdkvd, tmp_path, stacks):
+    """LMCache's allocator memory is shared with gdkvd in place: chunks are put from it and got
+    into it with no staging copy, byte-exact."""
     md = metadata()
     backends = stacks(plugin_config(tmp_path, f"gdkv://{gdkvd.dir}"), md)
     rb, conn = remote(backends)
@@ -614,7 +616,32 @@ def test_through_gdkvd_one_copy_each_way(gdkvd, tmp_path, stacks):
     objs = chunks(backends, md, 4)
     put(rb, keys, objs)
     c = conn.client()
-    assert c.copies() == (4, 4 * CHUNK_BYTES)  # LMCache's memory is not shared with gdkvd
+    assert c.remote and all(c.reaches(o.byte_array) for o in objs)
+    assert c.copies() == (0, 0)
+    got = rb.batched_get_blocking(keys)
+    assert all(same(g, o) for g, o in zip(got, objs))
+    assert all(c.reaches(g.byte_array) for g in got)
+    assert c.copies() == (0, 0)
+    release(got)
+
+
+def test_through_gdkvd_unshareable_memory_is_staged(gdkvd, tmp_path, stacks, monkeypatch):
+    """Memory gdkvd cannot map (here: prepare_shared_memory refuses) stays staged: one copy per
+    chunk each way, still byte-exact."""
+    import gdkv.engine
+
+    def refuse(buf):
+        raise ValueError("not private memory")
+
+    monkeypatch.setattr(gdkv.engine, "prepare_shared_memory", refuse)
+    md = metadata()
+    backends = stacks(plugin_config(tmp_path, f"gdkv://{gdkvd.dir}"), md)
+    rb, conn = remote(backends)
+    keys = chunk_keys(md, range(4))
+    objs = chunks(backends, md, 4)
+    put(rb, keys, objs)
+    c = conn.client()
+    assert c.copies() == (4, 4 * CHUNK_BYTES)
     got = rb.batched_get_blocking(keys)
     assert all(same(g, o) for g, o in zip(got, objs))
     assert c.copies() == (8, 8 * CHUNK_BYTES)

@@ -117,6 +117,16 @@ def storage(host, model: str = "org/model", tp_rank: int = 0, tp_size: int = 1,
     return s
 
 
+def memfd_inode(addr: int) -> Optional[int]:
+    """The inode of gdkv's in-place memfd mapped at ``addr`` (None: other memory)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        f = line.split()
+        lo, hi = (int(x, 16) for x in f[0].split("-"))
+        if lo <= addr < hi:
+            return int(f[4]) if "gdkv-in-place" in line else None
+    return None
+
+
 def start_gdkvd_at(directory: str) -> subprocess.Popen:
     """A new gdkvd (memory backend) on an existing socket directory, as conftest starts one."""
     log = Path(directory) / "gdkvd-2.log"
@@ -159,9 +169,13 @@ def test_set_exists_get_byte_exact(gdkvd, spec):
     assert torch.equal(pool_bytes(host), pool_bytes(expected))
     assert not torch.equal(before, pool_bytes(host))  # it did write
 
-    # Through gdkvd every byte is copied once each way, by the package or by the connector
-    # (a page already stored is not sent again).
-    assert s.copies()[1] - copies[1] == 2 * 6 * s.layout.page_bytes
+    # Through gdkvd the host pool is shared in place: nothing is staged either way. Only a
+    # layer_first page is copied, gathered from its runs into one value to store (a page
+    # already stored is not sent again); it is loaded scattered in place.
+    c = s.store.client()
+    assert c.remote and c.reaches(s.layout.host) and c.copies() == (0, 0)
+    gathered = 6 * s.layout.page_bytes if s.layout.scattered else 0
+    assert s.copies()[1] - copies[1] == gathered
     stats = s.get_stats()
     assert stats.backup_pgs == [6] and stats.prefetch_pgs == [6]
     assert s.get_stats().prefetch_pgs == []
@@ -530,6 +544,8 @@ def test_gdkvd_killed_means_misses_then_a_new_gdkvd_is_used(gdkvd):
     keys = hashes(4)
     src = [page(host, p) for p in range(4)]
     assert s.batch_set_v1(keys, indices([0, 1, 2, 3])) == [True] * 4
+    pool_memfd = memfd_inode(s.layout.host.ctypes.data)
+    assert pool_memfd is not None   # the host pool was shared in place at registration
 
     # Loads run in a loop while gdkvd is killed: each either loads exact bytes or reports a
     # miss; nothing raises.
@@ -592,6 +608,11 @@ def test_gdkvd_killed_means_misses_then_a_new_gdkvd_is_used(gdkvd):
         for i in range(4):
             assert torch.equal(page(host, 20 + i), src[i])
         assert s.store.failures == 1
+        # The new client reaches the pool in place, on the same memory: shared again, not
+        # copied (a copy would lose what SGLang writes meanwhile).
+        c = s.store.client()
+        assert c.reaches(s.layout.host) and c.copies() == (0, 0)
+        assert memfd_inode(s.layout.host.ctypes.data) == pool_memfd
         s.close()
     finally:
         proc.kill()

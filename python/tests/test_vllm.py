@@ -18,6 +18,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 import gdkv  # noqa: E402
 from conftest import Gdkvd, hint_gdkvd, hinted, record_hints  # noqa: E402
+import gdkv.engine  # noqa: E402
 from gdkv.engine import EngineStore  # noqa: E402
 from gdkv.vllm import Transfer  # noqa: E402
 from vllm_instance import BS, Instance, llama_dir  # noqa: E402
@@ -36,7 +37,7 @@ PROMPT_B = PROMPT_A[:160] + list(range(500, 550))   # shares 10 blocks with A, 2
 
 @pytest.fixture(params=["in-process", "gdkvd"])
 def extra(request, tmp_path):
-    """Connector configs: an in-process memory store (zero copy) or a gdkvd (staged)."""
+    """Connector configs: an in-process memory store or a gdkvd (KV shared in place)."""
     if request.param == "in-process":
         yield {"backend": "memory", "namespace": str(tmp_path)}   # a fresh key space per test
         return
@@ -90,9 +91,10 @@ def test_second_instance_loads_the_shared_prefix(model_dir, extra, layout, block
     if "socket_dir" in cfg:
         with gdkv.connect(cfg["socket_dir"]) as c:
             assert len(c.list()) == saved_a + saved_b
-        assert two.worker.stats["zero_copy_loads"] == 0
-    else:
-        assert two.worker.stats["zero_copy_loads"] == 1   # written straight into the pages
+    # Written straight into the pages, through gdkvd too (the CPU KV tensors are shared with it
+    # in place at registration): no staging copy either way.
+    assert two.worker.stats["zero_copy_loads"] == 1
+    assert two.connector.store.client().copies() == (0, 0)
     one.close()
     two.close()
 
@@ -313,6 +315,12 @@ def test_loads_do_not_wait_for_saves(model_dir, tmp_path, monkeypatch):
 
 # ---- saves never take the memory a load needs ----
 def test_saves_leave_the_load_staging_alone(model_dir, monkeypatch):
+    """KV memory gdkvd cannot reach in place (here refused by prepare_shared_memory, as for
+    CUDA KV) is loaded through staging, which saves never take."""
+    def refuse(buf):
+        raise ValueError("not private memory")
+
+    monkeypatch.setattr(gdkv.engine, "prepare_shared_memory", refuse)
     d = Gdkvd("--backend", "memory")
     try:
         cfg = {"socket_dir": d.dir, "timeout_ms": 5000}

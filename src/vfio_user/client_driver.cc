@@ -1064,6 +1064,11 @@ Result<std::shared_ptr<VfioUserDevice>> VfioUserDevice::open(const std::string& 
   });
 }
 
+Result<void> prepare_shared_memory(const void* p, size_t len) {
+  if (len == 0) return Error{"share: an empty range"};
+  return catch_error([&] { vfio_user::prepare_in_place(p, len); });
+}
+
 Result<std::unique_ptr<Client>> connect_vfio_user(const std::string& socket_dir,
                                                   const VfioUserClientOptions& options) {
   auto dev = VfioUserDevice::open(socket_dir, options);

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -684,6 +685,86 @@ TEST_F(VfioUserE2E, SharingUntouchedMemoryCopiesNothing) {
   ASSERT_TRUE(c->get(k, std::span(big.p, 4096)).ok());
   EXPECT_EQ(big.p[4095], std::byte{9});
   EXPECT_EQ(c->copies().copies, 0u);
+}
+
+// The inode of the mapping holding `p` (0: none), and the fds this process holds on memfds of
+// memory shared in place.
+uint64_t inode_at(const void* p) {
+  std::ifstream in("/proc/self/maps");
+  std::string line;
+  const auto a = reinterpret_cast<uint64_t>(p);
+  while (std::getline(in, line)) {
+    unsigned long long s = 0, e = 0, off = 0, ino = 0;
+    char perms[8], dev[16];
+    if (std::sscanf(line.c_str(), "%llx-%llx %7s %llx %15s %llu", &s, &e, perms, &off, dev,
+                    &ino) == 6 &&
+        a >= s && a < e) {
+      return line.find("gdkv-in-place") != std::string::npos ? ino : 0;
+    }
+  }
+  return 0;
+}
+
+size_t in_place_fds() {
+  size_t n = 0;
+  for (const auto& f : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    const auto target = std::filesystem::read_symlink(f.path(), ec);
+    if (!ec && target.string().find("gdkv-in-place") != std::string::npos) ++n;
+  }
+  return n;
+}
+
+// gdkvd restarted under an engine: its pool, shared by a connection that is gone, is shared by
+// the next one on the same memfd, not copied (a copy would lose what the engine writes during
+// it), and a pool prepared before use is never copied at all.
+TEST_F(VfioUserE2E, MemorySharedAgainIsNotCopied) {
+  AnonPages pool(64);
+  const auto v = pattern(pool.n, 3);
+  std::memcpy(pool.p, v.data(), v.size());
+  {
+    auto dev = VfioUserDevice::open(dir_.path()).value();
+    ASSERT_TRUE(dev->share(pool.p, pool.n).ok());
+  }  // the connection ends; the pages stay on their memfd
+  const uint64_t ino = inode_at(pool.p);
+  ASSERT_NE(ino, 0u);
+  auto dev = VfioUserDevice::open(dir_.path()).value();
+  auto c = dev->make_client().value();
+  ASSERT_TRUE(dev->share(pool.p, pool.n).ok());
+  EXPECT_EQ(inode_at(pool.p), ino);
+  const Key k = *Key::from_string("again");
+  ASSERT_TRUE(c->put(k, std::span<const std::byte>(pool.p, 8192)).ok());
+  ASSERT_TRUE(c->get(k, std::span(pool.p + 8192, 8192)).ok());
+  EXPECT_EQ(std::memcmp(pool.p + 8192, v.data(), 8192), 0);
+  EXPECT_EQ(c->copies().copies, 0u);
+
+  AnonPages fresh(16);
+  std::memset(fresh.p, 0x77, fresh.n);
+  ASSERT_TRUE(prepare_shared_memory(fresh.p + 10, fresh.n - 20).ok());  // every page
+  const uint64_t fresh_ino = inode_at(fresh.p);
+  ASSERT_NE(fresh_ino, 0u);
+  EXPECT_EQ(fresh.p[fresh.n - 1], std::byte{0x77});
+  ASSERT_TRUE(dev->share(fresh.p, fresh.n).ok());
+  EXPECT_EQ(inode_at(fresh.p), fresh_ino);
+  EXPECT_FALSE(prepare_shared_memory(fresh.p, 0).ok());
+}
+
+// A memfd whose memory was freed and that no connection shares is closed at the next share.
+TEST_F(VfioUserE2E, FreedSharedMemoryIsGivenBack) {
+  auto dev = VfioUserDevice::open(dir_.path()).value();
+  AnonPages keep(4);
+  ASSERT_TRUE(prepare_shared_memory(keep.p, keep.n).ok());
+  const size_t base = in_place_fds();
+  {
+    AnonPages gone(4);
+    ASSERT_TRUE(dev->share(gone.p, gone.n).ok());
+    ASSERT_TRUE(dev->unshare(gone.p).ok());
+    EXPECT_EQ(in_place_fds(), base + 1);
+  }
+  AnonPages other(4);
+  ASSERT_TRUE(prepare_shared_memory(other.p, other.n).ok());
+  EXPECT_EQ(in_place_fds(), base + 1);  // `gone`'s closed, `other`'s opened, `keep`'s kept
+  ASSERT_NE(inode_at(keep.p), 0u);
 }
 
 // The vendor admin command C0h (device memory by IPC handle) without a GPU: an importer that

@@ -14,6 +14,7 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <set>
 #include <stdexcept>
 #include <vector>
 
@@ -122,12 +123,30 @@ void copy_held_pages(std::byte* dst, const std::byte* src, size_t n, size_t page
   }
 }
 
+// A memfd this process's memory lies on. Kept while the pages are mapped, even with no share
+// left, so sharing them again reuses it instead of copying the pages (a copy would lose what
+// other threads write meanwhile: an engine's KV pool is in use by then).
 struct Shared {
   UniqueFd fd;
-  uint32_t refs = 0;
+  uint32_t refs = 0;  // connections sharing it
 };
 std::mutex g_mu;
 std::map<uint64_t, Shared> g_shared;  // memfd inode -> fd; guarded by g_mu
+
+// Closes the memfds no connection shares whose pages are no longer mapped (the memory was freed),
+// so their pages go back to the system. REQUIRES: g_mu held.
+void drop_unmapped() {
+  bool idle = false;
+  for (const auto& [ino, s] : g_shared) idle |= s.refs == 0;
+  if (!idle) return;
+  std::set<uint64_t> mapped;
+  for (const Vma& v : vmas_over(0, UINT64_MAX)) {
+    if (ours(v)) mapped.insert(v.ino);
+  }
+  std::erase_if(g_shared, [&](const auto& e) {
+    return e.second.refs == 0 && mapped.count(e.first) == 0;
+  });
+}
 
 }  // namespace
 
@@ -138,6 +157,7 @@ InPlaceRange share_in_place(const void* p, size_t len) {
   const uint64_t a = u / page * page;
   const uint64_t b = (u + len + page - 1) / page * page;
   std::lock_guard lk(g_mu);
+  drop_unmapped();
   const std::vector<Vma> vmas = vmas_over(a, b);
   uint64_t at = a;
   for (const Vma& v : vmas) {
@@ -207,7 +227,9 @@ InPlaceRange share_in_place(const void* p, size_t len) {
 void release_in_place(uint64_t ino) {
   std::lock_guard lk(g_mu);
   auto it = g_shared.find(ino);
-  if (it != g_shared.end() && --it->second.refs == 0) g_shared.erase(it);
+  if (it != g_shared.end() && it->second.refs > 0) --it->second.refs;
 }
+
+void prepare_in_place(const void* p, size_t len) { release_in_place(share_in_place(p, len).ino); }
 
 }  // namespace gdkv::vfio_user

@@ -12,10 +12,12 @@
 //   - a child forked later shares these pages with the parent instead of getting a copy;
 //   - the memory must stay allocated while it is shared (unshare before freeing it).
 //
-// A process-wide table keeps the memfd of each range shared by at least one connection, so a
-// second connection sharing the same memory maps the same memfd (copying it again would leave
-// the first connection's gdkvd with pages the process no longer sees). When the last connection
-// lets go, the fd is closed; the pages stay memfd-backed, and a later share copies them anew.
+// A process-wide table keeps the memfd of each range while its pages stay mapped, so a second
+// connection sharing the same memory, or a new connection after the last one let go (a gdkvd
+// restarted under an engine), maps the same memfd: copying the pages again would leave an
+// earlier connection's gdkvd with pages the process no longer sees, and would lose what other
+// threads write meanwhile. Only the first share of private memory copies. A memfd whose pages
+// were unmapped (the memory freed) and that no connection shares is closed at the next share.
 #pragma once
 
 #include <cstddef>
@@ -41,8 +43,13 @@ struct InPlaceRange {
 // inside it. REQUIRES: len > 0.
 InPlaceRange share_in_place(const void* p, size_t len);
 
-// Drops the reference share_in_place took (`ino` of its range).
+// Drops the reference share_in_place took (`ino` of its range). The memfd stays for a later share
+// while the pages are mapped.
 void release_in_place(uint64_t ino);
+
+// Makes the pages covering [p, p + len) memfd-backed now, with no connection: a later share of
+// them (by any connection, at any time) copies nothing. Throws as share_in_place.
+void prepare_in_place(const void* p, size_t len);
 
 // The memfd name that marks gdkv's own in-place mappings in /proc/self/maps.
 inline constexpr const char* kInPlaceName = "gdkv-in-place";
