@@ -4,11 +4,13 @@
 #include <gtest/gtest.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -607,11 +609,31 @@ TEST_F(VfioUserE2E, SharingInPlaceRefusesWhatIsNotPrivateMemory) {
   ASSERT_GE(fd, 0);
   ASSERT_EQ(::ftruncate(fd, 8192), 0);
   void* file = ::mmap(nullptr, 8192, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
-  void* shared = ::mmap(nullptr, 8192, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   ::close(fd);
   EXPECT_FALSE(dev->share(file, 8192).ok());
-  EXPECT_FALSE(dev->share(shared, 8192).ok());
   ::munmap(file, 8192);
+  // Shared anonymous memory (SGLang's host pool) that a forked child maps too: moving it would
+  // split the two processes' views. (The check sees pages the child has touched: fork does not
+  // copy a shared mapping's page table, so a child that never touched it is not seen.)
+  auto* shared = static_cast<std::byte*>(
+      ::mmap(nullptr, 8192, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+  ASSERT_NE(shared, MAP_FAILED);
+  shared[0] = std::byte{1};
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    reinterpret_cast<volatile std::byte*>(shared)[4096] = std::byte{2};
+    ::pause();
+    ::_exit(0);
+  }
+  while (reinterpret_cast<volatile std::byte*>(shared)[4096] != std::byte{2}) {
+    std::this_thread::yield();
+  }
+  r = dev->share(shared, 8192);
+  ::kill(child, SIGKILL);
+  ::waitpid(child, nullptr, 0);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().find("another process"), std::string::npos) << r.error();
   ::munmap(shared, 8192);
   // A range overlapping a shared one without lying inside it.
   AnonPages four(4);
@@ -747,6 +769,48 @@ TEST_F(VfioUserE2E, MemorySharedAgainIsNotCopied) {
   ASSERT_TRUE(dev->share(fresh.p, fresh.n).ok());
   EXPECT_EQ(inode_at(fresh.p), fresh_ino);
   EXPECT_FALSE(prepare_shared_memory(fresh.p, 0).ok());
+}
+
+// Shared anonymous memory only this process maps (SGLang allocates its host pool so, for
+// cudaHostRegister) is moved onto a memfd like private memory, every page copied.
+TEST_F(VfioUserE2E, SharedAnonymousMemoryIsSharedInPlace) {
+  auto dev = VfioUserDevice::open(dir_.path()).value();
+  auto c = dev->make_client().value();
+  const size_t n = 16 * 4096;
+  auto* pool = static_cast<std::byte*>(::mmap(nullptr, n, PROT_READ | PROT_WRITE,
+                                              MAP_SHARED | MAP_ANONYMOUS | MAP_POPULATE, -1, 0));
+  ASSERT_NE(pool, MAP_FAILED);
+  const auto v = pattern(n, 11);
+  std::memcpy(pool, v.data(), n);
+  ASSERT_TRUE(dev->share(pool, n).ok());
+  EXPECT_NE(inode_at(pool), 0u);
+  EXPECT_EQ(std::memcmp(pool, v.data(), n), 0);
+  const Key k = *Key::from_string("shared-anon");
+  ASSERT_TRUE(c->put(k, std::span<const std::byte>(pool, n / 2)).ok());
+  ASSERT_TRUE(c->get(k, std::span(pool + n / 2, n / 2)).ok());
+  EXPECT_EQ(std::memcmp(pool + n / 2, v.data(), n / 2), 0);
+  EXPECT_EQ(c->copies().copies, 0u);
+  ASSERT_TRUE(dev->unshare(pool).ok());
+  ::munmap(pool, n);
+}
+
+// Freed shared memory reused by the heap: a new range partly on an earlier share's memfd. Copied
+// onto a memfd of its own while no connection maps the old one; refused while one does.
+TEST_F(VfioUserE2E, SharingAcrossAnEarlierShareCopiesOnlyWhenNoneMapsIt) {
+  AnonPages mem(8);
+  const auto v = pattern(mem.n, 5);
+  std::memcpy(mem.p, v.data(), v.size());
+  ASSERT_TRUE(prepare_shared_memory(mem.p, 4 * 4096).ok());  // idle: no connection maps it
+  const uint64_t old_ino = inode_at(mem.p);
+  auto dev = VfioUserDevice::open(dir_.path()).value();
+  ASSERT_TRUE(dev->share(mem.p + 2 * 4096, 4 * 4096).ok());
+  EXPECT_NE(inode_at(mem.p + 2 * 4096), old_ino);
+  EXPECT_EQ(inode_at(mem.p), old_ino);
+  EXPECT_EQ(std::memcmp(mem.p, v.data(), v.size()), 0);
+  // Pages 2-5 are now mapped by `dev`: a range across them and page 6 is refused.
+  auto other = VfioUserDevice::open(dir_.path()).value();
+  EXPECT_FALSE(other->share(mem.p + 4 * 4096, 3 * 4096).ok());
+  EXPECT_EQ(std::memcmp(mem.p, v.data(), v.size()), 0);
 }
 
 // A memfd whose memory was freed and that no connection shares is closed at the next share.

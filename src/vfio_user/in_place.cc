@@ -70,6 +70,38 @@ bool private_anonymous(const Vma& v) {
          v.ino == 0 && (v.path.empty() || v.path == "[heap]" || v.path.rfind("[anon:", 0) == 0);
 }
 
+// Shared anonymous memory (mmap MAP_SHARED | MAP_ANONYMOUS: SGLang's host pool, so that
+// cudaHostRegister pins populated pages) is shmem the kernel names "/dev/zero (deleted)".
+bool shared_anonymous(const Vma& v) {
+  return v.perms.size() >= 4 && v.perms[0] == 'r' && v.perms[1] == 'w' && v.perms[3] == 's' &&
+         v.path.rfind("/dev/zero", 0) == 0;
+}
+
+// Whether another process maps any of v's pages (a child forked after the mmap): replacing
+// them here would split this process's view from the other's. From /proc/self/smaps, whose
+// Shared_* counts pages that other processes map too.
+bool mapped_elsewhere(const Vma& v) {
+  std::ifstream in("/proc/self/smaps");
+  if (!in) return true;
+  std::string line;
+  bool in_v = false;
+  while (std::getline(in, line)) {
+    unsigned long long s = 0, e = 0;
+    if (std::sscanf(line.c_str(), "%llx-%llx ", &s, &e) == 2 && line.find(':') > line.find(' ')) {
+      in_v = s == v.start;
+      continue;
+    }
+    if (!in_v) continue;
+    unsigned long long kb = 0;
+    if ((std::sscanf(line.c_str(), "Shared_Clean: %llu", &kb) == 1 ||
+         std::sscanf(line.c_str(), "Shared_Dirty: %llu", &kb) == 1) &&
+        kb > 0) {
+      return true;
+    }
+  }
+  return false;
+}
+
 bool ours(const Vma& v) {
   return v.perms.size() >= 4 && v.perms[0] == 'r' && v.perms[1] == 'w' && v.perms[3] == 's' &&
          v.path.rfind(std::string("/memfd:") + kInPlaceName, 0) == 0;
@@ -98,10 +130,10 @@ void copy_pages(std::byte* dst, const std::byte* src, size_t n) {
 // Copies the pages of [src, src + n) the kernel holds (present or swapped out, per
 // /proc/self/pagemap) to dst; untouched pages read as zero on both sides and are skipped, so a
 // fresh allocation costs no copy and commits no memory. Without pagemap, copies everything.
-void copy_held_pages(std::byte* dst, const std::byte* src, size_t n, size_t page) {
+void copy_held_pages(std::byte* dst, const std::byte* src, size_t n, size_t page, bool all) {
   const size_t pages = n / page;
   std::vector<uint64_t> flags(pages);
-  const int fd = ::open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+  const int fd = all ? -1 : ::open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
   bool known = false;
   if (fd >= 0) {
     const auto at = static_cast<off_t>(reinterpret_cast<uintptr_t>(src) / page * 8);
@@ -168,7 +200,7 @@ InPlaceRange share_in_place(const void* p, size_t len) {
     fail("share: memory at " + hex(std::max(at, a)) + " is not mapped in this process");
   }
   // Already ours, shared by another connection: the same memfd, if the range lies in one.
-  bool all_live = true, any_live = false;
+  bool all_live = true, any_live = false, copy_all = false;
   uint64_t ino = 0, offset = 0;
   for (const Vma& v : vmas) {
     const bool live = ours(v) && g_shared.count(v.ino) != 0;
@@ -180,6 +212,15 @@ InPlaceRange share_in_place(const void* p, size_t len) {
     if (ino == 0 && live) {
       ino = v.ino;
       offset = off;
+    }
+    if (shared_anonymous(v)) {
+      if (mapped_elsewhere(v)) {
+        fail("share: memory at " + describe(v) +
+             " is shared memory that another process maps too (a child forked after it was "
+             "allocated); it cannot be moved onto memory gdkvd maps");
+      }
+      copy_all = true;
+      continue;
     }
     if (!live && !private_anonymous(v) && !ours(v)) {
       fail("share: memory at " + describe(v) +
@@ -195,10 +236,18 @@ InPlaceRange share_in_place(const void* p, size_t len) {
     return InPlaceRange{a, b - a, offset, std::move(dup), ino};
   }
   if (any_live) {
-    fail("share: " + hex(u) + " (+" + std::to_string(len) +
-         ") overlaps memory shared before without lying inside it");
+    // Part of the range lies on memfds of earlier shares (the heap reuses freed memory that was
+    // shared). Copied onto a new memfd with the rest, unless a connection maps one of them: its
+    // gdkvd would keep pages the process no longer sees.
+    for (const Vma& v : vmas) {
+      auto it = ours(v) ? g_shared.find(v.ino) : g_shared.end();
+      if (it != g_shared.end() && it->second.refs > 0) {
+        fail("share: " + hex(u) + " (+" + std::to_string(len) +
+             ") overlaps memory shared before without lying inside it");
+      }
+    }
   }
-  // Private pages: into a sealed memfd, which then takes their place.
+  // Private pages (and idle memfds' pages): into a sealed memfd, which then takes their place.
   const size_t n = b - a;
   UniqueFd fd(::memfd_create(kInPlaceName, MFD_CLOEXEC | MFD_ALLOW_SEALING));
   if (!fd.valid() || ::ftruncate(fd.get(), static_cast<off_t>(n)) != 0 ||
@@ -207,7 +256,10 @@ InPlaceRange share_in_place(const void* p, size_t len) {
   }
   void* tmp = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
   if (tmp == MAP_FAILED) fail(std::string("share: mmap: ") + std::strerror(errno));
-  copy_held_pages(static_cast<std::byte*>(tmp), reinterpret_cast<const std::byte*>(a), n, page);
+  // Shared memory's pages may be in the kernel's page cache without this process mapping them,
+  // so pagemap cannot tell which hold data: all of it is copied.
+  copy_held_pages(static_cast<std::byte*>(tmp), reinterpret_cast<const std::byte*>(a), n, page,
+                  copy_all);
   void* moved = ::mremap(tmp, n, n, MREMAP_MAYMOVE | MREMAP_FIXED, reinterpret_cast<void*>(a));
   if (moved == MAP_FAILED) {
     const int e = errno;

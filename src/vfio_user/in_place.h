@@ -39,7 +39,7 @@ struct InPlaceRange {
 // Makes the pages covering [p, p + len) memfd-backed (or finds them so already, shared by
 // another connection) and takes a reference on their memfd. Throws std::runtime_error naming the
 // problem: memory that is not mapped, not private anonymous read-write memory (a file, a shared
-// mapping, read-only pages, the stack), or that overlaps a range shared before without lying
+// mapping, read-only pages, the stack), or that overlaps a range a connection shares without lying
 // inside it. REQUIRES: len > 0.
 InPlaceRange share_in_place(const void* p, size_t len);
 
