@@ -199,8 +199,9 @@ class Client:
         - host memory through gdkvd (a numpy array, a CPU torch tensor, an engine's KV pool):
           shared in place. Its pages are moved onto memory shared with gdkvd at the same
           addresses, contents kept, so the buffer stays what it was and ``reaches()`` becomes
-          True for it and for any buffer inside it. Only private memory (malloc, numpy, torch)
-          can be; a file mapping, shared memory or read-only memory raises ValueError. Register
+          True for it and for any buffer inside it. Only anonymous memory (malloc, numpy, torch,
+          mmap without a file) can be; a file mapping, POSIX shared memory or read-only memory
+          raises ValueError. Register
           before the memory is in use: writes by other threads while it is being shared are
           lost. A process forked later shares these pages with this one. In-process, host memory
           is reached already and this changes nothing.

@@ -281,8 +281,9 @@ def test_gil_is_released_while_waiting(gdkvd):
 
 def test_register_shares_host_memory_with_gdkvd_in_place(gdkvd):
     """Memory the caller allocated (numpy, torch) is read and written where it lies once
-    registered: no staging copy, the same bytes, and only private memory is accepted."""
+    registered: no staging copy, the same bytes, and only anonymous memory is accepted."""
     import mmap
+    import tempfile
 
     import torch
 
@@ -316,8 +317,15 @@ def test_register_shares_host_memory_with_gdkvd_in_place(gdkvd):
         c.unregister(kv)
         assert c.copies()[0] == 1
 
-        with pytest.raises(ValueError, match="not private anonymous"):
-            c.register(mmap.mmap(-1, 1 << 16))       # a shared mapping
+        with tempfile.TemporaryFile() as f:
+            f.truncate(1 << 16)
+            with pytest.raises(ValueError, match="not private anonymous"):
+                c.register(mmap.mmap(f.fileno(), 1 << 16))   # a file mapping
+        anon = mmap.mmap(-1, 1 << 16)     # shared anonymous memory only this process maps
+        anon[:4] = b"gdkv"
+        c.register(anon)
+        assert c.reaches(memoryview(anon)) and anon[:4] == b"gdkv"
+        c.unregister(anon)
         with pytest.raises(ValueError, match="not registered"):
             c.unregister(np.zeros(8))
         with pytest.raises(ValueError, match="empty"):
