@@ -718,8 +718,8 @@ uint64_t inode_at(const void* p) {
   while (std::getline(in, line)) {
     unsigned long long s = 0, e = 0, off = 0, ino = 0;
     char perms[8], dev[16];
-    if (std::sscanf(line.c_str(), "%llx-%llx %7s %llx %15s %llu", &s, &e, perms, &off, dev,
-                    &ino) == 6 &&
+    if (std::sscanf(line.c_str(), "%llx-%llx %7s %llx %15s %llu", &s, &e, perms, &off, dev, &ino) ==
+            6 &&
         a >= s && a < e) {
       return line.find("gdkv-in-place") != std::string::npos ? ino : 0;
     }
@@ -777,8 +777,8 @@ TEST_F(VfioUserE2E, SharedAnonymousMemoryIsSharedInPlace) {
   auto dev = VfioUserDevice::open(dir_.path()).value();
   auto c = dev->make_client().value();
   const size_t n = 16 * 4096;
-  auto* pool = static_cast<std::byte*>(::mmap(nullptr, n, PROT_READ | PROT_WRITE,
-                                              MAP_SHARED | MAP_ANONYMOUS | MAP_POPULATE, -1, 0));
+  auto* pool = static_cast<std::byte*>(
+      ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS | MAP_POPULATE, -1, 0));
   ASSERT_NE(pool, MAP_FAILED);
   const auto v = pattern(n, 11);
   std::memcpy(pool, v.data(), n);

@@ -175,9 +175,8 @@ void drop_unmapped() {
   for (const Vma& v : vmas_over(0, UINT64_MAX)) {
     if (ours(v)) mapped.insert(v.ino);
   }
-  std::erase_if(g_shared, [&](const auto& e) {
-    return e.second.refs == 0 && mapped.count(e.first) == 0;
-  });
+  std::erase_if(g_shared,
+                [&](const auto& e) { return e.second.refs == 0 && mapped.count(e.first) == 0; });
 }
 
 }  // namespace
