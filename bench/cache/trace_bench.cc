@@ -114,7 +114,7 @@ Result simulate(const std::string& policy_name, const Trace& t, uint64_t capacit
       ++now;
       const uint64_t first = t.starts[r + 1 < end ? r + 1 : end];
       for (uint64_t i = first; i < t.starts[end]; ++i) {
-        hinted->hint(gdkv::cache::numbered_key(t.refs[i]), now);
+        hinted->hint(gdkv::cache::numbered_key(t.refs[i]), resident[t.refs[i]] ? 1 : 0, now);
       }
       for (uint64_t i = first; hints.prefetch && i < t.starts[end] && unread < budget; ++i) {
         const uint64_t b = t.refs[i];

@@ -480,36 +480,33 @@ class CachedBackend final : public Backend {
 
   // ---- prefetch ----
 
-  void prefetch(uint32_t nsid, std::span<const Key> keys) override {
-    Launch launch;
-    if (max_inflight_ != 0) {
-      std::lock_guard lk(mu_);
-      for (const Key& k : keys) {
-        if (!k.valid()) continue;
-        queue_prefetch(NsKey{nsid, k}, kHint);
-        pump(launch);  // the queue holds only what waits for a slot
-      }
-    }
-    start(launch);
-  }
+  void prefetch(uint32_t nsid, std::span<const Key> keys) override { warm(nsid, keys, false); }
 
   // Scheduler hint: the keys will be read soon, in this order. Each is remembered by the policy
-  // (which keeps it from eviction while the hint lasts); those not cached are fetched ahead, in
-  // order, through the prefetch queue (its slots and length bound the work). A key stored nowhere
-  // costs one failed backend read and changes nothing.
-  void hint(uint32_t nsid, std::span<const Key> keys) override {
+  // (which keeps it from eviction while the hint lasts), and fetched ahead like a prefetch. A key
+  // stored nowhere costs one failed backend read and changes nothing.
+  void hint(uint32_t nsid, std::span<const Key> keys) override { warm(nsid, keys, true); }
+
+  // Those of `keys` not cached are fetched ahead, in order, through the prefetch queue (its
+  // slots and length bound the work); `hinted`: the policy is told of each first.
+  void warm(uint32_t nsid, std::span<const Key> keys, bool hinted) {
+    hinted = hinted && capacity_ != 0;
+    if (!hinted && max_inflight_ == 0) return;
     Launch launch;
-    if (capacity_ != 0) {
+    {
       std::lock_guard lk(mu_);
       const uint64_t now = tick();
       for (const Key& k : keys) {
         if (!k.valid()) continue;
         const NsKey key{nsid, k};
-        policy_->hint(key, now);
-        ++n_.hints;
+        if (hinted) {
+          auto e = entries_.find(key);
+          policy_->hint(key, e == entries_.end() ? 0 : e->second.buf->len, now);
+          ++n_.hints;
+        }
         if (max_inflight_ != 0) {
           queue_prefetch(key, kHint);
-          pump(launch);
+          pump(launch);  // the queue holds only what waits for a slot
         }
       }
     }

@@ -27,12 +27,13 @@ class Hinted final : public HintedPolicy {
 
   const char* name() const override { return inner_->name(); }
 
-  void hint(const NsKey& key, uint64_t now) override {
+  void hint(const NsKey& key, uint64_t size, uint64_t now) override {
     now_ = now;
     const uint64_t seq = ++seq_;
     auto [it, fresh] = hints_.try_emplace(key);
     Hint& h = it->second;
     h.seq = seq;
+    if (size != 0) h.size = size;
     h.expires = o_.ttl == 0 ? UINT64_MAX : now + o_.ttl;
     if (auto p = prot_.find(key); p != prot_.end()) {  // hinted again: the newer order counts
       if (p->second.aged) {
@@ -63,15 +64,18 @@ class Hinted final : public HintedPolicy {
 
   void add(const NsKey& key, uint64_t size, uint64_t now, AddKind kind) override {
     now_ = now;
-    sizes_[key] = size;
-    if (kind == AddKind::kDemand) drop_hint(key);  // a read (or a Store) that missed: hint used
+    if (kind == AddKind::kDemand) {
+      drop_hint(key);  // a read (or a Store) that missed: hint used
+    } else if (auto h = hints_.find(key); h != hints_.end()) {
+      h->second.size = size;  // fetched ahead of its hinted read
+    }
     inner_->add(key, size, now, kind);
   }
 
+  // Every cache hit comes here: with no hint given, it costs two emptiness checks.
   void record_access(const NsKey& key, uint64_t size, uint64_t now) override {
     now_ = now;
-    sizes_[key] = size;
-    if (auto p = prot_.find(key); p != prot_.end()) {
+    if (auto p = prot_.empty() ? prot_.end() : prot_.find(key); p != prot_.end()) {
       // Read while protected: back into the inner policy, as a returning key.
       unprotect(p);
       drop_hint(key);
@@ -85,7 +89,6 @@ class Hinted final : public HintedPolicy {
 
   void remove(const NsKey& key) override {
     drop_hint(key);
-    sizes_.erase(key);
     if (auto p = prot_.find(key); p != prot_.end()) return unprotect(p);
     inner_->remove(key);
   }
@@ -99,20 +102,17 @@ class Hinted final : public HintedPolicy {
       auto p = prot_.find(k);
       if (p == prot_.end() || !p->second.aged) continue;
       unprotect(p);
-      sizes_.erase(k);
       *victim = k;
       return true;
     }
     NsKey v;
     while (inner_->evict(&v)) {
       auto h = hints_.find(v);
-      const uint64_t size = size_of(v);
-      if (h == hints_.end() || prot_bytes_ + size > budget_) {
-        sizes_.erase(v);
+      if (h == hints_.end() || prot_bytes_ + h->second.size > budget_) {
         *victim = v;
         return true;
       }
-      protect(v, h->second, size);  // rescued; ask the inner policy again
+      protect(v, h->second);  // rescued; ask the inner policy again
       ++rescued_;
     }
     if (by_seq_.empty()) return false;
@@ -122,7 +122,6 @@ class Hinted final : public HintedPolicy {
     auto p = prot_.find(k);
     unprotect(p);
     drop_hint(k);
-    sizes_.erase(k);
     *victim = k;
     return true;
   }
@@ -134,7 +133,6 @@ class Hinted final : public HintedPolicy {
 
   void evict_key(const NsKey& key) override {
     drop_hint(key);
-    sizes_.erase(key);
     if (auto p = prot_.find(key); p != prot_.end()) return unprotect(p);
     inner_->evict_key(key);
   }
@@ -164,6 +162,7 @@ class Hinted final : public HintedPolicy {
   struct Hint {
     uint64_t seq = 0;
     uint64_t expires = 0;
+    uint64_t size = 0;  // its bytes while resident (0: not known to be)
   };
   struct Prot {
     uint64_t size = 0;
@@ -172,15 +171,10 @@ class Hinted final : public HintedPolicy {
   };
   using ProtMap = std::unordered_map<NsKey, Prot, NsKeyHash>;
 
-  uint64_t size_of(const NsKey& k) const {
-    auto it = sizes_.find(k);
-    return it == sizes_.end() ? 0 : it->second;
-  }
-
-  void protect(const NsKey& k, const Hint& h, uint64_t size) {
-    prot_[k] = Prot{size, h.seq, false};
+  void protect(const NsKey& k, const Hint& h) {
+    prot_[k] = Prot{h.size, h.seq, false};
     by_seq_.emplace(h.seq, k);
-    prot_bytes_ += size;
+    prot_bytes_ += h.size;
   }
 
   void unprotect(ProtMap::iterator p) {
@@ -199,7 +193,9 @@ class Hinted final : public HintedPolicy {
     aged_.push_back(k);
   }
 
-  void drop_hint(const NsKey& k) { hints_.erase(k); }
+  void drop_hint(const NsKey& k) {
+    if (!hints_.empty()) hints_.erase(k);
+  }
 
   // Pops stale order_ entries; the front live one is the oldest hint.
   void age_oldest() {
@@ -252,7 +248,6 @@ class Hinted final : public HintedPolicy {
   ProtMap prot_;
   std::map<uint64_t, NsKey> by_seq_;  // protected keys with a live hint, by hint order
   std::deque<NsKey> aged_;            // protected keys whose hint is gone
-  std::unordered_map<NsKey, uint64_t, NsKeyHash> sizes_;  // resident sizes
 };
 
 }  // namespace

@@ -79,7 +79,7 @@ TEST(HintPolicy, MatchesTheReferenceModel) {
       const int what = static_cast<int>(rng() % 10);
       ++now;
       if (what < 3) {
-        p->hint(key, now);
+        p->hint(key, ref.resident(k) ? 1 : 0, now);
         ref.hint_seq[k] = ++ref.seq;
       } else if (what == 3) {
         p->remove(key);
@@ -108,7 +108,7 @@ TEST(HintPolicy, MatchesTheReferenceModel) {
 TEST(HintPolicy, HintsAgeOut) {
   auto p = hinted_lru(4, 1 << 20, /*ttl=*/10);
   for (uint64_t k = 0; k < 4; ++k) p->add(numbered_key(k), 1, k + 1, AddKind::kDemand);
-  p->hint(numbered_key(0), 5);
+  p->hint(numbered_key(0), 1, 5);
   NsKey v;
   // Fresh hint: key 0 (least recent) is spared.
   p->prepare_insert(numbered_key(10), 1, AddKind::kDemand);
@@ -131,11 +131,12 @@ TEST(HintPolicy, AFloodOfHintsIsBounded) {
   auto p = hinted_lru(cap, /*max_hints=*/64, 0, /*share=*/0.5);
   uint64_t now = 0;
   for (uint64_t k = 0; k < cap; ++k) p->add(numbered_key(k), 1, ++now, AddKind::kDemand);
-  for (uint64_t k = 0; k < 100000; ++k) p->hint(numbered_key(k % 5000), ++now);
+  auto size = [&](uint64_t k) -> uint64_t { return k < cap ? 1 : 0; };  // keys 0..cap-1 resident
+  for (uint64_t k = 0; k < 100000; ++k) p->hint(numbered_key(k % 5000), size(k % 5000), ++now);
   EXPECT_LE(p->hints(), 64u);
   // Everything resident is hinted now, yet new blocks still find room and at most half the
   // capacity stays protected.
-  for (uint64_t k = 0; k < 1000; ++k) p->hint(numbered_key(k), ++now);
+  for (uint64_t k = 0; k < 1000; ++k) p->hint(numbered_key(k), size(k), ++now);
   for (uint64_t k = 10000; k < 10000 + 2 * cap; ++k) {
     p->prepare_insert(numbered_key(k), 1, AddKind::kDemand);
     NsKey v;
@@ -168,7 +169,7 @@ TEST(HintPolicy, HintsForKeysStoredNowhereChangeNothing) {
     for (int i = 0; i < 5000; ++i) {
       const uint64_t k = rng() % 200;
       ++now;
-      hinted->hint(numbered_key(1'000'000 + rng() % 1000), now);  // never stored
+      hinted->hint(numbered_key(1'000'000 + rng() % 1000), 0, now);  // never stored
       const NsKey key = numbered_key(k);
       if (in[k]) {
         plain->record_access(key, 1, now);

@@ -116,8 +116,9 @@ struct HintOptions {
 
 class HintedPolicy : public EvictionPolicy {
  public:
-  // `key` will be read soon: hints given later are read later.
-  virtual void hint(const NsKey& key, uint64_t now) = 0;
+  // `key` will be read soon: hints given later are read later. `size`: its bytes if it is
+  // resident, else 0 (a later add tells).
+  virtual void hint(const NsKey& key, uint64_t size, uint64_t now) = 0;
   virtual bool hinted(const NsKey& key) const = 0;
   virtual uint64_t hints() const = 0;            // hints remembered (<= max_hints)
   virtual uint64_t protected_bytes() const = 0;  // resident bytes kept only by hints
