@@ -393,7 +393,8 @@ int main(int argc, char** argv) {
   std::vector<Named> traces;
   try {
     if (files.empty()) {
-      for (const std::string& m : mixes) traces.push_back({m, make_trace(gdkv::bench::mix(m, requests, seed))});
+      for (const std::string& m : mixes)
+        traces.push_back({m, make_trace(gdkv::bench::mix(m, requests, seed))});
     } else {
       for (const std::string& f : files) traces.push_back({f, from_file(f), true});
     }

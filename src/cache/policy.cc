@@ -856,9 +856,8 @@ std::unique_ptr<EvictionPolicy> make_policy(std::string_view name, const PolicyO
     PolicyOptions a = o;
     a.k = 2;
     if (!(o.probation_share >= 0 && o.probation_share <= 1)) return nullptr;
-    if (!a.pin_expert.empty() &&
-        std::find(std::begin(kExpertNames), std::end(kExpertNames), a.pin_expert) ==
-            std::end(kExpertNames)) {
+    if (!a.pin_expert.empty() && std::find(std::begin(kExpertNames), std::end(kExpertNames),
+                                           a.pin_expert) == std::end(kExpertNames)) {
       return nullptr;
     }
     return std::make_unique<Engine<kAllExperts>>("adaptive", a);

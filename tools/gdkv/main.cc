@@ -426,7 +426,8 @@ int main(int argc, char** argv) {
                  "a RADOS op not done by then fails with 82h (default 5000)");
   app.add_option("--cache-bytes", o.cache.capacity_bytes,
                  "host cache in front of the backend, bytes (default 0: off)");
-  app.add_option("--cache-policy", o.cache.policy, "adaptive (default), prefix, lru-k, lru, arc or s3-fifo")
+  app.add_option("--cache-policy", o.cache.policy,
+                 "adaptive (default), prefix, lru-k, lru, arc or s3-fifo")
       ->check(CLI::IsMember(gdkv::cache_policies()));
   app.add_option("--prefetch-depth", o.cache.prefetch_depth,
                  "blocks the cache fetches ahead along a learned chain (default 8, 0: off)");

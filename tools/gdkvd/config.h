@@ -35,7 +35,7 @@ struct Config {
   uint32_t idle_spin_us = 200;
   bool never_sleep = false;
   uint64_t cache_bytes = uint64_t{1} << 30;  // 0: no host cache
-  std::string cache_policy = "adaptive";  // CacheOptions::policy's default
+  std::string cache_policy = "adaptive";     // CacheOptions::policy's default
   bool gpu = true;  // CUDA builds: use the GPU copy engine and accept device memory when a GPU is
 
   uint32_t max_clients = 64;
