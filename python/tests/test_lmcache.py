@@ -35,6 +35,7 @@ from lmcache.v1.storage_backend import CreateStorageBackends  # noqa: E402
 from lmcache.v1.storage_backend.remote_backend import RemoteBackend  # noqa: E402
 
 import gdkv  # noqa: E402
+import gdkv.engine  # noqa: E402
 from gdkv.lmcache import GdkvConnector, parse_url  # noqa: E402
 
 from conftest import GDKVD, Gdkvd, hint_gdkvd, hinted, record_hints  # noqa: E402
@@ -606,9 +607,16 @@ def test_in_process_is_zero_copy(tmp_path, stacks):
     release(got)
 
 
-def test_through_gdkvd_is_zero_copy(gdkvd, tmp_path, stacks):
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "unshareable"])
+def test_through_gdkvd_copies(gdkvd, tmp_path, stacks, monkeypatch, shared):
     """LMCache's allocator memory is shared with gdkvd in place: chunks are put from it and got
-    into it with no staging copy, byte-exact."""
+    into it with no staging copy. Memory gdkvd cannot map (here: prepare_shared_memory refuses)
+    is staged, one copy per chunk each way. Byte-exact both ways."""
+    if not shared:
+        def refuse(buf):
+            raise ValueError("not private memory")
+
+        monkeypatch.setattr(gdkv.engine, "prepare_shared_memory", refuse)
     md = metadata()
     backends = stacks(plugin_config(tmp_path, f"gdkv://{gdkvd.dir}"), md)
     rb, conn = remote(backends)
@@ -616,35 +624,12 @@ def test_through_gdkvd_is_zero_copy(gdkvd, tmp_path, stacks):
     objs = chunks(backends, md, 4)
     put(rb, keys, objs)
     c = conn.client()
-    assert c.remote and all(c.reaches(o.byte_array) for o in objs)
-    assert c.copies() == (0, 0)
+    per_way = 0 if shared else 4
+    assert c.remote and all(c.reaches(o.byte_array) for o in objs) == shared
+    assert c.copies() == (per_way, per_way * CHUNK_BYTES)
     got = rb.batched_get_blocking(keys)
     assert all(same(g, o) for g, o in zip(got, objs))
-    assert all(c.reaches(g.byte_array) for g in got)
-    assert c.copies() == (0, 0)
-    release(got)
-
-
-def test_through_gdkvd_unshareable_memory_is_staged(gdkvd, tmp_path, stacks, monkeypatch):
-    """Memory gdkvd cannot map (here: prepare_shared_memory refuses) stays staged: one copy per
-    chunk each way, still byte-exact."""
-    import gdkv.engine
-
-    def refuse(buf):
-        raise ValueError("not private memory")
-
-    monkeypatch.setattr(gdkv.engine, "prepare_shared_memory", refuse)
-    md = metadata()
-    backends = stacks(plugin_config(tmp_path, f"gdkv://{gdkvd.dir}"), md)
-    rb, conn = remote(backends)
-    keys = chunk_keys(md, range(4))
-    objs = chunks(backends, md, 4)
-    put(rb, keys, objs)
-    c = conn.client()
-    assert c.copies() == (4, 4 * CHUNK_BYTES)
-    got = rb.batched_get_blocking(keys)
-    assert all(same(g, o) for g, o in zip(got, objs))
-    assert c.copies() == (8, 8 * CHUNK_BYTES)
+    assert c.copies() == (2 * per_way, 2 * per_way * CHUNK_BYTES)
     release(got)
 
 
