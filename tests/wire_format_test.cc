@@ -132,11 +132,18 @@ TEST(WireFormat, KeyListCodec) {
   EXPECT_FALSE(nvme::read_key_list(big.data(), big.size(), collect));
   EXPECT_FALSE(nvme::read_key_list(buf.data(), buf.size() - 1, collect));
   EXPECT_EQ(back.size(), 15u);  // every entry before the cut one
+  // Why: a malformed list is 02h, a bad key length 86h.
+  EXPECT_EQ(nvme::read_key_list_status(big.data(), big.size(), collect),
+            nvme::Status::kInvalidField);
+  EXPECT_EQ(nvme::read_key_list_status(buf.data(), buf.size() - 1, collect),
+            nvme::Status::kInvalidField);
   for (unsigned char bad : {0, 17}) {
     back.clear();
     auto b = with(4 + nvme::key_list_entry_size(1), bad);  // the second entry's length
     EXPECT_FALSE(nvme::read_key_list(b.data(), b.size(), collect)) << int{bad};
     EXPECT_EQ(back.size(), 1u);
+    EXPECT_EQ(nvme::read_key_list_status(b.data(), b.size(), collect),
+              nvme::Status::kInvalidKeySize);
   }
   // The extent a piecewise reader computes is the writer's; a smaller buffer or count cuts it.
   auto read_len = [&](uint64_t off, uint16_t* len) {

@@ -270,27 +270,34 @@ class KeyListWriter {
   uint32_t count_ = 0;
 };
 
-// Reads the KeyList in `buf` (`len` bytes): calls f(key, key_len) for each entry in order. False
-// when the list is malformed (shorter than its header or its count, a key of 0 or more than 16
-// bytes, a count larger than the bytes could hold); the entries before the damage were passed.
+// Reads the KeyList in `buf` (`len` bytes): calls f(key, key_len) for each entry in order.
+// kInvalidField when the list is malformed (shorter than its header or its count, a count larger
+// than the bytes could hold), kInvalidKeySize for a key of 0 or more than 16 bytes; the entries
+// before the damage were passed.
 template <class F>
-GDKV_HD bool read_key_list(const void* buf, size_t len, F&& f) {
+GDKV_HD Status read_key_list_status(const void* buf, size_t len, F&& f) {
   const auto* b = static_cast<const unsigned char*>(buf);
-  if (len < sizeof(KeyListHeader)) return false;
+  if (len < sizeof(KeyListHeader)) return Status::kInvalidField;
   const uint32_t count =
       uint32_t{b[0]} | uint32_t{b[1]} << 8 | uint32_t{b[2]} << 16 | uint32_t{b[3]} << 24;
-  if (count > len / 4) return false;
+  if (count > len / 4) return Status::kInvalidField;
   size_t off = sizeof(KeyListHeader);
   for (uint32_t i = 0; i < count; ++i) {
-    if (off + 2 > len) return false;
+    if (off + 2 > len) return Status::kInvalidField;
     const uint16_t klen = static_cast<uint16_t>(b[off] | b[off + 1] << 8);
-    if (klen < 1 || klen > kMaxKeyLength) return false;
+    if (klen < 1 || klen > kMaxKeyLength) return Status::kInvalidKeySize;
     const size_t entry = key_list_entry_size(klen);
-    if (off + entry > len) return false;
+    if (off + entry > len) return Status::kInvalidField;
     f(b + off + 2, klen);
     off += entry;
   }
-  return true;
+  return Status::kSuccess;
+}
+
+// read_key_list_status, as true when the whole list was read.
+template <class F>
+GDKV_HD bool read_key_list(const void* buf, size_t len, F&& f) {
+  return read_key_list_status(buf, len, static_cast<F&&>(f)) == Status::kSuccess;
 }
 
 // The bytes a KeyList of `count` entries occupies at the start of a buffer of `cap` bytes (at most

@@ -81,28 +81,12 @@ bool single_host_segment(const DataSegments& segs) {
   return segs.size() == 1 && segs[0].kind == MemKind::kHost;
 }
 
-// Reads a KeyList (List/Prefetch layout) from `buf`.
-bool parse_key_list(std::span<const std::byte> buf, std::vector<Key>& out) {
-  return nvme::read_key_list(buf.data(), buf.size(), [&](const unsigned char* k, uint16_t len) {
-    out.push_back(Key::from_bytes(k, len));
-  });
-}
-
-// Why a KeyList that parse_key_list refused is bad: a key of 0 or more than 16 bytes is 86h
-// (invalid key size), any other damage (short, count too large) 02h (invalid field).
-Status key_list_status(std::span<const std::byte> buf) {
-  const auto* b = reinterpret_cast<const unsigned char*>(buf.data());
-  if (buf.size() < sizeof(nvme::KeyListHeader)) return Status::kInvalidField;
-  const uint32_t count =
-      uint32_t{b[0]} | uint32_t{b[1]} << 8 | uint32_t{b[2]} << 16 | uint32_t{b[3]} << 24;
-  if (count > buf.size() / 4) return Status::kInvalidField;
-  size_t off = sizeof(nvme::KeyListHeader);
-  for (uint32_t i = 0; i < count && off + 2 <= buf.size(); ++i) {
-    const uint16_t klen = static_cast<uint16_t>(b[off] | b[off + 1] << 8);
-    if (klen < 1 || klen > nvme::kMaxKeyLength) return Status::kInvalidKeySize;
-    off += nvme::key_list_entry_size(klen);
-  }
-  return Status::kInvalidField;
+// Reads a KeyList (List/Prefetch layout) from `buf`: 02h for a malformed list, 86h for a bad key
+// size (nvme::read_key_list_status).
+Status parse_key_list(std::span<const std::byte> buf, std::vector<Key>& out) {
+  return nvme::read_key_list_status(
+      buf.data(), buf.size(),
+      [&](const unsigned char* k, uint16_t len) { out.push_back(Key::from_bytes(k, len)); });
 }
 
 std::span<std::byte> retrieve_sink(BackendOp* op, uint64_t value_len) {
@@ -201,8 +185,9 @@ void after_staging(Command* cmd) {
   if (st.phase == CmdPhase::kPrefetchStaging) {
     st.op.keys.clear();
     const bool hint = (cmd->sqe.options & nvme::kPrefetchHint) != 0;
-    if (!parse_key_list(buf, st.op.keys)) {
-      return finish(cmd, hint ? key_list_status(buf) : Status::kInvalidField);
+    // A stock Prefetch keeps 02h for any damage; a hint names a bad key size (86h).
+    if (Status s = parse_key_list(buf, st.op.keys); s != Status::kSuccess) {
+      return finish(cmd, hint ? s : Status::kInvalidField);
     }
     if (hint) {
       if (st.op.keys.empty()) return finish(cmd, Status::kInvalidField);
