@@ -177,6 +177,8 @@ class Client {
   Controller* controller() const { return controller_; }
 
  private:
+  // Prefetch 81h over a KeyList of `keys`, with the hint option when `hint` (prefetch, hint).
+  CmdResult send_key_list(std::span<const Key> keys, uint32_t nsid, bool hint);
   // A command whose data buffer is [p, p+len): staged through stager_ when there is one.
   CmdResult execute_data(nvme::Sqe sqe, const void* p, size_t len, bool to_controller,
                          bool metadata = false);

@@ -359,31 +359,34 @@ CmdResult Client::list_all(std::vector<Key>& out, uint32_t nsid) {
 }
 
 CmdResult Client::prefetch(std::span<const Key> keys, uint32_t nsid) {
+  return send_key_list(keys, nsid, false);
+}
+
+CmdResult Client::hint(std::span<const Key> keys, uint32_t nsid) {
+  if (keys.empty()) return CmdResult{nvme::Status::kInvalidField, nvme::kSctGeneric, 0};
+  return send_key_list(keys, nsid, true);
+}
+
+// What the controller would refuse is refused here, unsent, with its status: a key that is not
+// 1..16 bytes (86h for a hint; a stock Prefetch answers 02h) or a list over its 64 KiB.
+CmdResult Client::send_key_list(std::span<const Key> keys, uint32_t nsid, bool hint) {
+  constexpr size_t kMaxKeyListBytes = 64 * 1024;  // the controller's limit for a Prefetch
+  const auto refuse = [](nvme::Status s) { return CmdResult{s, nvme::kSctGeneric, 0}; };
   size_t bytes = sizeof(nvme::KeyListHeader);
-  for (const Key& k : keys) bytes += nvme::key_list_entry_size(k.len);
+  for (const Key& k : keys) {
+    if (!k.valid())
+      return refuse(hint ? nvme::Status::kInvalidKeySize : nvme::Status::kInvalidField);
+    bytes += nvme::key_list_entry_size(k.len);
+  }
+  if (bytes > kMaxKeyListBytes) return refuse(nvme::Status::kInvalidField);
   std::vector<std::byte> buf(bytes);
   nvme::KeyListWriter w(buf.data(), buf.size());
   for (const Key& k : keys) w.add(k.bytes, k.len);  // sized for all of them
   w.finish();
-  return execute_data(cmd::prefetch(buf.data(), static_cast<uint32_t>(bytes), nsid), buf.data(),
-                      buf.size(), true, true);
-}
-
-CmdResult Client::hint(std::span<const Key> keys, uint32_t nsid) {
-  constexpr size_t kMaxHintBytes = 64 * 1024;  // the controller's limit for a Prefetch key list
-  if (keys.empty()) return CmdResult{nvme::Status::kInvalidField, nvme::kSctGeneric, 0};
-  size_t bytes = sizeof(nvme::KeyListHeader);
-  for (const Key& k : keys) {
-    if (!k.valid()) return CmdResult{nvme::Status::kInvalidKeySize, nvme::kSctGeneric, 0};
-    bytes += nvme::key_list_entry_size(k.len);
-  }
-  if (bytes > kMaxHintBytes) return CmdResult{nvme::Status::kInvalidField, nvme::kSctGeneric, 0};
-  std::vector<std::byte> buf(bytes);
-  nvme::KeyListWriter w(buf.data(), buf.size());
-  for (const Key& k : keys) w.add(k.bytes, k.len);
-  w.finish();
-  return execute_data(cmd::hint(buf.data(), static_cast<uint32_t>(bytes), nsid), buf.data(),
-                      buf.size(), true, true);
+  const auto len = static_cast<uint32_t>(bytes);
+  const nvme::Sqe sqe =
+      hint ? cmd::hint(buf.data(), len, nsid) : cmd::prefetch(buf.data(), len, nsid);
+  return execute_data(sqe, buf.data(), buf.size(), true, true);
 }
 
 CmdResult Client::scatter_get(const Key& key, std::span<const nvme::ScatterEntry> pieces,
