@@ -82,6 +82,7 @@ import os
 import urllib.parse
 from typing import Any, Callable, List, Optional, TypeVar
 
+import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.exceptions import IrrecoverableException
@@ -282,8 +283,8 @@ class GdkvConnector(RemoteConnector):
         # LMCache's CPU memory (its allocator's one buffer, allocated before its backends are
         # created): through gdkvd, chunks then move where they lie in it (no staging copy).
         pool = getattr(getattr(local_cpu_backend, "memory_allocator", None), "buffer", None)
-        if self.store is not None and pool is not None and getattr(pool, "numel", lambda: 0)() \
-                and getattr(pool, "device", None) is not None and pool.device.type == "cpu":
+        if (self.store is not None and isinstance(pool, torch.Tensor)
+                and pool.device.type == "cpu" and pool.numel() > 0):
             self.store.share(pool)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             int((settings or {}).get("threads", 4)), thread_name_prefix="gdkv-lmcache")
