@@ -159,12 +159,13 @@ class VfioUserDevice : public std::enable_shared_from_this<VfioUserDevice> {
   // gdkvd where it lies, so commands read and write it in place instead of staging it: the pages
   // covering [p, p + len) are moved onto a sealed memfd at the same addresses, contents kept,
   // and DMA_MAPped (docs/vfio-user.md "Memory shared in place"). Only private anonymous
-  // read-write memory can be; memory already reachable is a success that changes nothing. Each
-  // share() of a range is undone by one unshare() of the same pointer; sharing a range inside
-  // one shared before counts again. Writes to the range by other threads during share() are
-  // lost, and the memory must stay allocated until unshare() (or this device's end).
-  // An Error: not mapped, not private anonymous memory, overlapping a shared range without lying
-  // inside it, gdkvd refusing the map (too many maps).
+  // read-write memory (or shared anonymous memory no other process maps) can be; memory already
+  // reachable is a success that changes nothing. Each share() is undone by one unshare() of the
+  // same pointer; shares may overlap (a buffer inside another, two buffers with a page in
+  // common), and pages already shared stay where they are. Writes to the range by other threads
+  // during share() are lost, and the memory must stay allocated until unshare() (or this
+  // device's end). An Error: not mapped, not anonymous memory, gdkvd refusing the map (too many
+  // maps).
   virtual Result<void> share(const void* p, size_t len) = 0;
   // Undoes one share(p, ...): after the last, gdkvd unmaps it (once commands using it have
   // completed) and buffers there are staged again; the memory stays valid for the process.

@@ -163,61 +163,75 @@ class ShmAllocator {
   std::unordered_map<size_t, size_t> used_;  // offset -> length
 };
 
-// The ranges of this process's memory shared in place (VfioUserDevice::share), by address.
+// This connection's DMA maps of memory shared in place (VfioUserDevice::share): disjoint
+// segments by address, each counting the shares that cover it. Shares may overlap (a buffer
+// inside another, two buffers with a page in common): each page is mapped once.
 class InPlaceSet {
  public:
-  struct Range {
+  struct Segment {
     uint64_t size = 0;
-    uint64_t ino = 0;   // its memfd (release_in_place)
-    uint32_t refs = 0;  // share() calls not yet undone
+    uint32_t refs = 0;  // shares covering it
   };
-  // On every staged buffer's way (ShmStager::acquire): nothing shared, no lock.
+  // On every staged buffer's way (ShmStager::acquire): nothing shared, no lock. True when
+  // [p, p + len) lies in one run of touching segments.
   bool contains(const void* p, size_t len) const {
     if (count_.load(std::memory_order_acquire) == 0) return false;
     const auto a = reinterpret_cast<uint64_t>(p);
+    const uint64_t b = a + len;
     std::shared_lock lk(mu_);
-    auto it = ranges_.upper_bound(a);
-    if (it == ranges_.begin()) return false;
+    auto it = segs_.upper_bound(a);
+    if (it == segs_.begin()) return false;
     --it;
-    return a - it->first < it->second.size && len <= it->second.size - (a - it->first);
+    uint64_t end = it->first + it->second.size;
+    if (a >= end) return false;
+    for (++it; end < b && it != segs_.end() && it->first == end; ++it) end += it->second.size;
+    return b <= end;
   }
-  // The range holding [p, p + len), if any (and whether one overlaps it without holding it).
-  std::map<uint64_t, Range>::iterator find(const void* p, size_t len, bool* overlaps) {
-    const auto a = reinterpret_cast<uint64_t>(p);
+  // The parts of [a, b) no segment covers.
+  std::vector<std::pair<uint64_t, uint64_t>> gaps(uint64_t a, uint64_t b) const {
+    std::vector<std::pair<uint64_t, uint64_t>> out;
     std::shared_lock lk(mu_);
-    *overlaps = false;
-    auto it = ranges_.upper_bound(a);
-    if (it != ranges_.end() && it->first < a + len) *overlaps = true;
-    if (it == ranges_.begin()) return ranges_.end();
-    --it;
-    if (a - it->first < it->second.size) {
-      if (len <= it->second.size - (a - it->first)) return it;
-      *overlaps = true;
+    auto it = segs_.upper_bound(a);
+    if (it != segs_.begin() && std::prev(it)->first + std::prev(it)->second.size > a) {
+      a = std::prev(it)->first + std::prev(it)->second.size;
     }
-    return ranges_.end();
-  }
-  std::map<uint64_t, Range>::iterator end() { return ranges_.end(); }
-  void insert(uint64_t addr, Range r) {
-    std::unique_lock lk(mu_);
-    ranges_[addr] = r;
-    count_.store(ranges_.size(), std::memory_order_release);
-  }
-  void erase(std::map<uint64_t, Range>::iterator it) {
-    std::unique_lock lk(mu_);
-    ranges_.erase(it);
-    count_.store(ranges_.size(), std::memory_order_release);
-  }
-  std::vector<uint64_t> inodes() const {
-    std::shared_lock lk(mu_);
-    std::vector<uint64_t> out;
-    for (const auto& [a, r] : ranges_) out.push_back(r.ino);
+    for (; a < b && it != segs_.end() && it->first < b; ++it) {
+      if (it->first > a) out.emplace_back(a, it->first);
+      a = std::max(a, it->first + it->second.size);
+    }
+    if (a < b) out.emplace_back(a, b);
     return out;
+  }
+  // Writers: the device's share mutex held.
+  void insert(uint64_t addr, uint64_t size) {
+    std::unique_lock lk(mu_);
+    segs_[addr] = Segment{size, 0};
+    count_.store(segs_.size(), std::memory_order_release);
+  }
+  // Adds `delta` to the count of every segment overlapping [a, b); returns the segments whose
+  // count fell to 0, removed.
+  std::vector<std::pair<uint64_t, uint64_t>> count(uint64_t a, uint64_t b, int delta) {
+    std::vector<std::pair<uint64_t, uint64_t>> gone;
+    std::unique_lock lk(mu_);
+    auto it = segs_.upper_bound(a);
+    if (it != segs_.begin() && std::prev(it)->first + std::prev(it)->second.size > a) --it;
+    while (it != segs_.end() && it->first < b) {
+      it->second.refs += delta;
+      if (it->second.refs == 0) {
+        gone.emplace_back(it->first, it->second.size);
+        it = segs_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    count_.store(segs_.size(), std::memory_order_release);
+    return gone;
   }
 
  private:
   mutable std::shared_mutex mu_;
-  std::map<uint64_t, Range> ranges_;  // writers also hold the device's share mutex
-  std::atomic<size_t> count_{0};      // ranges_.size()
+  std::map<uint64_t, Segment> segs_;
+  std::atomic<size_t> count_{0};  // segs_.size()
 };
 
 // Stages a synchronous call's buffer through shared memory (or uses it in place when it already
@@ -383,7 +397,9 @@ class Driver final : public VfioUserDevice {
   }
 
   ~Driver() override {
-    for (uint64_t ino : in_place_.inodes()) vfio_user::release_in_place(ino);
+    for (const auto& [p, sh] : shares_) {
+      for (uint64_t ino : sh.inos) vfio_user::release_in_place(ino);
+    }
     if (doorbell_efd_.valid()) {
       std::lock_guard lk(g_doorbell_fds_mu);
       g_doorbell_fds.erase(sleeping_word());
@@ -417,6 +433,7 @@ class Driver final : public VfioUserDevice {
   }
   Result<void> share(const void* p, size_t len) override;
   Result<void> unshare(const void* p) override;
+  void unmap_in_place(const std::vector<std::pair<uint64_t, uint64_t>>& segs);
   std::vector<uint32_t> namespaces() override;
   CmdResult admin(nvme::Sqe sqe, void* data, size_t len) override;
   CmdResult register_device_memory(const void* handle, uint64_t iova, uint64_t size) override;
@@ -769,8 +786,12 @@ class Driver final : public VfioUserDevice {
   size_t shm_size_ = 0;
   ShmAllocator alloc_;
   InPlaceSet in_place_;
-  std::mutex share_mu_;                             // share() and unshare(), one at a time
-  std::multimap<const void*, uint64_t> shared_by_;  // share()'s pointer -> its range; share_mu_
+  std::mutex share_mu_;  // share() and unshare(), one at a time
+  struct Share {
+    uint64_t a = 0, b = 0;       // its pages
+    std::vector<uint64_t> inos;  // the memfds it holds a reference on (release_in_place)
+  };
+  std::multimap<const void*, Share> shares_;  // by share()'s pointer; share_mu_
   ShmStager stager_;
   // Admin queue.
   std::mutex admin_mu_;
@@ -979,54 +1000,60 @@ Result<void> Driver::share(const void* p, size_t len) {
     if (len == 0) fail("share: an empty range");
     if (alloc_.contains(p, len)) return;  // the connection's own shared memory
     std::lock_guard lk(share_mu_);
-    bool overlaps = false;
-    auto it = in_place_.find(p, len, &overlaps);
-    if (it != in_place_.end()) {
-      ++it->second.refs;
-      shared_by_.emplace(p, it->first);
-      return;
-    }
-    if (overlaps) fail("share: the range overlaps memory shared before without lying inside it");
-    vfio_user::InPlaceRange r = vfio_user::share_in_place(p, len);
-    const DmaMapMsg m{sizeof(DmaMapMsg), kDmaFlagRead | kDmaFlagWrite, r.offset, r.addr, r.size};
-    const int fds[1] = {r.fd.get()};
-    int e = EIO;
+    std::vector<vfio_user::InPlaceRange> pieces = vfio_user::share_in_place(p, len);
+    Share sh{pieces.front().addr, pieces.back().addr + pieces.back().size, {}};
+    for (const auto& r : pieces) sh.inos.push_back(r.ino);
+    // Maps the pages no earlier share of this connection mapped; on a failure, undoes this call.
+    std::vector<std::pair<uint64_t, uint64_t>> mapped;
     try {
-      e = request(Cmd::kDmaMap, as_bytes_of(m), nullptr, fds);
+      for (const auto& r : pieces) {
+        for (const auto& [a, b] : in_place_.gaps(r.addr, r.addr + r.size)) {
+          const DmaMapMsg m{sizeof(DmaMapMsg), kDmaFlagRead | kDmaFlagWrite,
+                            r.offset + (a - r.addr), a, b - a};
+          const int fds[1] = {r.fd.get()};
+          if (const int e = request(Cmd::kDmaMap, as_bytes_of(m), nullptr, fds); e != 0) {
+            fail(where_ + ": gdkvd refused to map the memory shared in place: " + std::strerror(e));
+          }
+          in_place_.insert(a, b - a);
+          mapped.emplace_back(a, b);
+        }
+      }
     } catch (const std::exception&) {
-      vfio_user::release_in_place(r.ino);
+      for (const auto& [a, b] : mapped) unmap_in_place(in_place_.count(a, b, 0));
+      for (uint64_t ino : sh.inos) vfio_user::release_in_place(ino);
       throw;
     }
-    if (e != 0) {
-      vfio_user::release_in_place(r.ino);
-      fail(where_ + ": gdkvd refused to map the memory shared in place: " + std::strerror(e));
-    }
-    in_place_.insert(r.addr, InPlaceSet::Range{r.size, r.ino, 1});
-    shared_by_.emplace(p, r.addr);
+    in_place_.count(sh.a, sh.b, 1);
+    shares_.emplace(p, std::move(sh));
   });
 }
 
 Result<void> Driver::unshare(const void* p) {
   return catch_error([&] {
     std::lock_guard lk(share_mu_);
-    auto by = shared_by_.find(p);
-    if (by == shared_by_.end()) {
+    auto by = shares_.find(p);
+    if (by == shares_.end()) {
       if (alloc_.contains(p, 1)) return;  // share() of the connection's own memory: a no-op
       fail("unshare: this memory was not shared");
     }
-    bool overlaps = false;
-    auto it = in_place_.find(reinterpret_cast<const void*>(by->second), 1, &overlaps);
-    shared_by_.erase(by);
-    if (it == in_place_.end() || --it->second.refs > 0) return;
-    const uint64_t addr = it->first, size = it->second.size, ino = it->second.ino;
-    in_place_.erase(it);  // buffers there are staged from now on
-    vfio_user::release_in_place(ino);
+    const Share sh = std::move(by->second);
+    shares_.erase(by);
+    // Pages no share covers any more are staged from now on, and unmapped.
+    auto gone = in_place_.count(sh.a, sh.b, -1);
+    for (uint64_t ino : sh.inos) vfio_user::release_in_place(ino);
+    unmap_in_place(gone);
+  });
+}
+
+// DMA_UNMAPs segments of memory shared in place (gone from in_place_ already).
+void Driver::unmap_in_place(const std::vector<std::pair<uint64_t, uint64_t>>& segs) {
+  for (const auto& [addr, size] : segs) {
     if (failed_.load()) return;  // the connection is gone, and its maps with it
     const DmaUnmapMsg m{sizeof(DmaUnmapMsg), 0, addr, size};
-    const int e = request(Cmd::kDmaUnmap, as_bytes_of(m), nullptr);
-    if (e != 0)
+    if (const int e = request(Cmd::kDmaUnmap, as_bytes_of(m), nullptr); e != 0) {
       fail(where_ + ": gdkvd refused to unmap memory shared in place: " + std::strerror(e));
-  });
+    }
+  }
 }
 
 CmdResult Driver::register_device_memory(const void* handle, uint64_t iova, uint64_t size) {

@@ -181,7 +181,35 @@ void drop_unmapped() {
 
 }  // namespace
 
-InPlaceRange share_in_place(const void* p, size_t len) {
+namespace {
+
+// Moves the pages [a, a + n) onto a new sealed memfd, which then takes their place, and enters it
+// in g_shared. `all`: copy every page (see copy_held_pages). REQUIRES: g_mu held.
+uint64_t move_to_memfd(uint64_t a, uint64_t n, bool all) {
+  UniqueFd fd(::memfd_create(kInPlaceName, MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (!fd.valid() || ::ftruncate(fd.get(), static_cast<off_t>(n)) != 0 ||
+      ::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    fail(std::string("share: memfd: ") + std::strerror(errno));
+  }
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) fail(std::string("share: fstat: ") + std::strerror(errno));
+  void* tmp = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+  if (tmp == MAP_FAILED) fail(std::string("share: mmap: ") + std::strerror(errno));
+  copy_held_pages(static_cast<std::byte*>(tmp), reinterpret_cast<const std::byte*>(a), n,
+                  static_cast<size_t>(::sysconf(_SC_PAGESIZE)), all);
+  void* moved = ::mremap(tmp, n, n, MREMAP_MAYMOVE | MREMAP_FIXED, reinterpret_cast<void*>(a));
+  if (moved == MAP_FAILED) {
+    const int e = errno;
+    ::munmap(tmp, n);
+    fail(std::string("share: mremap: ") + std::strerror(e));
+  }
+  g_shared[st.st_ino].fd = std::move(fd);
+  return st.st_ino;
+}
+
+}  // namespace
+
+std::vector<InPlaceRange> share_in_place(const void* p, size_t len) {
   const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
   const auto u = reinterpret_cast<uintptr_t>(p);
   if (len == 0 || u + len < u || u + len > UINTPTR_MAX - page) fail("share: an empty or bad range");
@@ -198,81 +226,51 @@ InPlaceRange share_in_place(const void* p, size_t len) {
   if (at < b) {
     fail("share: memory at " + hex(std::max(at, a)) + " is not mapped in this process");
   }
-  // Already ours, shared by another connection: the same memfd, if the range lies in one.
-  bool all_live = true, any_live = false, copy_all = false;
-  uint64_t ino = 0, offset = 0;
+  // The range as pieces, each on one memfd: a run of pages already on one of ours (shared
+  // before: another buffer's pages next to this one, another connection's share, an earlier
+  // one) stays there; each run of other pages is moved onto a new memfd. Everything is checked
+  // before anything moves.
+  struct Run {
+    uint64_t start, end, ino, offset;  // ino 0: pages to move
+    bool copy_all;
+  };
+  std::vector<Run> runs;
   for (const Vma& v : vmas) {
-    const bool live = ours(v) && g_shared.count(v.ino) != 0;
-    any_live |= live;
-    const uint64_t off = v.offset + a - v.start;  // the memfd offset v implies for a
-    if (!live || (ino != 0 && (v.ino != ino || off != offset))) {
-      all_live = false;
-    }
-    if (ino == 0 && live) {
-      ino = v.ino;
-      offset = off;
-    }
+    const uint64_t s = std::max(v.start, a), e = std::min(v.end, b);
+    const bool kept = ours(v) && g_shared.count(v.ino) != 0;
+    bool all = false;
     if (shared_anonymous(v)) {
       if (mapped_elsewhere(v)) {
         fail("share: memory at " + describe(v) +
              " is shared memory that another process maps too (a child forked after it was "
              "allocated); it cannot be moved onto memory gdkvd maps");
       }
-      copy_all = true;
-      continue;
-    }
-    if (!live && !private_anonymous(v) && !ours(v)) {
+      all = true;
+    } else if (!kept && !private_anonymous(v) && !ours(v)) {
       fail("share: memory at " + describe(v) +
            " is not private anonymous read-write memory (malloc, numpy or torch arrays); a "
            "file, a shared mapping, read-only pages or a stack cannot be shared in place");
     }
-  }
-  if (all_live) {
-    Shared& s = g_shared[ino];
-    UniqueFd dup(::fcntl(s.fd.get(), F_DUPFD_CLOEXEC, 0));
-    if (!dup.valid()) fail(std::string("share: dup: ") + std::strerror(errno));
-    ++s.refs;
-    return InPlaceRange{a, b - a, offset, std::move(dup), ino};
-  }
-  if (any_live) {
-    // Part of the range lies on memfds of earlier shares (the heap reuses freed memory that was
-    // shared). Copied onto a new memfd with the rest, unless a connection maps one of them: its
-    // gdkvd would keep pages the process no longer sees.
-    for (const Vma& v : vmas) {
-      auto it = ours(v) ? g_shared.find(v.ino) : g_shared.end();
-      if (it != g_shared.end() && it->second.refs > 0) {
-        fail("share: " + hex(u) + " (+" + std::to_string(len) +
-             ") overlaps memory shared before without lying inside it");
-      }
+    const uint64_t ino = kept ? v.ino : 0, offset = kept ? v.offset + (s - v.start) : 0;
+    if (!runs.empty() && runs.back().end == s && runs.back().ino == ino &&
+        (ino == 0 || runs.back().offset + (s - runs.back().start) == offset)) {
+      runs.back().end = e;
+      runs.back().copy_all |= all;
+    } else {
+      runs.push_back(Run{s, e, ino, offset, all});
     }
   }
-  // Private pages (and idle memfds' pages): into a sealed memfd, which then takes their place.
-  const size_t n = b - a;
-  UniqueFd fd(::memfd_create(kInPlaceName, MFD_CLOEXEC | MFD_ALLOW_SEALING));
-  if (!fd.valid() || ::ftruncate(fd.get(), static_cast<off_t>(n)) != 0 ||
-      ::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
-    fail(std::string("share: memfd: ") + std::strerror(errno));
+  for (Run& r : runs) {
+    if (r.ino == 0) r.ino = move_to_memfd(r.start, r.end - r.start, r.copy_all);
   }
-  void* tmp = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
-  if (tmp == MAP_FAILED) fail(std::string("share: mmap: ") + std::strerror(errno));
-  // Shared memory's pages may be in the kernel's page cache without this process mapping them,
-  // so pagemap cannot tell which hold data: all of it is copied.
-  copy_held_pages(static_cast<std::byte*>(tmp), reinterpret_cast<const std::byte*>(a), n, page,
-                  copy_all);
-  void* moved = ::mremap(tmp, n, n, MREMAP_MAYMOVE | MREMAP_FIXED, reinterpret_cast<void*>(a));
-  if (moved == MAP_FAILED) {
-    const int e = errno;
-    ::munmap(tmp, n);
-    fail(std::string("share: mremap: ") + std::strerror(e));
+  std::vector<InPlaceRange> out;
+  for (const Run& r : runs) {
+    UniqueFd dup(::fcntl(g_shared[r.ino].fd.get(), F_DUPFD_CLOEXEC, 0));
+    if (!dup.valid()) fail(std::string("share: dup: ") + std::strerror(errno));
+    out.push_back(InPlaceRange{r.start, r.end - r.start, r.offset, std::move(dup), r.ino});
   }
-  struct stat st;
-  if (::fstat(fd.get(), &st) != 0) fail(std::string("share: fstat: ") + std::strerror(errno));
-  UniqueFd dup(::fcntl(fd.get(), F_DUPFD_CLOEXEC, 0));
-  if (!dup.valid()) fail(std::string("share: dup: ") + std::strerror(errno));
-  Shared& s = g_shared[st.st_ino];
-  s.fd = std::move(fd);
-  s.refs = 1;
-  return InPlaceRange{a, n, 0, std::move(dup), static_cast<uint64_t>(st.st_ino)};
+  for (const Run& r : runs) ++g_shared[r.ino].refs;  // nothing can fail from here
+  return out;
 }
 
 void release_in_place(uint64_t ino) {
@@ -281,6 +279,8 @@ void release_in_place(uint64_t ino) {
   if (it != g_shared.end() && it->second.refs > 0) --it->second.refs;
 }
 
-void prepare_in_place(const void* p, size_t len) { release_in_place(share_in_place(p, len).ino); }
+void prepare_in_place(const void* p, size_t len) {
+  for (const InPlaceRange& r : share_in_place(p, len)) release_in_place(r.ino);
+}
 
 }  // namespace gdkv::vfio_user

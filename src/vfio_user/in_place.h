@@ -23,25 +23,27 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "vfio_user/socket_io.h"
 
 namespace gdkv::vfio_user {
 
 struct InPlaceRange {
-  uint64_t addr = 0;    // page-aligned start
+  uint64_t addr = 0;    // page-aligned start of a piece
   uint64_t size = 0;    // page-aligned length
   uint64_t offset = 0;  // of addr in the memfd
   UniqueFd fd;          // a duplicate of the memfd, for DMA_MAP
   uint64_t ino = 0;     // the memfd's inode: what release() takes
 };
 
-// Makes the pages covering [p, p + len) memfd-backed (or finds them so already, shared by
-// another connection) and takes a reference on their memfd. Throws std::runtime_error naming the
-// problem: memory that is not mapped, not private anonymous read-write memory (a file, a shared
-// mapping, read-only pages, the stack), or that overlaps a range a connection shares without lying
-// inside it. REQUIRES: len > 0.
-InPlaceRange share_in_place(const void* p, size_t len);
+// Makes the pages covering [p, p + len) memfd-backed and takes a reference on each memfd they
+// lie on: the pieces, in address order, each a run of pages on one memfd. Pages on a memfd of an
+// earlier share (a neighbouring buffer's boundary page, another connection's share, a share made
+// before) stay there; every other run is moved onto a new memfd. Throws std::runtime_error
+// naming the problem: memory that is not mapped, or not private anonymous read-write memory (a
+// file, a shared mapping another process maps too, read-only pages, the stack). REQUIRES: len > 0.
+std::vector<InPlaceRange> share_in_place(const void* p, size_t len);
 
 // Drops the reference share_in_place took (`ino` of its range). The memfd stays for a later share
 // while the pages are mapped.
