@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <functional>
 #include <mutex>
 #include <random>
@@ -422,6 +423,31 @@ TEST(Controller, LargestValueIsTheBackendsWhenSmaller) {
   }
   auto memory = Client::open(make_memory_backend()).value();
   EXPECT_EQ(memory->controller()->options().max_value_bytes, ControllerOptions{}.max_value_bytes);
+}
+
+double process_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) / 1e9;
+}
+
+// An idle reactor stays asleep: a sleep that timed out, and a look that found nothing, lead
+// straight to the next sleep, not to another idle spin. With a 2 ms idle spin, a reactor that
+// spun after each 5 ms sleep timeout would use 40% of a core while nothing happens.
+TEST(Controller, AnIdleReactorSleepsWithoutSpinning) {
+  ClientOptions co;
+  co.controller.idle_spin_us = 2000;
+  auto client = Client::open(make_memory_backend(), co).value();
+  ASSERT_TRUE(client->put(key("wake"), random_bytes(16, 1)).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // past the spin: asleep
+  const double cpu0 = process_cpu_seconds();
+  const auto t0 = std::chrono::steady_clock::now();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double share = (process_cpu_seconds() - cpu0) / wall;
+  EXPECT_LT(share, 0.1) << "reactors used " << share << " of a core while idle";
+  // And a call after the quiet still wakes it.
+  EXPECT_TRUE(client->exists(key("wake")).ok());
 }
 
 // A backend that holds every op until the test releases them.

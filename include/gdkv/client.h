@@ -56,8 +56,8 @@ class CompletionWaiter {
   virtual ~CompletionWaiter() = default;
   // How long this wait spins on the queue before it blocks (the calling thread's wait).
   virtual std::chrono::nanoseconds spin() = 0;
-  // Whether the spin saw the completion (lets the waiter stop spinning where it never helps,
-  // e.g. a controller on the waiter's own core).
+  // Whether a spin (a nonzero spin()) saw the completion (lets the waiter stop spinning where it
+  // never helps, e.g. a controller on the waiter's own core).
   virtual void spun(bool completed) = 0;
   // Blocks until the controller signals a completion (asked for, then `q`'s command `cid` looked
   // at once more, so none is missed), or a bounded time passed. Returns at once if it completed.

@@ -107,17 +107,20 @@ CmdResult Client::wait_slow(uint16_t cid) {
 }
 
 CmdResult Client::wait_blocking(uint16_t cid) {
-  // Spin for as long as a completion usually takes, reading the clock every 16 polls.
-  const auto until = std::chrono::steady_clock::now() + waiter_->spin();
-  for (uint32_t i = 1;; ++i) {
-    if (queue::poll(queue_, cid)) {
-      waiter_->spun(true);
-      return finish(cid);
+  // Spin for as long as a completion usually takes, reading the clock every 16 polls. No spin:
+  // straight to block(), which looks once more before it sleeps.
+  if (const auto spin = waiter_->spin(); spin.count() > 0) {
+    const auto until = std::chrono::steady_clock::now() + spin;
+    for (uint32_t i = 1;; ++i) {
+      if (queue::poll(queue_, cid)) {
+        waiter_->spun(true);
+        return finish(cid);
+      }
+      atomic::pause();
+      if ((i & 15) == 0 && std::chrono::steady_clock::now() >= until) break;
     }
-    atomic::pause();
-    if ((i & 15) == 0 && std::chrono::steady_clock::now() >= until) break;
+    waiter_->spun(false);
   }
-  waiter_->spun(false);
   Waiting w;
   (void)stuck(w);  // the timeout counts from here
   for (uint32_t n = 0;; ++n) {

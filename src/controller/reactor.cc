@@ -196,7 +196,10 @@ void Reactor::run() {
   const uint64_t spin_ns = uint64_t{ctl_->options.idle_spin_us} * 1000;
   uint64_t idle_since = now_ns();
   uint32_t idle_iters = 0;
-  bool sleep_now = false;  // the last busy poll woke a blocked requester
+  // No idle spin before the next sleep: the last busy poll woke a blocked requester (it may be
+  // queued on this core), or a sleep timed out and its look found nothing (a reactor idle for
+  // long would otherwise spin idle_spin_us every kSleepTimeoutMs: 4% of a core).
+  bool sleep_now = false;
   for (;;) {
     if (exit_.load(std::memory_order_relaxed) && in_flight_.load() == 0) break;
     requester_woken_ = false;
@@ -239,7 +242,7 @@ void Reactor::run() {
     }
     stats_.sleeps.store(stats_.sleeps.load(std::memory_order_relaxed) + 1,
                         std::memory_order_relaxed);
-    sleep();
+    sleep_now = !sleep();
     __atomic_store_n(&wake_.sleeping, 0u, __ATOMIC_SEQ_CST);
     for (Poller* p : active_) p->announce_sleep(false);
     idle_iters = 0;
@@ -247,7 +250,7 @@ void Reactor::run() {
   tls_reactor = nullptr;
 }
 
-void Reactor::sleep() {
+bool Reactor::sleep() {
   epoll_event evs[16];
   const int n = ::epoll_wait(epoll_fd_, evs, 16, kSleepTimeoutMs);
   // Drain what woke us (every fd is a non-blocking eventfd: ours or a poller's), so the next
@@ -263,6 +266,7 @@ void Reactor::sleep() {
       p->woken_by_fd();
     }
   }
+  return n != 0;
 }
 
 }  // namespace gdkv

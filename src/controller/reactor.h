@@ -69,8 +69,9 @@ class Reactor {
   bool drain_inbox();
   bool poll_once();
   void refresh_pollers();
-  // Sleeps until woken (an in-process requester, a poller's wake_fd) or the timeout.
-  void sleep();
+  // Sleeps until woken (an in-process requester, a poller's wake_fd) or the timeout; false when
+  // the timeout ended it.
+  bool sleep();
 
   // The sleep word in-process requesters look at, and the eventfd that wakes the reactor.
   // Standard layout with `sleeping` first, so a QueueRef's wake pointer leads back to `fd`.

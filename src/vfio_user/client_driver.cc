@@ -270,9 +270,11 @@ void signal_fd(int fd) {
   (void)!::write(fd, &one, sizeof(one));  // a full counter (EAGAIN) is still a wake-up
 }
 
-// Set when this thread woke a reactor: its next wait spins twice as long (the reactor's wake-up
-// comes first), so that on a free core the completion is still caught by spinning and the
-// reactor stays awake for the next call.
+// Set when this thread woke a reactor: its next wait blocks at once. The woken reactor often
+// runs on this thread's core (the scheduler wakes it where it last ran or beside its waker), and
+// there a spin only delays it: back-to-back calls with both on one core took 28 us (p50) with a
+// 20 us spin here and 18 us without; after a pause the spin bought nothing (57 us either way on
+// the 2-core test VM, whose cross-core wake-up alone is ~80 us; docs/benchmarks.md).
 thread_local bool tls_woke_reactor = false;
 
 // QueueRef::wake_fn of gdkvd's queues: the doorbell was rung and the reactor sleeps. Only the
@@ -280,6 +282,12 @@ thread_local bool tls_woke_reactor = false;
 void wake_reactor(uint32_t* word) {
   if (__atomic_exchange_n(word, 0u, __ATOMIC_SEQ_CST) == 0) return;
   tls_woke_reactor = true;
+  // Where we run: a reactor woken on this CPU sleeps right after posting our completion, so we
+  // are not left queued behind its idle spin (the word follows the sleeping word).
+  static_assert(kWakeWakerCpuOffset == kWakeSleepingOffset + 4);
+  if (const int cpu = ::sched_getcpu(); cpu >= 0) {
+    __atomic_store_n(word + 1, 2u + static_cast<uint32_t>(cpu), __ATOMIC_RELAXED);
+  }
   int fd = -1;
   {
     std::lock_guard lk(g_doorbell_fds_mu);
@@ -307,16 +315,16 @@ class IrqWaiter final : public CompletionWaiter {
 
   IrqWaiter(UniqueFd efd, uint32_t* arm, std::chrono::nanoseconds spin)
       : efd_(std::move(efd)), arm_(arm), spin_(spin) {}
-  // Spins unless recent spins never saw a completion (the reactor shares our core, or the
-  // backend is slower than the spin); then one wait in kRetrySpin spins again to find out
-  // whether that changed.
+  // Spins unless this thread just woke the reactor or recent spins never saw a completion (the
+  // reactor shares our core, or the backend is slower than the spin); then one wait in
+  // kRetrySpin spins again to find out whether that changed.
   std::chrono::nanoseconds spin() override {
-    const bool woke = std::exchange(tls_woke_reactor, false);
+    if (std::exchange(tls_woke_reactor, false)) return {};
     const uint32_t n = __atomic_add_fetch(&waits_, 1u, __ATOMIC_RELAXED);
     if (__atomic_load_n(&misses_, __ATOMIC_RELAXED) >= kMissLimit && n % kRetrySpin != 0) {
       return {};
     }
-    return woke ? 2 * spin_ : spin_;
+    return spin_;
   }
   void spun(bool completed) override {
     if (spin_.count() == 0) return;

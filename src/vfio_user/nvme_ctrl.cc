@@ -65,6 +65,15 @@ void NvmeController::announce_sleep(bool sleeping) {
   __atomic_store_n(db_ + kWakeSleepingOffset / 4, sleeping ? 1u : 0u, __ATOMIC_SEQ_CST);
 }
 
+void NvmeController::woken_by_fd() {
+  stats_.doorbell_wakeups.fetch_add(1, std::memory_order_relaxed);
+  if (!doorbell_wake_.load(std::memory_order_relaxed)) return;
+  // The host's word (2 + its CPU, or 0 if it does not say); any other value is ignored.
+  const uint32_t w = __atomic_exchange_n(db_ + kWakeWakerCpuOffset / 4, 0u, __ATOMIC_RELAXED);
+  const int cpu = ::sched_getcpu();
+  waker_here_ = cpu >= 0 && w == 2u + static_cast<uint32_t>(cpu);
+}
+
 // ---- Registers (socket thread)
 // -------------------------------------------------------------------
 
@@ -440,6 +449,8 @@ void NvmeController::signal_irqs() {
   for (Cq& cq : cqs_) {
     if (!cq.irq_due) continue;
     cq.irq_due = false;
+    // The host thread that woke this reactor runs on its core and waits for what was posted.
+    woke_waiter |= std::exchange(waker_here_, false);
     if (cq.active && cq.ien) {
       if (cq.armed) {
         // Store-buffering with the host's arm-then-look (its CQEs were stored above, it stored

@@ -156,7 +156,7 @@ class NvmeController final : public Poller {
   bool poll() override;
   int wake_fd() const override { return wake_fd_.get(); }
   void announce_sleep(bool sleeping) override;
-  void woken_by_fd() override { stats_.doorbell_wakeups.fetch_add(1, std::memory_order_relaxed); }
+  void woken_by_fd() override;
 
   // The admin command set, exposed for tests and the fuzz target: executes one admin command as
   // if fetched from the admin queue (REQUIRES: the reactor thread, or no reactor running this
@@ -288,6 +288,7 @@ class NvmeController final : public Poller {
   uint32_t* db_ = nullptr;                  // the doorbell page (BAR0 + 0x1000)
   UniqueFd wake_fd_;                        // eventfd: the doorbell page's ioeventfd
   std::atomic<bool> doorbell_wake_{false};  // handed out: keep the sleeping word
+  bool waker_here_ = false;  // the last wake-up came from a host thread on this reactor's CPU
 
   // Registers.
   mutable std::mutex regs_mu_;

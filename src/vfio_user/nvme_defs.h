@@ -17,7 +17,10 @@
 //     it set after ringing a doorbell signals the ioeventfd. Create I/O CQ CDW12 bit 30 ("armed
 //     interrupts", with IEN): the CQ's vector is signalled only while the host has armed it by a
 //     nonzero word kWakeArmOffset bytes into the CQ's head doorbell stride (2 + the CPU the
-//     waiter blocks on, or 1); gdkvd clears the word when it signals.
+//     waiter blocks on, or 1); gdkvd clears the word when it signals. A host may store 2 + the
+//     CPU it runs on in the word at kWakeWakerCpuOffset before signalling the ioeventfd: a
+//     reactor woken on that CPU sleeps at once after posting the completions that follow,
+//     instead of spinning idle while the host waits queued behind it.
 #pragma once
 
 #include <cstddef>
@@ -96,6 +99,7 @@ inline constexpr uint32_t kArmedInterrupts = 1u << 30;
 // Byte offsets of the wake-up words: in the doorbell page (the admin SQ tail's stride, unused by
 // the doorbell itself), and in a CQ head doorbell's stride.
 inline constexpr uint32_t kWakeSleepingOffset = 0x20;
+inline constexpr uint32_t kWakeWakerCpuOffset = 0x24;
 inline constexpr uint32_t kWakeArmOffset = 0x20;
 
 // Identify CNS values.

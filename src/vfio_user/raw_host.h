@@ -149,6 +149,9 @@ class RawHost {
     return err;
   }
 
+  // The mapped doorbell page (BAR0 + 0x1000), for tests that write its words themselves.
+  uint32_t* doorbell_page() const { return db_; }
+
   int reg_write(uint32_t off, uint64_t v, uint32_t n) {
     std::vector<std::byte> p(16 + n);
     const RegionAccessMsg a{off, kRegionBar0, n};
