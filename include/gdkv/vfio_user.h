@@ -128,9 +128,10 @@ struct VfioUserClientOptions {
   // A gdkvd that exits or dies is noticed within ~10 ms whatever this is.
   uint32_t io_timeout_ms = 30000;
   // Wake-ups, used when gdkvd offers them (docs/vfio-user.md "Wake-ups"): a doorbell that finds
-  // the reactor asleep signals its ioeventfd, and a waiting Client spins for wait_spin_us, then
-  // blocks on its queue's completion interrupt (an eventfd). Off: the reactor notices work
-  // within its sleep timeout (5 ms) and a waiting Client yields in a loop.
+  // the reactor asleep signals its ioeventfd, and a waiting Client spins for wait_spin_us (not
+  // when it just woke the reactor), then blocks on its queue's completion interrupt (an
+  // eventfd). Off: the reactor notices work within its sleep timeout (5 ms) and a waiting Client
+  // yields in a loop.
   bool wakeups = true;
   uint32_t wait_spin_us = 10;
 };
