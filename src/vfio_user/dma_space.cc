@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
@@ -18,6 +19,36 @@ namespace {
 constexpr uint64_t kPage = 4096;
 
 bool overflows(uint64_t a, uint64_t len) { return a + len < a; }
+
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22  // Linux 5.14
+#endif
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+// Fills this mapping's page tables for the pages `fd` already holds in [offset, offset + size)
+// (its data extents, SEEK_DATA/SEEK_HOLE), so the first transfers into memory a client shared
+// in place (an engine's KV pool, already written) do not take one page fault per 4 KiB: a first
+// 70 MiB load into such a pool took 35 ms against 10 ms for the next. Holes stay holes (nothing
+// is allocated for memory the client never touched). Best effort: a kernel without
+// MADV_POPULATE_* leaves the faults to happen as before.
+void populate_present(std::byte* base, int fd, uint64_t offset, uint64_t size, bool writable) {
+  const off_t end = static_cast<off_t>(offset + size);
+  off_t at = static_cast<off_t>(offset);
+  while (at < end) {
+    const off_t data = ::lseek(fd, at, SEEK_DATA);
+    if (data < 0 || data >= end) return;  // ENXIO: no data past `at`
+    off_t hole = ::lseek(fd, data, SEEK_HOLE);
+    if (hole < 0 || hole > end) hole = end;
+    const off_t from = data & ~static_cast<off_t>(kPage - 1);
+    if (::madvise(base + (from - static_cast<off_t>(offset)), static_cast<size_t>(hole - from),
+                  writable ? MADV_POPULATE_WRITE : MADV_POPULATE_READ) != 0) {
+      return;
+    }
+    at = hole;
+  }
+}
 
 // Waits until no command uses `m`. Commands finish on their own (backend ops complete or time
 // out), so this terminates; it sleeps so a long wait costs nothing.
@@ -82,6 +113,7 @@ int DmaSpace::map(uint64_t iova, uint64_t size, uint64_t offset, uint32_t flags,
     m->mmap_base = p;
     m->mmap_len = size;
     m->host = static_cast<std::byte*>(p);
+    populate_present(m->host, fd.get(), offset, size, m->writable);
     m->fd = std::move(fd);
   }
   return insert(std::move(m));

@@ -263,6 +263,43 @@ TEST(DmaSpace, MapRules) {
   EXPECT_EQ(d.count(), 0u);
 }
 
+// Whether this process's page tables map the page at `p` (/proc/self/pagemap bit 63).
+bool page_mapped(const void* p) {
+  UniqueFd pm(::open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC));
+  uint64_t e = 0;
+  const off_t at = static_cast<off_t>(reinterpret_cast<uintptr_t>(p) / 4096 * sizeof(e));
+  EXPECT_EQ(::pread(pm.get(), &e, sizeof(e), at), static_cast<ssize_t>(sizeof(e)));
+  return (e >> 63) & 1;
+}
+
+// The pages a client's memfd already holds (an engine pool shared in place) are in gdkvd's page
+// tables once mapped, so the first transfers take no fault per page; its holes stay unallocated.
+TEST(DmaSpace, MapFillsPageTablesForPresentPagesOnly) {
+  constexpr size_t kPages = 16;
+  UniqueFd fd = make_memfd(kPages * 4096, true);
+  const char one = 1;
+  for (const size_t pg : {0u, 1u, 2u, 3u, 8u, 9u, 15u}) {
+    ASSERT_EQ(::pwrite(fd.get(), &one, 1, static_cast<off_t>(pg * 4096)), 1);
+  }
+  const int raw = fd.get();
+  DmaSpace d;
+  ASSERT_EQ(d.map(0x100000, kPages * 4096, 0, kDmaFlagRead | kDmaFlagWrite, std::move(fd)), 0);
+  DataSegments out;
+  MapRefs refs;
+  ASSERT_EQ(d.resolve(0x100000, kPages * 4096, false, out, refs), Status::kSuccess);
+  ASSERT_EQ(out.size(), 1u);
+  const std::byte* host = out[0].addr;
+  for (size_t pg = 0; pg < kPages; ++pg) {
+    const bool present = pg <= 3 || pg == 8 || pg == 9 || pg == 15;
+    EXPECT_EQ(page_mapped(host + pg * 4096), present) << "page " << pg;
+  }
+  // Nothing was allocated for the holes.
+  EXPECT_EQ(::lseek(raw, 4 * 4096, SEEK_DATA), 8 * 4096);
+  EXPECT_EQ(::lseek(raw, 10 * 4096, SEEK_DATA), 15 * 4096);
+  DmaSpace::unpin(refs);
+  EXPECT_EQ(d.unmap(0x100000, kPages * 4096), 0);
+}
+
 TEST(DmaSpace, MessageOnlyMapIsNotReachable) {
   DmaSpace d;
   ASSERT_EQ(d.map(0x10000, 0x1000, 0, 3, UniqueFd()), 0);
