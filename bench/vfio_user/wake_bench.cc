@@ -18,6 +18,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <sys/eventfd.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -48,6 +49,7 @@ struct Options {
   uint32_t rounds = 5;
   int cpu = 0;
   uint32_t spin_us = 10;     // VfioUserClientOptions::wait_spin_us
+  int hog_nice = 0;          // the hogs' nice value (contention)
   bool never_sleep = false;  // reactors spin (gdkvd --never-sleep): isolates the client's wake-up
   std::string only;          // "idle", "onecore", "contention" or empty for all
 };
@@ -259,15 +261,25 @@ void one_core(const Options& o) {
               p50[0] / p50[1]);
 }
 
-// One busy-looping process per online CPU, each in its own session.
+// One busy-looping process per online CPU, each in its own session, at nice `nice` (a positive
+// value gives the bench's threads the larger share, as a higher CPUWeight for gdkvd would).
 struct Hogs {
   std::vector<pid_t> pids;
-  Hogs() {
+  explicit Hogs(int nice) {
     const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     for (long i = 0; i < cpus; ++i) {
       const pid_t p = fork();
       if (p == 0) {
         setsid();
+        if (nice != 0) {
+          // With autogroups (each session its own group) the group's nice is what competes
+          // with the bench's group; the process's own nice counts only within the group.
+          (void)!setpriority(PRIO_PROCESS, 0, nice);
+          if (FILE* f = std::fopen("/proc/self/autogroup", "w")) {
+            std::fprintf(f, "%d", nice);
+            std::fclose(f);
+          }
+        }
         volatile uint64_t x = 0;
         for (;;) x = x + 1;
       }
@@ -301,7 +313,7 @@ void contention(const Options& o) {
       const double quiet = gets_per_s(s[m], o.duration);
       double hogged;
       {
-        Hogs h;
+        Hogs h(o.hog_nice);
         hogged = gets_per_s(s[m], o.duration);
       }
       const double ratio = hogged / quiet;
@@ -328,6 +340,7 @@ int main(int argc, char** argv) {
   app.add_option("--cpu", o.cpu, "the CPU of the one-core run (0)");
   app.add_option("--spin-us", o.spin_us, "a waiting client spins this long, then blocks (10)");
   app.add_flag("--never-sleep", o.never_sleep, "reactors never sleep (as gdkvd --never-sleep)");
+  app.add_option("--hog-nice", o.hog_nice, "nice value of the contention hogs (0)");
   app.add_option("--only", o.only, "idle | onecore | contention");
   CLI11_PARSE(app, argc, argv);
   try {
