@@ -285,9 +285,7 @@ void wake_reactor(uint32_t* word) {
   // Where we run: a reactor woken on this CPU sleeps right after posting our completion, so we
   // are not left queued behind its idle spin (the word follows the sleeping word).
   static_assert(kWakeWakerCpuOffset == kWakeSleepingOffset + 4);
-  if (const int cpu = ::sched_getcpu(); cpu >= 0) {
-    __atomic_store_n(word + 1, 2u + static_cast<uint32_t>(cpu), __ATOMIC_RELAXED);
-  }
+  __atomic_store_n(word + 1, cpu_word(::sched_getcpu()), __ATOMIC_RELAXED);
   int fd = -1;
   {
     std::lock_guard lk(g_doorbell_fds_mu);
@@ -350,8 +348,7 @@ class IrqWaiter final : public CompletionWaiter {
     // Arm, then look (store-buffering with gdkvd's post-then-look-at-the-arm: both fence).
     // The arm word says where we block (2 + CPU; 1: unknown): gdkvd gives up its core when it
     // wakes a waiter on it.
-    const int cpu = ::sched_getcpu();
-    __atomic_store_n(arm_, cpu >= 0 ? 2u + static_cast<uint32_t>(cpu) : 1u, __ATOMIC_SEQ_CST);
+    __atomic_store_n(arm_, cpu_word(::sched_getcpu()), __ATOMIC_SEQ_CST);
     atomic::fence();
     if (!queue::poll(q, cid)) {
       pollfd pf{efd_.get(), POLLIN, 0};

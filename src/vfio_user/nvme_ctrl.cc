@@ -68,10 +68,10 @@ void NvmeController::announce_sleep(bool sleeping) {
 void NvmeController::woken_by_fd() {
   stats_.doorbell_wakeups.fetch_add(1, std::memory_order_relaxed);
   if (!doorbell_wake_.load(std::memory_order_relaxed)) return;
-  // The host's word (2 + its CPU, or 0 if it does not say); any other value is ignored.
+  // The host's word (cpu_word of where it runs, or 0 if it does not say); another CPU's or
+  // any other value is ignored.
   const uint32_t w = __atomic_exchange_n(db_ + kWakeWakerCpuOffset / 4, 0u, __ATOMIC_RELAXED);
-  const int cpu = ::sched_getcpu();
-  waker_here_ = cpu >= 0 && w == 2u + static_cast<uint32_t>(cpu);
+  waker_here_ = names_cpu(w, ::sched_getcpu());
 }
 
 // ---- Registers (socket thread)
@@ -462,9 +462,9 @@ void NvmeController::signal_irqs() {
             (armed = __atomic_exchange_n(w, 0u, __ATOMIC_SEQ_CST)) == 0) {
           continue;
         }
-        // The arm word is 1 + the CPU the waiter blocked on (1 when it did not say): a waiter on
-        // this reactor's own core needs the core back.
-        woke_waiter |= armed == 1 || armed - 2 == static_cast<uint32_t>(::sched_getcpu());
+        // The arm word names the CPU the waiter blocked on: a waiter on this reactor's own
+        // core needs the core back.
+        woke_waiter |= names_cpu(armed, ::sched_getcpu());
       }
       irq_.signal(cq.iv);
       stats_.interrupts.fetch_add(1, std::memory_order_relaxed);

@@ -17,10 +17,10 @@
 //     it set after ringing a doorbell signals the ioeventfd. Create I/O CQ CDW12 bit 30 ("armed
 //     interrupts", with IEN): the CQ's vector is signalled only while the host has armed it by a
 //     nonzero word kWakeArmOffset bytes into the CQ's head doorbell stride (2 + the CPU the
-//     waiter blocks on, or 1); gdkvd clears the word when it signals. A host may store 2 + the
-//     CPU it runs on in the word at kWakeWakerCpuOffset before signalling the ioeventfd: a
-//     reactor woken on that CPU sleeps at once after posting the completions that follow,
-//     instead of spinning idle while the host waits queued behind it.
+//     waiter blocks on, or 1); gdkvd clears the word when it signals. A host may store the same
+//     (2 + the CPU it runs on) in the word at kWakeWakerCpuOffset before signalling the ioeventfd:
+//     a reactor woken on that CPU sleeps at once after posting the completions that follow, instead
+//     of spinning idle while the host waits queued behind it.
 #pragma once
 
 #include <cstddef>
@@ -101,6 +101,17 @@ inline constexpr uint32_t kArmedInterrupts = 1u << 30;
 inline constexpr uint32_t kWakeSleepingOffset = 0x20;
 inline constexpr uint32_t kWakeWakerCpuOffset = 0x24;
 inline constexpr uint32_t kWakeArmOffset = 0x20;
+
+// The wake-up words that name a CPU (a CQ's arm word, the waker word) hold 2 + the CPU, or 1 for
+// a host thread that does not know its CPU (sched_getcpu failed).
+inline constexpr uint32_t cpu_word(int cpu) {
+  return cpu >= 0 ? 2u + static_cast<uint32_t>(cpu) : 1u;
+}
+// Whether such a word puts its host thread on `cpu` (the reactor's; an unknown CPU counts as
+// this one, the cautious guess: the reactor then gives up its core instead of spinning).
+inline constexpr bool names_cpu(uint32_t word, int cpu) {
+  return word == 1 || (cpu >= 0 && word == cpu_word(cpu));
+}
 
 // Identify CNS values.
 inline constexpr uint8_t kCnsNamespace = 0x00;
