@@ -2,7 +2,7 @@
 """gdkv against Mooncake Store, side by side in one run, every figure a ratio of a memcpy.
 
 Three stores, each with its zero-copy calls and its plain ones, for 4 KiB and 2 MiB values at
-batch 1 and batch 32:
+batch 1 and batch 64:
 
 - ``gdkvd``: a gdkvd this script starts (memory backend, ``--cache-bytes 0``: the values live in
   the daemon), reached over vfio-user. Zero copy: ``put_many``/``get_many_into`` of
@@ -15,11 +15,20 @@ batch 1 and batch 32:
   Zero copy: ``register_buffer`` + ``batch_put_from``/``batch_get_into`` (``put_from``/``get_into``
   at batch 1); plain: ``put``/``get`` (bytes).
 
-Every value read back is compared with what was written. The reference is a numpy copy of the
-same bytes in this process, measured between the stores' runs (the median of those is the
-denominator), so a busy machine moves the ratios less than the raw GB/s.
+Puts write NEW keys by default, as an inference engine's KV-cache blocks arrive: every put call
+names keys never written before, and the keys written two calls earlier are deleted, untimed, so
+each store's working set stays bounded (the store's first-touch cost of fresh value memory is
+measured, not hidden). ``--rewrite`` puts the same 64 keys again and again instead (Mooncake's
+keys are then removed before each put, untimed: it refuses a put to an existing key). Gets read 64
+keys written before the get figures.
 
-Usage: peer_bench.py [--seconds 1.0] [--rounds 3] [--json]
+Every value read back is compared with what was written (untimed), and after each put figure the
+last call's keys are read back and compared too. The reference is a numpy copy of the same bytes
+into buffers allocated once and reused (memory already faulted in, as a store's prepared value
+memory is), measured between the stores' runs (the median of those is the denominator), so a
+busy machine moves the ratios less than the raw GB/s.
+
+Usage: peer_bench.py [--seconds 1.0] [--rounds 3] [--rewrite] [--json]
        (scripts/bench-peers runs it in the project's environment; needs build/release)
 """
 
@@ -46,8 +55,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gdkvd_proc import gdkvd  # noqa: E402
 
 SIZES = {"4KiB": 4 << 10, "2MiB": 2 << 20}
-BATCHES = (1, 32)
-KEYS = 64          # distinct keys per size: 64 x 2 MiB = 128 MiB per store
+BATCHES = (1, 64)
+KEYS = 64          # keys the gets read, per size: 64 x 2 MiB = 128 MiB per store
+FIGURES = ("put_zero_copy", "put_plain", "get_plain", "get_zero_copy")
 
 
 def free_port() -> int:
@@ -96,10 +106,38 @@ def groups(batch: int) -> Callable[[], list[int]]:
     return group
 
 
+class PutKeys:
+    """The names each put call writes: ``batch`` new ones per call (``rewrite``: the next
+    ``batch`` of a fixed set of KEYS), and the names written two calls before, for the caller to
+    delete untimed. ``last`` is the latest call's names."""
+
+    def __init__(self, prefix: str, batch: int, rewrite: bool):
+        self.prefix, self.batch, self.rewrite = prefix, batch, rewrite
+        self.made = 0
+        self.live: list[list[str]] = []
+        self.group = groups(batch)
+        self.last: list[str] = []
+
+    def next(self) -> tuple[list[str], list[str]]:
+        if self.rewrite:
+            self.last = [f"{self.prefix}w{i}" for i in self.group()]
+            return self.last, []
+        self.last = [f"{self.prefix}n{self.made + j:x}" for j in range(self.batch)]
+        self.made += self.batch
+        self.live.append(self.last)
+        return self.last, self.live.pop(0) if len(self.live) > 2 else []
+
+    def written(self) -> list[str]:
+        """Every name still stored (for the clean-up)."""
+        if self.rewrite:
+            return [f"{self.prefix}w{i}" for i in range(KEYS)]
+        return [k for names in self.live for k in names]
+
+
 def memcpy_rate(size: int, batch: int, seconds: float) -> float:
-    """A numpy copy of ``batch`` values into ``batch`` buffers, cycling through KEYS sources as
-    the stores cycle through their keys (the same working set: 128 MiB at 2 MiB, not one value
-    that stays in the CPU cache)."""
+    """A numpy copy of ``batch`` values into ``batch`` buffers allocated once (prepared memory,
+    like a store's value memory), cycling through KEYS sources as the stores cycle through their
+    keys (the same working set: 128 MiB at 2 MiB, not one value that stays in the CPU cache)."""
     src = values(size)
     dst = [np.empty(size, np.uint8) for _ in range(batch)]
     group = groups(batch)
@@ -127,30 +165,33 @@ class Check:
 
 
 # ---- gdkv (gdkvd or in-process) ----
-def gdkv_figures(c: gdkv.Client, size: int, batch: int, seconds: float) -> dict[str, float]:
+def gdkv_figures(c: gdkv.Client, size: int, batch: int, seconds: float,
+                 rewrite: bool) -> dict[str, float]:
     vals = values(size)
     check = Check(vals)
-    keys = [f"peer-{size}-{i}".encode() for i in range(KEYS)]
+    keys = [f"peer-{size}-{i}".encode() for i in range(KEYS)]   # what the gets read
     shared = [c.empty(size, np.uint8) for _ in range(batch)]   # in place through gdkvd
     outs = [c.empty(size, np.uint8) for _ in range(batch)]
     for s, v in zip(shared, vals):
         s[:] = v
     c.put_many(zip(keys, vals))
     group = groups(batch)
+    names = PutKeys(f"p{size:x}", batch, rewrite)
 
-    def put_zero_copy() -> tuple[int, float]:
-        idx = group()
-        items = [(keys[i], shared[j]) for j, i in enumerate(idx)]
-        with timed() as t:
-            c.put_many(items) if batch > 1 else c.put(*items[0])
-        return size * batch, t.s
+    def put(sources) -> Callable[[], tuple[int, float]]:
+        def once() -> tuple[int, float]:
+            ks, old = names.next()
+            if old:
+                c.delete_many([k.encode() for k in old], missing_ok=True)
+            items = [(k.encode(), src) for k, src in zip(ks, sources)]
+            with timed() as t:
+                c.put_many(items) if batch > 1 else c.put(*items[0])
+            return size * batch, t.s
+        return once
 
-    def put_plain() -> tuple[int, float]:
-        idx = group()
-        items = [(keys[i], vals[i]) for i in idx]
-        with timed() as t:
-            c.put_many(items) if batch > 1 else c.put(*items[0])
-        return size * batch, t.s
+    def stored_right() -> None:   # the last put call's keys hold vals[0..batch)
+        for j, k in enumerate(names.last):
+            check.same(j, c.get(k.encode(), size_hint=size))
 
     def get_zero_copy() -> tuple[int, float]:
         idx = group()
@@ -166,19 +207,18 @@ def gdkv_figures(c: gdkv.Client, size: int, batch: int, seconds: float) -> dict[
         idx = group()
         ks = [keys[i] for i in idx]
         with timed() as t:
-            got = c.get_many(ks, size_hint=size) if batch > 1 else [c.get(ks[0], size_hint=size)]
+            got = c.get_many(ks) if batch > 1 else [c.get(ks[0])]
         for j, i in enumerate(idx):
             check.same(i, got[j])
         return size * batch, t.s
 
-    # The zero-copy puts store the shared buffers' bytes (vals[0..batch)) under every key: put
-    # them back before each get is checked.
-    out = {"put_zero_copy": rate(put_zero_copy, seconds)}
-    c.put_many(zip(keys, vals))
-    out["put_plain"] = rate(put_plain, seconds)
-    out["get_zero_copy"] = rate(get_zero_copy, seconds)
+    out = {"put_zero_copy": rate(put(shared), seconds)}
+    stored_right()
+    out["put_plain"] = rate(put(vals[:batch]), seconds)
+    stored_right()
     out["get_plain"] = rate(get_plain, seconds)
-    c.delete_many(keys, missing_ok=True)
+    out["get_zero_copy"] = rate(get_zero_copy, seconds)
+    c.delete_many(keys + [k.encode() for k in names.written()], missing_ok=True)
     return out
 
 
@@ -241,10 +281,11 @@ def mooncake_store(master: str, meta: str):
     return s
 
 
-def mooncake_figures(s, size: int, batch: int, seconds: float) -> dict[str, float]:
+def mooncake_figures(s, size: int, batch: int, seconds: float,
+                     rewrite: bool) -> dict[str, float]:
     vals = values(size)
     check = Check(vals)
-    keys = [f"peer-{size}-{i}" for i in range(KEYS)]
+    keys = [f"peer-{size}-{i}" for i in range(KEYS)]   # what the gets read
     # Registered memory for the zero-copy calls: one block for the sources, one for the reads.
     src = np.empty((batch, size), np.uint8)
     dst = np.empty((batch, size), np.uint8)
@@ -259,16 +300,23 @@ def mooncake_figures(s, size: int, batch: int, seconds: float) -> dict[str, floa
     ptr_d = [dst.ctypes.data + j * size for j in range(batch)]
 
     group = groups(batch)
+    names = PutKeys(f"p{size:x}", batch, rewrite)
 
     def ok(rcs, want) -> None:
         if any(r != want for r in rcs):
             raise SystemExit(f"peer_bench: Mooncake returned {rcs[:4]}")
 
+    def next_names() -> list[str]:
+        ks, old = names.next()
+        # Untimed: the keys two calls old go (new keys), or the ones about to be written
+        # (rewrite: Mooncake refuses a put to an existing key, where gdkv replaces).
+        gone = ks if rewrite else old
+        if gone:
+            s.batch_remove(gone, True)
+        return ks
+
     def put_zero_copy() -> tuple[int, float]:
-        idx = group()
-        ks = [keys[i] for i in idx]
-        # Mooncake refuses a put to an existing key: removed first, untimed (gdkv replaces).
-        s.batch_remove(ks, True)
+        ks = next_names()
         with timed() as t:
             rcs = s.batch_put_from(ks, ptr_s, [size] * batch) if batch > 1 else \
                 [s.put_from(ks[0], ptr_s[0], size)]
@@ -276,14 +324,16 @@ def mooncake_figures(s, size: int, batch: int, seconds: float) -> dict[str, floa
         return size * batch, t.s
 
     def put_plain() -> tuple[int, float]:
-        idx = group()
-        ks = [keys[i] for i in idx]
-        s.batch_remove(ks, True)
-        blobs = [vals[i] for i in idx]   # put takes any buffer: the arrays themselves
+        ks = next_names()
+        blobs = vals[:batch]   # put takes any buffer: the arrays themselves
         with timed() as t:
             rcs = [s.put(k, b) for k, b in zip(ks, blobs)]
         ok(rcs, 0)
         return size * batch, t.s
+
+    def stored_right() -> None:   # the last put call's keys hold vals[0..batch)
+        for j, k in enumerate(names.last):
+            check.same(j, s.get(k))
 
     def get_zero_copy() -> tuple[int, float]:
         idx = group()
@@ -306,13 +356,12 @@ def mooncake_figures(s, size: int, batch: int, seconds: float) -> dict[str, floa
         return size * batch, t.s
 
     out = {"put_zero_copy": rate(put_zero_copy, seconds)}
-    for k, v in zip(keys, vals):   # the zero-copy puts stored src's rows: put the values back
-        s.remove(k, True)
-        ok([s.put(k, v.tobytes())], 0)
+    stored_right()
     out["put_plain"] = rate(put_plain, seconds)
-    out["get_zero_copy"] = rate(get_zero_copy, seconds)
+    stored_right()
     out["get_plain"] = rate(get_plain, seconds)
-    s.batch_remove(keys, True)
+    out["get_zero_copy"] = rate(get_zero_copy, seconds)
+    s.batch_remove(keys + names.written(), True)
     for buf in (src, dst):
         s.unregister_buffer(buf.ctypes.data)
     return out
@@ -322,6 +371,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seconds", type=float, default=1.0, help="per figure")
     ap.add_argument("--rounds", type=int, default=3, help="median of this many rounds")
+    ap.add_argument("--rewrite", action="store_true",
+                    help="puts rewrite the same 64 keys (default: every put writes new keys)")
     ap.add_argument("--json", action="store_true", help="print a JSON object at the end")
     a = ap.parse_args()
     rows: dict[str, dict] = {}
@@ -330,9 +381,10 @@ def main() -> None:
         remote = gdkv.connect(sock, shared_memory_bytes=1 << 30)
         local = gdkv.open("memory")
         moon = mooncake_store(master, meta)
-        stores = {"gdkvd": lambda sz, b: gdkv_figures(remote, sz, b, a.seconds),
-                  "in-process": lambda sz, b: gdkv_figures(local, sz, b, a.seconds),
-                  "mooncake": lambda sz, b: mooncake_figures(moon, sz, b, a.seconds)}
+        stores = {"gdkvd": lambda sz, b: gdkv_figures(remote, sz, b, a.seconds, a.rewrite),
+                  "in-process": lambda sz, b: gdkv_figures(local, sz, b, a.seconds, a.rewrite),
+                  "mooncake": lambda sz, b: mooncake_figures(moon, sz, b, a.seconds, a.rewrite)}
+        print(f"puts write {'the same 64 keys again' if a.rewrite else 'new keys'}", flush=True)
         for name, size in SIZES.items():
             for batch in BATCHES:
                 refs, runs = [], {k: [] for k in stores}
@@ -347,16 +399,14 @@ def main() -> None:
                         row[f"{store}.{fig}"] = statistics.median(r[fig] for r in results) / ref
                 rows[f"{name} batch {batch}"] = row
                 print(f"{name} batch {batch}: memcpy {ref / 1e9:.2f} GB/s; ratios of memcpy "
-                      "(put zero-copy / plain, get zero-copy / plain)", flush=True)
+                      "(put zero-copy / plain, get bytes / zero-copy)", flush=True)
                 for store in stores:
-                    r = [row[f"{store}.{f}"] for f in ("put_zero_copy", "put_plain",
-                                                        "get_zero_copy", "get_plain")]
+                    r = [row[f"{store}.{f}"] for f in FIGURES]
                     print(f"  {store:<11} put {r[0]:.3f} / {r[1]:.3f}   get {r[2]:.3f} / "
                           f"{r[3]:.3f}", flush=True)
-                moon_zc = [row[f"mooncake.{f}"] for f in ("put_zero_copy", "get_zero_copy")]
-                ours = [row[f"gdkvd.{f}"] for f in ("put_zero_copy", "get_zero_copy")]
-                print(f"  gdkvd / mooncake zero-copy: put {ours[0] / moon_zc[0]:.2f}x, get "
-                      f"{ours[1] / moon_zc[1]:.2f}x", flush=True)
+                vs = [row[f"gdkvd.{f}"] / row[f"mooncake.{f}"] for f in FIGURES]
+                print(f"  gdkvd / mooncake: put {vs[0]:.2f}x / {vs[1]:.2f}x   get {vs[2]:.2f}x / "
+                      f"{vs[3]:.2f}x", flush=True)
         moon.close()
         remote.close()
         local.close()

@@ -16,7 +16,7 @@ def test_peer_bench_runs_every_store_and_figure():
                           "--seconds", "0.05", "--rounds", "1", "--json"], check=True,
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=600)
     rows = json.loads(out.stdout.decode().strip().splitlines()[-1])
-    assert set(rows) == {f"{s} batch {b}" for s in ("4KiB", "2MiB") for b in (1, 32)}
+    assert set(rows) == {f"{s} batch {b}" for s in ("4KiB", "2MiB") for b in (1, 64)}
     for row in rows.values():
         assert row["memcpy_gbps"] > 0
         for store in ("gdkvd", "in-process", "mooncake"):

@@ -1,0 +1,420 @@
+#!/usr/bin/env python3
+"""A soak: a multi-turn chat workload's KV blocks through a real gdkvd for a long time, with the
+daemon killed and restarted and every tier evicting, while its resources are watched.
+
+Workload (what an engine in front of gdkv does, without the engine's compute): ``--users``
+users, each with a private document of ``--doc-blocks`` blocks; every turn sends the whole
+history (the document, every earlier question and answer) plus a new question. Per turn the
+client derives the prompt's chained keys (``gdkv.chain_keys``), asks gdkv for the leading run it
+holds (``lookup_prefix``), loads those blocks into memory shared with gdkvd (``get_many_into``)
+and stores the blocks it had to "recompute" (``put_many``). A block's value is its key repeated to
+``--block-bytes``, so every value read is checked against the key it was read under: a byte that
+differs is wrong KV, counted and fatal to the run. Users reconnect every ``--reconnect-every``
+turns (an engine process restarting: connection churn, shared memory mapped and unmapped).
+
+gdkvd runs on the local store with a capacity below the working set (the store reclaims its
+oldest segments) and a small host cache (it evicts); every ``--restart-every`` seconds it is
+killed (SIGKILL and SIGTERM in turn) and started again on the same store and socket directory.
+A turn that fails because the daemon went away is retried on a new connection once it is back;
+a turn that still fails is a failed request.
+
+Every ``--sample-every`` seconds the soak reads, from /proc: gdkvd's RSS, open file descriptors,
+memfds among them and the bytes of memfd mappings (the client memory gdkvd maps), and the same
+for this process (the client side). Resources must be flat after warm-up: per daemon life, the
+median of the last fifth of its samples may exceed the median of its first fifth after
+``--warmup`` seconds by at most 10 % + 16 MiB (RSS), 2 (descriptors, memfds) and one connection's
+shared memory (mapped bytes); each life's end may exceed the first life's end by as much; the
+client's figures likewise over the whole run.
+
+Prints one table and a verdict; ``--json`` adds a JSON object (the last line). Exit 1 on wrong
+KV, a failed request, growth, or no eviction/reclaim.
+
+    bench/soak/soak.py --seconds 1800 --restart-every 300       # the documented 30-minute run
+    bench/soak/soak.py --seconds 175 --restart-every 50         # scripts/test's 3-minute run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+import gdkv
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD = Path(os.environ.get("GDKV_BUILD_DIR", ROOT / "build" / "release"))
+MiB = 1 << 20
+
+
+# ---- resources ---------------------------------------------------------------------------------
+def resources(pid: int) -> dict[str, int]:
+    """RSS bytes, open descriptors, memfds among them, and bytes mapped from memfds."""
+    rss = 0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) * 1024
+    fds = memfds = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        fds += 1
+        try:
+            memfds += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:")
+        except OSError:   # closed while listed
+            pass
+    mapped = 0
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].startswith("/memfd:"):
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                mapped += hi - lo
+    return {"rss": rss, "fds": fds, "memfds": memfds, "memfd_mapped": mapped}
+
+
+# ---- the daemon --------------------------------------------------------------------------------
+class Daemon:
+    """gdkvd on the local store, restartable on the same store and socket directory."""
+
+    def __init__(self, args: argparse.Namespace, work: Path):
+        self.args = args
+        self.sock = work / "sock"
+        self.store = work / "store"
+        self.sock.mkdir()
+        self.log_path = work / "gdkvd.log"
+        self.proc: Optional[subprocess.Popen] = None
+        self.lives = 0
+        self.metrics_port = 0
+        self.config = work / "gdkvd.toml"   # the segment size has no flag
+        self.config.write_text(f"[backend]\nsegment_bytes = {args.segment_mib * MiB}\n")
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log:
+            log.write(f"---- life {self.lives}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                [str(BUILD / "tools" / "gdkvd" / "gdkvd"), "--socket-dir", str(self.sock),
+                 "--backend", "local", "--store", str(self.store),
+                 "--capacity", str(self.args.capacity_mib * MiB), "--config", str(self.config),
+                 "--cache-bytes", str(self.args.cache_mib * MiB),
+                 "--reactors", "1", "--metrics-port", "0"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        marker = f"---- life {self.lives}\n"
+        deadline = time.monotonic() + 30
+        while True:
+            text = self.log_path.read_text(errors="replace")
+            life = text[text.rindex(marker):]
+            if "ready:" in life:
+                break
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("soak: gdkvd did not start:\n" + life[-3000:])
+            time.sleep(0.02)
+        m = re.search(r"metrics on http://[0-9.]+:(\d+)/metrics", life)
+        self.metrics_port = int(m.group(1)) if m else 0
+        self.lives += 1
+
+    def metrics(self) -> dict[str, float]:
+        if not self.metrics_port:
+            return {}
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        return {name: float(v) for name, v in
+                (line.rsplit(" ", 1) for line in text.splitlines() if line and line[0] != "#")}
+
+    def kill(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+        self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.kill(signal.SIGTERM)
+
+
+# ---- the workload ------------------------------------------------------------------------------
+class Counters:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.turns = self.retried = self.failed = self.wrong = 0
+        self.blocks_loaded = self.blocks_stored = self.raced = 0
+        self.latencies: list[float] = []
+
+    def add(self, **kw: float) -> None:
+        with self.lock:
+            for k, v in kw.items():
+                setattr(self, k, getattr(self, k) + v)
+
+
+def value_of(key: bytes, block_bytes: int) -> np.ndarray:
+    """A block's value: its key repeated (a value under the wrong key, or a changed byte, shows)."""
+    reps = -(-block_bytes // len(key))
+    return np.frombuffer((key * reps)[:block_bytes], np.uint8)
+
+
+class User(threading.Thread):
+    def __init__(self, uid: int, args: argparse.Namespace, daemon: Daemon, counters: Counters,
+                 stop: threading.Event, up: threading.Event):
+        super().__init__(name=f"user-{uid}", daemon=True)
+        self.uid, self.args, self.gdkvd, self.counters = uid, args, daemon, counters
+        self.stop_event, self.up = stop, up
+        self.rng = np.random.default_rng(1000 + uid)
+        self.error: Optional[str] = None
+
+    def connect(self) -> gdkv.Client:
+        while not self.stop_event.is_set():
+            self.up.wait(1.0)
+            try:
+                return gdkv.connect(str(self.gdkvd.sock), shared_memory_bytes=self.args.shm_mib * MiB)
+            except gdkv.Error:
+                time.sleep(0.05)   # restarting: not listening yet
+        raise InterruptedError
+
+    def run(self) -> None:
+        a, tpb = self.args, self.args.tokens_per_block
+        try:
+            c = self.connect()
+            outs = c.empty((a.max_blocks, a.block_bytes), "uint8")
+            conversation = turns = 0
+            while not self.stop_event.is_set():
+                # A conversation: a new document, a few turns over its growing history.
+                history = list(self.rng.integers(0, 32000, a.doc_blocks * tpb))
+                salt = f"soak-{self.uid}-{conversation}"
+                conversation += 1
+                for turn in range(a.turns):
+                    if self.stop_event.is_set():
+                        break
+                    history += list(self.rng.integers(0, 32000, a.question_tokens))
+                    keys = gdkv.chain_keys(history, tpb, salt=salt)[:a.max_blocks]
+                    c, outs = self.turn(c, outs, keys)
+                    history += list(self.rng.integers(0, 32000, a.answer_tokens))
+                    self.stop_event.wait(a.think_ms / 1e3)
+                    turns += 1
+                    if turns % a.reconnect_every == 0:
+                        c.close()
+                        c = self.connect()
+                        outs = c.empty((a.max_blocks, a.block_bytes), "uint8")
+            c.close()
+        except InterruptedError:
+            pass
+        except Exception as e:   # noqa: BLE001 - reported by the main thread
+            self.error = f"{type(e).__name__}: {e}"
+            self.stop_event.set()
+
+    def turn(self, c: gdkv.Client, outs, keys: list[bytes]):
+        """One request, retried on a new connection while gdkvd restarts."""
+        for attempt in range(1000):
+            try:
+                t0 = time.perf_counter()
+                self.serve(c, outs, keys)
+                self.counters.add(turns=1, retried=attempt > 0)
+                with self.counters.lock:
+                    self.counters.latencies.append(time.perf_counter() - t0)
+                return c, outs
+            except (gdkv.ConnectionError, gdkv.TimeoutError, gdkv.ClosedError) as e:
+                # gdkvd went away (killed for the soak): a new connection once it is back.
+                try:
+                    c.close()
+                except gdkv.Error:
+                    pass
+                if self.stop_event.is_set():
+                    raise InterruptedError from e
+                c = self.connect()
+                outs = c.empty((self.args.max_blocks, self.args.block_bytes), "uint8")
+        self.counters.add(failed=1)
+        return c, outs
+
+    def serve(self, c: gdkv.Client, outs, keys: list[bytes]) -> None:
+        bb = self.args.block_bytes
+        n = c.lookup_prefix(keys)
+        loaded = n
+        if n:
+            try:
+                c.get_many_into(keys[:n], list(outs[:n]))
+            except KeyError:
+                # Evicted between the lookup and the read: the run still held is what counts.
+                loaded = 0
+                for k, out in zip(keys[:n], outs[:n]):
+                    try:
+                        c.get_into(k, out)
+                    except KeyError:
+                        break
+                    loaded += 1
+                self.counters.add(raced=1)
+            for k, out in zip(keys[:loaded], outs[:loaded]):
+                if not np.array_equal(out, value_of(k, bb)):
+                    self.counters.add(wrong=1)
+                    raise SystemExit(f"soak: WRONG KV under key {k.hex()}")
+        c.put_many((k, value_of(k, bb)) for k in keys[loaded:])
+        self.counters.add(blocks_loaded=loaded, blocks_stored=len(keys) - loaded)
+
+
+# ---- the verdict -------------------------------------------------------------------------------
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
+def growth(samples: list[dict], key: str) -> tuple[float, float]:
+    """(median of the first fifth, median of the last fifth) of the samples' `key`."""
+    k = max(1, len(samples) // 5)
+    return med([s[key] for s in samples[:k]]), med([s[key] for s in samples[-k:]])
+
+
+def allowed(key: str, base: float, shm: int) -> float:
+    if key == "rss":
+        return base * 1.10 + 16 * MiB
+    if key == "memfd_mapped":
+        return base + shm
+    return base + 2
+
+
+def verdict(samples: list[dict], lives: int, warmup: float, shm: int) -> tuple[list[str], list[str]]:
+    """Report lines and failures."""
+    lines, failures = [], []
+    keys = ("rss", "fds", "memfds", "memfd_mapped")
+    ends: list[dict] = []
+    for life in range(lives):
+        ss = [s for s in samples if s["life"] == life and s["since_start"] >= warmup]
+        ss = [{k: s["gdkvd"][k] for k in keys} for s in ss]
+        if len(ss) < 5:
+            lines.append(f"  life {life}: {len(ss)} samples after warm-up (too short to judge)")
+            continue
+        row = []
+        for k in keys:
+            a, b = growth(ss, k)
+            row.append(f"{k} {fmt(k, a)} -> {fmt(k, b)}")
+            if b > allowed(k, a, shm):
+                failures.append(f"gdkvd life {life}: {k} grew {fmt(k, a)} -> {fmt(k, b)}")
+        ends.append({k: growth(ss, k)[1] for k in keys})
+        lines.append(f"  gdkvd life {life}: " + ", ".join(row))
+    for i, e in enumerate(ends[1:], 1):
+        for k in keys:
+            if e[k] > allowed(k, ends[0][k], shm):
+                failures.append(f"gdkvd: {k} at a later life's end {fmt(k, e[k])} > first "
+                                f"{fmt(k, ends[0][k])}")
+    cs = [{k: s["client"][k] for k in keys} for s in samples if s["t"] >= warmup]
+    if len(cs) >= 5:
+        row = []
+        for k in keys:
+            a, b = growth(cs, k)
+            row.append(f"{k} {fmt(k, a)} -> {fmt(k, b)}")
+            if b > allowed(k, a, shm):
+                failures.append(f"client: {k} grew {fmt(k, a)} -> {fmt(k, b)}")
+        lines.append("  client: " + ", ".join(row))
+    return lines, failures
+
+
+def fmt(key: str, v: float) -> str:
+    return f"{v / MiB:.1f} MiB" if key in ("rss", "memfd_mapped") else f"{v:.0f}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seconds", type=float, default=1800)
+    ap.add_argument("--restart-every", type=float, default=300, help="seconds per gdkvd life")
+    ap.add_argument("--sample-every", type=float, default=2.0)
+    ap.add_argument("--warmup", type=float, default=20.0, help="seconds of each life not judged")
+    ap.add_argument("--users", type=int, default=4)
+    ap.add_argument("--doc-blocks", type=int, default=12)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--question-tokens", type=int, default=100)
+    ap.add_argument("--answer-tokens", type=int, default=60)
+    ap.add_argument("--tokens-per-block", type=int, default=64)
+    ap.add_argument("--max-blocks", type=int, default=24)
+    ap.add_argument("--block-bytes", type=int, default=256 << 10)
+    ap.add_argument("--think-ms", type=float, default=20.0, help="a user's pause between turns")
+    ap.add_argument("--reconnect-every", type=int, default=25, help="turns between a user's "
+                    "reconnects")
+    ap.add_argument("--capacity-mib", type=int, default=96, help="the local store's capacity")
+    ap.add_argument("--segment-mib", type=int, default=8)
+    ap.add_argument("--cache-mib", type=int, default=16, help="gdkvd's host cache")
+    ap.add_argument("--shm-mib", type=int, default=32, help="each connection's shared memory")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="gdkv-soak-"))
+    d = Daemon(a, work)
+    d.start()
+    counters, stop, up = Counters(), threading.Event(), threading.Event()
+    up.set()
+    users = [User(u, a, d, counters, stop, up) for u in range(a.users)]
+    for u in users:
+        u.start()
+    samples: list[dict] = []
+    reclaimed = evictions = 0.0
+    t0 = life_t0 = time.monotonic()
+    next_sample, kills = t0, 0
+    try:
+        while time.monotonic() - t0 < a.seconds and not stop.is_set():
+            now = time.monotonic()
+            if now - life_t0 >= a.restart_every:
+                m = d.metrics()
+                reclaimed += m.get("gdkv_local_segments_reclaimed_total", 0)
+                evictions += m.get("gdkv_cache_evictions_total", 0)
+                up.clear()
+                d.kill(signal.SIGKILL if kills % 2 == 0 else signal.SIGTERM)
+                kills += 1
+                d.start()
+                up.set()
+                life_t0 = time.monotonic()
+                continue
+            if now >= next_sample:
+                samples.append({"t": now - t0, "life": d.lives - 1, "since_start": now - life_t0,
+                                "gdkvd": resources(d.proc.pid), "client": resources(os.getpid())})
+                next_sample += a.sample_every
+            time.sleep(0.05)
+        m = d.metrics()
+        reclaimed += m.get("gdkv_local_segments_reclaimed_total", 0)
+        evictions += m.get("gdkv_cache_evictions_total", 0)
+    finally:
+        stop.set()
+        up.set()
+        for u in users:
+            u.join(30)
+        d.stop()
+    errors = [f"{u.name}: {u.error}" for u in users if u.error]
+    lines, failures = verdict(samples, d.lives, a.warmup, a.shm_mib * MiB)
+    failures += errors
+    if counters.wrong:
+        failures.append(f"{counters.wrong} wrong values")
+    if counters.failed:
+        failures.append(f"{counters.failed} failed requests")
+    if reclaimed == 0:
+        failures.append("the local store reclaimed no segment: the working set did not outgrow it")
+    if evictions == 0:
+        failures.append("the host cache evicted nothing")
+    lat = sorted(counters.latencies) or [0.0]
+    elapsed = time.monotonic() - t0
+    print(f"soak: {elapsed:.0f} s, {d.lives} gdkvd lives ({kills} kills), {counters.turns} turns "
+          f"({counters.turns / elapsed:.1f}/s), {counters.retried} retried after a restart, "
+          f"{counters.failed} failed, {counters.wrong} wrong values; blocks loaded "
+          f"{counters.blocks_loaded}, stored {counters.blocks_stored}, {counters.raced} "
+          f"evicted between lookup and read; segments reclaimed {reclaimed:.0f}, cache "
+          f"evictions {evictions:.0f}; turn p50 {lat[len(lat) // 2] * 1e3:.1f} ms, p99 "
+          f"{lat[int(len(lat) * 0.99)] * 1e3:.1f} ms")
+    for line in lines:
+        print(line)
+    print("soak: " + ("OK: flat, no wrong value, no failed request" if not failures else
+                      "FAILED: " + "; ".join(failures)))
+    if a.json:
+        print(json.dumps({"seconds": elapsed, "lives": d.lives, "turns": counters.turns,
+                          "retried": counters.retried, "failed": counters.failed,
+                          "wrong": counters.wrong, "blocks_loaded": counters.blocks_loaded,
+                          "blocks_stored": counters.blocks_stored, "reclaimed": reclaimed,
+                          "evictions": evictions, "failures": failures, "samples": samples}))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
