@@ -141,7 +141,7 @@ class Server:
 
     def complete(self, prompt: list[int], max_tokens: int = 16, timeout: float = 600) -> dict:
         """A greedy streamed completion of token ids ``prompt``: its time to first token
-        (``ttft_s``), the generated token ids and their logprobs."""
+        (``ttft_s``) and to the last (``total_s``), the generated token ids and their logprobs."""
         body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True,
                 "stream": True}
@@ -174,7 +174,8 @@ class Server:
                 logprobs += [float(x) for x in lp.get("token_logprobs") or []]
         finally:
             conn.close()
-        return {"ttft_s": ttft, "tokens": tokens, "logprobs": logprobs}
+        return {"ttft_s": ttft, "total_s": time.perf_counter() - t0, "tokens": tokens,
+                "logprobs": logprobs}
 
     def reset_prefix_cache(self) -> None:
         """Empties vLLM's own prefix cache (not gdkv): the next request starts cold."""
