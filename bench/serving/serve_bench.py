@@ -34,7 +34,10 @@ Per system: requests/s, output tokens/s, TTFT p50/p90/p99, the TTFT p50 of reuse
 turn after the user's first, or any request after the first that shares the system prompt),
 time per output token, prompt tokens loaded from the store (``vllm:external_prefix_cache_hits``),
 and how many requests' output tokens equal vLLM alone's. ``--json`` prints a JSON object last.
-Exit 1 if any system's output differs from vLLM alone's or a request failed.
+``--kill-gdkvd-at S`` SIGKILLs a gdkv system's gdkvd S seconds into its run and starts it again on
+the same store: the run must lose no request and no output may change (the connector recomputes
+what it cannot load, and reconnects), and the time until the engine loads from gdkv again is
+reported. Exit 1 if any system's output differs from vLLM alone's or a request failed.
 
     bench/serving/serve_bench.py --systems vllm,limit,gdkv,mooncake     # scripts/bench-serving
 """
@@ -61,6 +64,8 @@ from gdkv.vllm_demo import Server, build_engine_model
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = Path(os.environ.get("GDKV_BUILD_DIR", ROOT / "build" / "release"))
+sys.path.insert(0, str(ROOT / "bench" / "python"))
+from gdkvd_proc import Gdkvd  # noqa: E402
 SYSTEMS = ("vllm", "limit", "gdkv", "gdkv-tiered", "mooncake")
 VOCAB = 8192
 
@@ -125,26 +130,6 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def gdkvd(*args: str) -> Iterator[str]:
-    d = tempfile.mkdtemp(prefix="gdkv-serve-")
-    log = Path(d) / "gdkvd.log"
-    with open(log, "wb") as f:
-        p = subprocess.Popen([str(BUILD / "tools" / "gdkvd" / "gdkvd"), "--socket-dir", d,
-                              "--metrics-port", "-1", "--reactors", "1", *args],
-                             stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 30
-        while b"ready:" not in log.read_bytes():
-            if p.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("serve_bench: gdkvd did not start: " + log.read_text())
-            time.sleep(0.05)
-        yield d
-    finally:
-        p.terminate()
-        p.wait(30)
-
-
-@contextlib.contextmanager
 def mooncake_master(work: Path) -> Iterator[dict]:
     """Mooncake Store's master with its HTTP metadata server on 127.0.0.1, and the config file
     its connector reads (MOONCAKE_CONFIG_PATH): yields the engine's environment."""
@@ -181,7 +166,9 @@ def mooncake_master(work: Path) -> Iterator[dict]:
 
 
 @contextlib.contextmanager
-def system(name: str, a: argparse.Namespace, work: Path) -> Iterator[Server]:
+def system(name: str, a: argparse.Namespace,
+           work: Path) -> Iterator[tuple[Server, Optional[Gdkvd]]]:
+    """The system's engine, and its gdkvd (None for the others)."""
     blocks = a.limit_blocks if name == "limit" else a.kv_blocks
     args = ("--num-gpu-blocks-override", str(blocks), "--enable-prefix-caching",
             "--max-num-batched-tokens", str(a.max_batched_tokens))
@@ -189,20 +176,23 @@ def system(name: str, a: argparse.Namespace, work: Path) -> Iterator[Server]:
                   env={"VLLM_CPU_OMP_THREADS_BIND": a.cpus})
     with contextlib.ExitStack() as stack:
         kv: Optional[dict] = None
+        daemon: Optional[Gdkvd] = None
         if name in ("gdkv", "gdkv-tiered"):
             store = ["--backend", "local", "--store", str(work / f"{name}-store")]
             if name == "gdkv-tiered":
                 store = ["--backend", "tiered", "--store", str(work / f"{name}-store"),
                          "--pool", a.pool, "--ceph-conf", a.ceph_conf]
-            kv = {"socket_dir": stack.enter_context(gdkvd(*store, "--capacity",
-                                                          str(a.store_mib << 20)))}
+            daemon = Gdkvd(*store, "--capacity", str(a.store_mib << 20), "--reactors", "1",
+                           prefix="gdkv-serve-")
+            stack.callback(daemon.stop)
+            kv = {"socket_dir": daemon.dir}
         elif name == "mooncake":
             env = stack.enter_context(mooncake_master(work))
             common["env"].update(env)
             args += ("--kv-transfer-config", json.dumps({
                 "kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
                 "kv_load_failure_policy": "recompute"}))
-        yield stack.enter_context(Server(a.model, kv, args=args, **common))
+        yield stack.enter_context(Server(a.model, kv, args=args, **common)), daemon
 
 
 # ---- the run -----------------------------------------------------------------------------------
@@ -268,6 +258,24 @@ def run(server: Server, sessions: list[Session], a: argparse.Namespace) -> list[
     return records
 
 
+def fault(server: Server, daemon: Gdkvd, at_s: float, done: threading.Event,
+          out: dict) -> None:
+    """At ``at_s`` into the run: gdkvd SIGKILLed and started again on the same store; then the
+    seconds until the engine loads from gdkv again (its external prefix-cache hits grow)."""
+    if done.wait(at_s):
+        return
+    t = time.perf_counter()
+    daemon.kill()
+    daemon.start()
+    out["gdkvd_killed_at_s"] = at_s
+    out["gdkvd_restart_s"] = time.perf_counter() - t
+    before = server.metric("vllm:external_prefix_cache_hits_total")
+    while not done.wait(0.25):
+        if server.metric("vllm:external_prefix_cache_hits_total") > before:
+            out["loading_again_after_s"] = time.perf_counter() - t
+            return
+
+
 def pct(xs: list[float], p: float) -> float:
     if not xs:
         return float("nan")
@@ -324,6 +332,8 @@ def main() -> int:
     ap.add_argument("--store-mib", type=int, default=4096, help="gdkvd's local store capacity")
     ap.add_argument("--pool", default="gdkv-rep3")
     ap.add_argument("--ceph-conf", default=os.environ.get("GDKV_CEPH_CONF", ""))
+    ap.add_argument("--kill-gdkvd-at", type=float, default=0.0, metavar="S",
+                    help="gdkv systems: SIGKILL gdkvd S seconds into the run and start it again")
     ap.add_argument("--model", default=str(BUILD.parent / "engine-model"))
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", action="store_true")
@@ -341,16 +351,27 @@ def main() -> int:
     warm = tokens(random.Random(12345), 64)
     for name in names:
         sessions = workload(a)
-        with system(name, a, work) as s:
+        faults: dict[str, float] = {}
+        with system(name, a, work) as (s, daemon):
             s.complete(warm, 2)
+            done = threading.Event()
+            monitor = None
+            if a.kill_gdkvd_at and daemon is not None:
+                monitor = threading.Thread(target=fault, args=(s, daemon, a.kill_gdkvd_at, done,
+                                                               faults))
+                monitor.start()
             t0 = time.perf_counter()
             records = run(s, sessions, a)
             wall = time.perf_counter() - t0
+            done.set()
+            if monitor is not None:
+                monitor.join()
             loaded = s.metric("vllm:external_prefix_cache_hits_total")
         if name == "vllm":
             reference = {(r["session"], r["turn"]): r["tokens"] for r in records}
         results[name] = summary(records, wall, loaded, reference if name != "vllm" else None)
         r = results[name]
+        r.update(faults)
         print(f"{name:<12} {r['wall_s']:6.1f} s  {r['requests_per_s']:.2f} req/s  "
               f"{r['output_tokens_per_s']:.1f} tok/s  TTFT p50/p90/p99 {r['ttft_p50_s']:.2f}/"
               f"{r['ttft_p90_s']:.2f}/{r['ttft_p99_s']:.2f} s  reused p50 "
@@ -358,6 +379,10 @@ def main() -> int:
               f"{int(r['tokens_from_store'])} tokens from the store"
               + (f"  identical {r['identical']}/{r['compared']}" if r["identical"] is not None
                  else ""), flush=True)
+        if faults:
+            print(f"{'':<12} gdkvd SIGKILLed at {faults['gdkvd_killed_at_s']:.0f} s and restarted "
+                  f"in {faults['gdkvd_restart_s']:.2f} s; loading from gdkv again after "
+                  f"{faults.get('loading_again_after_s', float('nan')):.1f} s", flush=True)
     base = results.get("vllm")
     if base:
         for name, r in results.items():

@@ -20,10 +20,12 @@ a turn that still fails is a failed request.
 
 Every ``--sample-every`` seconds the soak reads, from /proc: gdkvd's RSS, open file descriptors,
 memfds among them and the bytes of memfd mappings (the client memory gdkvd maps), and the same
-for this process (the client side). Resources must be flat after warm-up: per daemon life, the
-median of the last fifth of its samples may exceed the median of its first fifth after
-``--warmup`` seconds by at most 10 % + 16 MiB (RSS), 2 (descriptors, memfds) and one connection's
-shared memory (mapped bytes); each life's end may exceed the first life's end by as much; the
+for this process (the client side): private RSS (RssAnon, where a leak shows), shared RSS
+(RssShmem: the clients' memory gdkvd maps), open file descriptors, memfds and the bytes of
+memfd mappings. Resources must be flat after warm-up: per daemon life, the median of the last
+fifth of its samples may exceed the median of its first fifth after ``--warmup`` seconds by at
+most 10 % + 16 MiB (private RSS), 2 (descriptors, memfds) and one connection's shared memory
+(shared RSS, mapped bytes); each life's end may exceed the first life's end by as much; the
 client's figures likewise over the whole run.
 
 Prints one table and a verdict; ``--json`` adds a JSON object (the last line). Exit 1 on wrong
@@ -38,15 +40,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Optional
 
@@ -54,19 +53,25 @@ import numpy as np
 
 import gdkv
 
-ROOT = Path(__file__).resolve().parents[2]
-BUILD = Path(os.environ.get("GDKV_BUILD_DIR", ROOT / "build" / "release"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+from gdkvd_proc import Gdkvd  # noqa: E402
+
 MiB = 1 << 20
 
 
 # ---- resources ---------------------------------------------------------------------------------
 def resources(pid: int) -> dict[str, int]:
-    """RSS bytes, open descriptors, memfds among them, and bytes mapped from memfds."""
-    rss = 0
+    """Private resident bytes (RssAnon: the process's own heap, where a leak shows), shared
+    resident bytes (RssShmem: the clients' memfd pages gdkvd maps, which follow how much of its
+    shared memory a client touches), open descriptors, memfds among them, and bytes mapped from
+    memfds."""
+    rss = shm = 0
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith("RssAnon:"):
                 rss = int(line.split()[1]) * 1024
+            elif line.startswith("RssShmem:"):
+                shm = int(line.split()[1]) * 1024
     fds = memfds = 0
     for fd in os.listdir(f"/proc/{pid}/fd"):
         fds += 1
@@ -81,66 +86,16 @@ def resources(pid: int) -> dict[str, int]:
             if len(parts) == 6 and parts[5].startswith("/memfd:"):
                 lo, hi = (int(x, 16) for x in parts[0].split("-"))
                 mapped += hi - lo
-    return {"rss": rss, "fds": fds, "memfds": memfds, "memfd_mapped": mapped}
+    return {"rss": rss, "rss_shmem": shm, "fds": fds, "memfds": memfds, "memfd_mapped": mapped}
 
 
 # ---- the daemon --------------------------------------------------------------------------------
-class Daemon:
-    """gdkvd on the local store, restartable on the same store and socket directory."""
-
-    def __init__(self, args: argparse.Namespace, work: Path):
-        self.args = args
-        self.sock = work / "sock"
-        self.store = work / "store"
-        self.sock.mkdir()
-        self.log_path = work / "gdkvd.log"
-        self.proc: Optional[subprocess.Popen] = None
-        self.lives = 0
-        self.metrics_port = 0
-        self.config = work / "gdkvd.toml"   # the segment size has no flag
-        self.config.write_text(f"[backend]\nsegment_bytes = {args.segment_mib * MiB}\n")
-
-    def start(self) -> None:
-        with open(self.log_path, "ab") as log:
-            log.write(f"---- life {self.lives}\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(
-                [str(BUILD / "tools" / "gdkvd" / "gdkvd"), "--socket-dir", str(self.sock),
-                 "--backend", "local", "--store", str(self.store),
-                 "--capacity", str(self.args.capacity_mib * MiB), "--config", str(self.config),
-                 "--cache-bytes", str(self.args.cache_mib * MiB),
-                 "--reactors", "1", "--metrics-port", "0"],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        marker = f"---- life {self.lives}\n"
-        deadline = time.monotonic() + 30
-        while True:
-            text = self.log_path.read_text(errors="replace")
-            life = text[text.rindex(marker):]
-            if "ready:" in life:
-                break
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("soak: gdkvd did not start:\n" + life[-3000:])
-            time.sleep(0.02)
-        m = re.search(r"metrics on http://[0-9.]+:(\d+)/metrics", life)
-        self.metrics_port = int(m.group(1)) if m else 0
-        self.lives += 1
-
-    def metrics(self) -> dict[str, float]:
-        if not self.metrics_port:
-            return {}
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        text = urllib.request.urlopen(url, timeout=5).read().decode()
-        return {name: float(v) for name, v in
-                (line.rsplit(" ", 1) for line in text.splitlines() if line and line[0] != "#")}
-
-    def kill(self, sig: int) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(sig)
-        self.proc.wait(30)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.kill(signal.SIGTERM)
+def start_gdkvd(a: argparse.Namespace, work: Path) -> Gdkvd:
+    """gdkvd on the local store in `work`, restartable on the same store and socket directory."""
+    return Gdkvd("--backend", "local", "--store", str(work / "store"),
+                 "--capacity", str(a.capacity_mib * MiB), "--cache-bytes", str(a.cache_mib * MiB),
+                 "--reactors", "1", metrics=True, prefix="gdkv-soak-",
+                 config=f"[backend]\nsegment_bytes = {a.segment_mib * MiB}\n")  # no flag for it
 
 
 # ---- the workload ------------------------------------------------------------------------------
@@ -164,7 +119,7 @@ def value_of(key: bytes, block_bytes: int) -> np.ndarray:
 
 
 class User(threading.Thread):
-    def __init__(self, uid: int, args: argparse.Namespace, daemon: Daemon, counters: Counters,
+    def __init__(self, uid: int, args: argparse.Namespace, daemon: Gdkvd, counters: Counters,
                  stop: threading.Event, up: threading.Event):
         super().__init__(name=f"user-{uid}", daemon=True)
         self.uid, self.args, self.gdkvd, self.counters = uid, args, daemon, counters
@@ -176,7 +131,7 @@ class User(threading.Thread):
         while not self.stop_event.is_set():
             self.up.wait(1.0)
             try:
-                return gdkv.connect(str(self.gdkvd.sock), shared_memory_bytes=self.args.shm_mib * MiB)
+                return gdkv.connect(self.gdkvd.dir, shared_memory_bytes=self.args.shm_mib * MiB)
             except gdkv.Error:
                 time.sleep(0.05)   # restarting: not listening yet
         raise InterruptedError
@@ -274,7 +229,7 @@ def growth(samples: list[dict], key: str) -> tuple[float, float]:
 def allowed(key: str, base: float, shm: int) -> float:
     if key == "rss":
         return base * 1.10 + 16 * MiB
-    if key == "memfd_mapped":
+    if key in ("memfd_mapped", "rss_shmem"):
         return base + shm
     return base + 2
 
@@ -282,7 +237,7 @@ def allowed(key: str, base: float, shm: int) -> float:
 def verdict(samples: list[dict], lives: int, warmup: float, shm: int) -> tuple[list[str], list[str]]:
     """Report lines and failures."""
     lines, failures = [], []
-    keys = ("rss", "fds", "memfds", "memfd_mapped")
+    keys = ("rss", "rss_shmem", "fds", "memfds", "memfd_mapped")
     ends: list[dict] = []
     for life in range(lives):
         ss = [s for s in samples if s["life"] == life and s["since_start"] >= warmup]
@@ -316,7 +271,7 @@ def verdict(samples: list[dict], lives: int, warmup: float, shm: int) -> tuple[l
 
 
 def fmt(key: str, v: float) -> str:
-    return f"{v / MiB:.1f} MiB" if key in ("rss", "memfd_mapped") else f"{v:.0f}"
+    return f"{v / MiB:.1f} MiB" if key in ("rss", "rss_shmem", "memfd_mapped") else f"{v:.0f}"
 
 
 def main() -> int:
@@ -344,8 +299,7 @@ def main() -> int:
     a = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="gdkv-soak-"))
-    d = Daemon(a, work)
-    d.start()
+    d = start_gdkvd(a, work)
     counters, stop, up = Counters(), threading.Event(), threading.Event()
     up.set()
     users = [User(u, a, d, counters, stop, up) for u in range(a.users)]
@@ -370,8 +324,8 @@ def main() -> int:
                 life_t0 = time.monotonic()
                 continue
             if now >= next_sample:
-                samples.append({"t": now - t0, "life": d.lives - 1, "since_start": now - life_t0,
-                                "gdkvd": resources(d.proc.pid), "client": resources(os.getpid())})
+                samples.append({"t": now - t0, "life": d.starts - 1, "since_start": now - life_t0,
+                                "gdkvd": resources(d.pid), "client": resources(os.getpid())})
                 next_sample += a.sample_every
             time.sleep(0.05)
         m = d.metrics()
@@ -384,7 +338,7 @@ def main() -> int:
             u.join(30)
         d.stop()
     errors = [f"{u.name}: {u.error}" for u in users if u.error]
-    lines, failures = verdict(samples, d.lives, a.warmup, a.shm_mib * MiB)
+    lines, failures = verdict(samples, d.starts, a.warmup, a.shm_mib * MiB)
     failures += errors
     if counters.wrong:
         failures.append(f"{counters.wrong} wrong values")
@@ -396,7 +350,7 @@ def main() -> int:
         failures.append("the host cache evicted nothing")
     lat = sorted(counters.latencies) or [0.0]
     elapsed = time.monotonic() - t0
-    print(f"soak: {elapsed:.0f} s, {d.lives} gdkvd lives ({kills} kills), {counters.turns} turns "
+    print(f"soak: {elapsed:.0f} s, {d.starts} gdkvd lives ({kills} kills), {counters.turns} turns "
           f"({counters.turns / elapsed:.1f}/s), {counters.retried} retried after a restart, "
           f"{counters.failed} failed, {counters.wrong} wrong values; blocks loaded "
           f"{counters.blocks_loaded}, stored {counters.blocks_stored}, {counters.raced} "
@@ -408,7 +362,7 @@ def main() -> int:
     print("soak: " + ("OK: flat, no wrong value, no failed request" if not failures else
                       "FAILED: " + "; ".join(failures)))
     if a.json:
-        print(json.dumps({"seconds": elapsed, "lives": d.lives, "turns": counters.turns,
+        print(json.dumps({"seconds": elapsed, "lives": d.starts, "turns": counters.turns,
                           "retried": counters.retried, "failed": counters.failed,
                           "wrong": counters.wrong, "blocks_loaded": counters.blocks_loaded,
                           "blocks_stored": counters.blocks_stored, "reclaimed": reclaimed,
