@@ -393,6 +393,9 @@ def main() -> int:
                     "reused_ttft_p50_s"]
         print("throughput vs vLLM alone: " + ", ".join(
             f"{n} {r['throughput_vs_vllm']:.2f}x" for n, r in results.items()))
+        print("TTFT p50 of reused turns vs vLLM alone: " + ", ".join(
+            f"{n} {r['reused_ttft_p50_s'] / base['reused_ttft_p50_s']:.2f}"
+            for n, r in results.items()))
         if "limit" in results:
             print("throughput vs the limit: " + ", ".join(
                 f"{n} {r['throughput_vs_limit']:.2f}" for n, r in results.items()))
