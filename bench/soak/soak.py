@@ -94,7 +94,7 @@ def start_gdkvd(a: argparse.Namespace, work: Path) -> Gdkvd:
     """gdkvd on the local store in `work`, restartable on the same store and socket directory."""
     return Gdkvd("--backend", "local", "--store", str(work / "store"),
                  "--capacity", str(a.capacity_mib * MiB), "--cache-bytes", str(a.cache_mib * MiB),
-                 "--reactors", "1", metrics=True, prefix="gdkv-soak-",
+                 "--reactors", "1", *a.gdkvd_arg, metrics=True, prefix="gdkv-soak-",
                  config=f"[backend]\nsegment_bytes = {a.segment_mib * MiB}\n")  # no flag for it
 
 
@@ -295,6 +295,9 @@ def main() -> int:
     ap.add_argument("--segment-mib", type=int, default=8)
     ap.add_argument("--cache-mib", type=int, default=16, help="gdkvd's host cache")
     ap.add_argument("--shm-mib", type=int, default=32, help="each connection's shared memory")
+    ap.add_argument("--gdkvd-arg", action="append", default=[], metavar="ARG",
+                    help="one more gdkvd argument (repeat: --gdkvd-arg=--cache-policy "
+                    "--gdkvd-arg=lru)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
 
