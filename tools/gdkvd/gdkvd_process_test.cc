@@ -556,18 +556,27 @@ uint64_t minor_faults(pid_t pid) {
 // Issue 38: zero-copy Stores of 2 MiB values under new keys, each round, as Mooncake Store's
 // benchmark writes them. After a warm-up that fills the memory backend (and the cache), gdkvd
 // must take them without faulting in fresh memory: the values land in the arena's prepared,
-// recycled memory. The bound is 8 faults per value; fresh 4 KiB pages would be 512 per value
-// (the code before the arena took 513 per value in this burst with the cache off: the report of
-// issue 38 item 1 has the numbers).
-class NewKeyStores : public ::testing::TestWithParam<const char*> {};
+// recycled memory. The bound is 8 faults per value; fresh 4 KiB pages would be 512 per value.
+// The local store is measured the same way: its staging is mapped and populated at open, and a
+// 2 MiB value in aligned shared memory is written to the file straight from it.
+struct FaultCase {
+  const char* name;
+  std::vector<std::string> args;  // "STORE" becomes a directory of the test's
+  bool evicts;                    // the memory backend: the warm-up filled it
+};
+
+class NewKeyStores : public ::testing::TestWithParam<FaultCase> {};
 
 TEST_P(NewKeyStores, FaultNoFreshMemory) {
   constexpr size_t kValue = size_t{2} << 20;
-  constexpr int kWarm = 96;  // 192 MiB through a 128 MiB store: eviction has begun
+  constexpr int kWarm = 96;  // 192 MiB through a 128 MiB memory store: eviction has begun
   constexpr int kBurst = 200;
   TempDir dir("faults");
-  Daemon d(dir.path(), {"--backend", "memory", "--memory-capacity", std::to_string(128 << 20),
-                        "--cache-bytes", GetParam()});
+  std::vector<std::string> args = GetParam().args;
+  for (auto& a : args) {
+    if (a == "STORE") a = dir.path() + "/store";
+  }
+  Daemon d(dir.path(), args);
   ASSERT_TRUE(d.wait_ready()) << d.log();
   auto dev = gdkv::VfioUserDevice::open(d.socket_dir()).value();
   auto c = dev->make_client().value();
@@ -585,25 +594,38 @@ TEST_P(NewKeyStores, FaultNoFreshMemory) {
   const uint64_t before = minor_faults(d.pid());
   for (int i = 0; i < kBurst; ++i) ASSERT_EQ(put_new(), Status::kSuccess) << i;
   const uint64_t faults = minor_faults(d.pid()) - before;
-  std::printf("gdkvd minor faults over %d new-key 2 MiB Stores (cache %s): %llu (%.1f per value)\n",
-              kBurst, GetParam(), static_cast<unsigned long long>(faults),
+  std::printf("gdkvd minor faults over %d new-key 2 MiB Stores (%s): %llu (%.1f per value)\n",
+              kBurst, GetParam().name, static_cast<unsigned long long>(faults),
               static_cast<double>(faults) / kBurst);
   EXPECT_LT(faults, uint64_t{8} * kBurst);
-  // The newest value is there, whole; the oldest was evicted.
+  // The newest value is there, whole.
   std::vector<std::byte> out;
   ASSERT_EQ(c->get(key_of("new", n - 1), out).status, Status::kSuccess);
   EXPECT_EQ(out, std::vector<std::byte>(buf, buf + kValue));
-  EXPECT_EQ(c->exists(key_of("new", 0)).status, Status::kKeyNotExist);
-  EXPECT_GT(d.metric("gdkv_backend_evictions_total{backend=\"memory\"}"), 100);
+  if (GetParam().evicts) {
+    EXPECT_EQ(c->exists(key_of("new", 0)).status, Status::kKeyNotExist);
+    EXPECT_GT(d.metric("gdkv_backend_evictions_total{backend=\"memory\"}"), 100);
+  }
   dev->free(buf);
   c.reset();
   dev.reset();
   EXPECT_EQ(d.stop(), 0) << d.log();
 }
 
-INSTANTIATE_TEST_SUITE_P(Cache, NewKeyStores, ::testing::Values("0", "67108864"),
-                         [](const auto& info) {
-                           return std::string(info.param[0] == '0' ? "Off" : "On");
-                         });
+const std::string kMemory128 = std::to_string(128 << 20);
+INSTANTIATE_TEST_SUITE_P(
+    Backends, NewKeyStores,
+    ::testing::Values(FaultCase{"MemoryCacheOff",
+                                {"--backend", "memory", "--memory-capacity", kMemory128,
+                                 "--cache-bytes", "0"},
+                                true},
+                      FaultCase{"MemoryCacheOn",
+                                {"--backend", "memory", "--memory-capacity", kMemory128,
+                                 "--cache-bytes", std::to_string(64 << 20)},
+                                true},
+                      FaultCase{"LocalCacheOff",
+                                {"--backend", "local", "--store", "STORE", "--cache-bytes", "0"},
+                                false}),
+    [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace
