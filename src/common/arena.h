@@ -67,7 +67,7 @@ class Arena {
     std::byte* base = nullptr;
     size_t bytes = 0;  // 0: slot unused (the region went back)
   };
-  size_t round(size_t n) const { return (n == 0 ? 1 : n + align_ - 1) & ~(align_ - 1); }
+  size_t round(size_t n) const { return ((n == 0 ? 1 : n) + align_ - 1) & ~(align_ - 1); }
   // REQUIRES: mu_ held. Carves `n` from the best-fitting free extent; null if none fits.
   void* take_locked(size_t n);
   void add_free_locked(std::byte* p, size_t bytes, uint32_t region);

@@ -94,8 +94,13 @@ TEST(Arena, LimitBoundsRegionsAndFreeRegionsMakeRoomForLargerRequests) {
 TEST(Arena, BadSizesAndFailingHook) {
   Arena a(Arena::Options{});
   void* p = a.allocate(0);  // counts as one byte
+  void* q = a.allocate(0);
   ASSERT_NE(p, nullptr);
+  ASSERT_NE(q, nullptr);
+  EXPECT_NE(p, q);
+  EXPECT_EQ(a.used_bytes(), 128u);
   EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 64, 0u);
+  a.release(q, 0);
   EXPECT_EQ(a.allocate(SIZE_MAX), nullptr);
   EXPECT_EQ(a.allocate(SIZE_MAX - 10), nullptr);
   a.release(p, 0);
