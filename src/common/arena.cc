@@ -52,6 +52,7 @@ void Arena::unmap(void* p, size_t bytes) { ::munmap(p, round_up(bytes, kPage)); 
 
 Arena::Arena(Options o)
     : step_(round_up(std::max<size_t>(o.step_bytes, kPage), kPage)),
+      first_step_(std::min(step_, round_up(std::max<size_t>(o.first_step_bytes, kPage), kPage))),
       limit_(round_up(o.limit_bytes, kPage)),
       align_(std::clamp<size_t>(std::bit_ceil(std::max<size_t>(o.align, 1)), 1, kPage)),
       alloc_(std::move(o.alloc)),
@@ -111,7 +112,9 @@ void* Arena::allocate(size_t n) {
   std::unique_lock lk(mu_);
   for (int attempt = 0; attempt < kGrowTries; ++attempt) {
     if (void* p = take_locked(need)) return p;
-    size_t bytes = std::max(step_, round_up(need, step_));
+    const size_t grow =
+        std::clamp<size_t>(round_up(reserved_ + growing_, kPage), first_step_, step_);
+    size_t bytes = std::max(grow, round_up(need, need > step_ ? step_ : grow));
     std::vector<Region> drop;
     if (limit_ != 0) {
       uint64_t room = limit_ - std::min<uint64_t>(limit_, reserved_ + growing_);

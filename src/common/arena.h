@@ -1,10 +1,10 @@
-// Value memory prepared ahead of use: regions of `step_bytes` (64 MiB by default) are allocated and
-// faulted in once (anonymous memory with transparent huge pages where the kernel gives them, and
-// MADV_POPULATE_WRITE, or a touch of every page on kernels without it), then carved into extents.
-// A released extent goes back to the arena's free list, merged with its free neighbours; nothing
-// is returned to the kernel on the hot path. A region goes back (to the free hook) only when a
-// request could otherwise not be placed within limit_bytes and that whole region is free, or when
-// the arena is destroyed.
+// Value memory prepared ahead of use: regions (growing from 2 MiB to `step_bytes`, 64 MiB by
+// default) are allocated and faulted in once (anonymous memory with transparent huge pages where
+// the kernel gives them, and MADV_POPULATE_WRITE, or a touch of every page on kernels without it),
+// then carved into extents. A released extent goes back to the arena's free list, merged with its
+// free neighbours; nothing is returned to the kernel on the hot path. A region goes back (to the
+// free hook) only when a request could otherwise not be placed within limit_bytes and that whole
+// region is free, or when the arena is destroyed.
 //
 // Why: a store that allocates every value anew makes the kernel fault in and zero fresh pages for
 // each one (512 faults per 2 MiB value with 4 KiB pages), which held gdkvd's put to a third of a
@@ -29,10 +29,14 @@ class Arena {
   using AllocFn = std::function<void*(size_t bytes)>;
   using FreeFn = std::function<void(void* p, size_t bytes)>;
   struct Options {
-    size_t step_bytes = size_t{64} << 20;  // bytes per region, default 64 MiB (a larger request
-                                           // gets a region of its own, rounded up to steps)
-    uint64_t limit_bytes = 0;              // region bytes held at most (0: no limit)
-    size_t align = 64;                     // extent alignment, a power of two, at most 4096
+    // Bytes per region: the first is first_step_bytes (default 2 MiB), each next one as large as
+    // all before it, up to step_bytes (default 64 MiB); a larger request gets a region of its
+    // own. So an arena that holds little prepares little (the first Store into an empty store
+    // faults in 2 MiB, not 64), and one that holds much grows in 64 MiB steps.
+    size_t step_bytes = size_t{64} << 20;
+    size_t first_step_bytes = size_t{2} << 20;
+    uint64_t limit_bytes = 0;  // region bytes held at most (0: no limit)
+    size_t align = 64;         // extent alignment, a power of two, at most 4096
     // Regions: allocate `bytes` (4096-aligned) and free them; both or neither. Null: anonymous
     // memory, huge pages advised, faulted in before use (prepare_region).
     AllocFn alloc;
@@ -74,6 +78,7 @@ class Arena {
   void remove_free_locked(std::map<std::byte*, Extent>::iterator it);
 
   const size_t step_;
+  const size_t first_step_;
   const uint64_t limit_;
   const size_t align_;
   AllocFn alloc_;

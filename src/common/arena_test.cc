@@ -21,7 +21,7 @@ struct Hooks {
   std::set<void*> live;
   Arena::Options options(size_t step, uint64_t limit = 0) {
     Arena::Options o;
-    o.step_bytes = step;
+    o.step_bytes = o.first_step_bytes = step;
     o.limit_bytes = limit;
     o.alloc = [this](size_t n) {
       ++allocs;
@@ -71,6 +71,19 @@ TEST(Arena, GrowsInStepsAndReusesReleasedExtents) {
   EXPECT_TRUE(h.live.empty());
 }
 
+TEST(Arena, RegionsDoubleFromTheFirstStepToTheStep) {
+  Hooks h;
+  Arena::Options o = h.options(16 * kMiB);
+  o.first_step_bytes = 2 * kMiB;
+  Arena a(std::move(o));
+  std::vector<void*> v;
+  for (int i = 0; i < 24; ++i) v.push_back(a.allocate(2 * kMiB));
+  // 2, 2, 4, 8, 16, 16 MiB: 48 MiB in six regions.
+  EXPECT_EQ(h.allocs, 6);
+  EXPECT_EQ(a.reserved_bytes(), 48 * kMiB);
+  for (void* p : v) a.release(p, 2 * kMiB);
+}
+
 TEST(Arena, LimitBoundsRegionsAndFreeRegionsMakeRoomForLargerRequests) {
   Hooks h;
   Arena a(h.options(4 * kMiB, 8 * kMiB));
@@ -118,7 +131,9 @@ TEST(Arena, BadSizesAndFailingHook) {
 // The default regions are faulted in by the arena: writing an extent afterwards takes no page
 // fault (getrusage's minor faults, this thread's process).
 TEST(Arena, DefaultRegionsArePreparedBeforeUse) {
-  Arena a(Arena::Options{});
+  Arena::Options o;
+  o.first_step_bytes = o.step_bytes;
+  Arena a(o);
   void* warm = a.allocate(1);  // grows the first 64 MiB region
   ASSERT_NE(warm, nullptr);
   const long before = [] {
