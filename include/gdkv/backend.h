@@ -154,9 +154,13 @@ class Backend {
 };
 
 // The `memory` backend: a map per namespace, for tests and benchmarks. capacity_bytes counts key
-// and value bytes; a Store that would exceed it fails with kCapacityExceeded (81h).
+// and value bytes. At capacity it evicts like a cache, least recently used first (a Store or a Get
+// is a use); only a Store larger than the whole capacity fails, with kCapacityExceeded (81h), and
+// with capacity 0 every Store does. Values it copies live in an arena of prepared memory (faulted
+// in a region at a time, 2 MiB doubling to 64 MiB, at most capacity_bytes in all) that evicted
+// and deleted values return to; it is never handed back while the backend lives.
 struct MemoryBackendOptions {
-  uint64_t capacity_bytes = uint64_t{1} << 30;  // bytes, default 1 GiB
+  uint64_t capacity_bytes = uint64_t{1} << 30;  // bytes, default 1 GiB (gdkvd --memory-capacity)
   uint32_t delay_us = 0;  // injected latency per op (tests of prefetch and slow backends)
 };
 std::shared_ptr<Backend> make_memory_backend(const MemoryBackendOptions& options = {});

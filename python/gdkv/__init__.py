@@ -47,16 +47,17 @@ def backends() -> list[str]:
 
 
 def open(backend: str = "local", *, store: Optional[str] = None, capacity: int = 0,
-         pool: str = "gdkv-rep3", ceph_conf: str = "", ceph_client: str = "client.admin",
-         ceph_keyring: str = "", ceph_timeout_ms: int = 5000, cache_bytes: int = 0,
-         cache_policy: str = "adaptive", prefetch_depth: int = 8, reactors: int = 1,
-         nsid: int = 1, max_value_bytes: int = 64 << 20, queue_depth: int = 1024,
+         memory_capacity: int = 0, pool: str = "gdkv-rep3", ceph_conf: str = "",
+         ceph_client: str = "client.admin", ceph_keyring: str = "", ceph_timeout_ms: int = 5000,
+         cache_bytes: int = 0, cache_policy: str = "adaptive", prefetch_depth: int = 8,
+         reactors: int = 1, nsid: int = 1, max_value_bytes: int = 64 << 20, queue_depth: int = 1024,
          cuda_device: Optional[int] = None) -> Client:
     """A client with a controller in this process, over ``backend`` (the CLI's options).
 
     - ``"local"``: the embedded local store in directory ``store`` (default ``$GDKV_STORE``,
       else ``~/.local/share/gdkv``), ``capacity`` bytes (0: 8 GiB). One process at a time.
-    - ``"memory"``: values in this process's memory.
+    - ``"memory"``: values in this process's memory, ``memory_capacity`` bytes (0: 1 GiB); once
+      full it evicts the least recently used values.
     - ``"rados"``: the Ceph pool ``pool`` (``ceph_conf``, ``ceph_client``, ``ceph_keyring``;
       a dead cluster fails calls with NotReadyError after ``ceph_timeout_ms``).
     - ``"tiered"``: the local store (``store``, ``capacity``) in front of the RADOS pool (the
@@ -69,7 +70,8 @@ def open(backend: str = "local", *, store: Optional[str] = None, capacity: int =
     >>> c = gdkv.open("memory")
     """
     o = _core.OpenOptions()
-    settings = dict(backend=backend, store=store or "", capacity=capacity, pool=pool,
+    settings = dict(backend=backend, store=store or "", capacity=capacity,
+                    memory_capacity=memory_capacity, pool=pool,
                     ceph_conf=ceph_conf, ceph_client=ceph_client, ceph_keyring=ceph_keyring,
                     ceph_timeout_ms=ceph_timeout_ms, cache_bytes=cache_bytes,
                     cache_policy=cache_policy, prefetch_depth=prefetch_depth, reactors=reactors,

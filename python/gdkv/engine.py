@@ -57,9 +57,9 @@ HINT_BATCH = 2048
 UNAVAILABLE = (errors.ConnectionError, errors.TimeoutError, errors.ClosedError,
                errors.NotReadyError)
 
-_OPEN_OPTIONS = ("store", "capacity", "pool", "ceph_conf", "ceph_client", "ceph_keyring",
-                 "ceph_timeout_ms", "cache_bytes", "cache_policy", "prefetch_depth", "reactors",
-                 "max_value_bytes", "queue_depth", "cuda_device")
+_OPEN_OPTIONS = ("store", "capacity", "memory_capacity", "pool", "ceph_conf", "ceph_client",
+                 "ceph_keyring", "ceph_timeout_ms", "cache_bytes", "cache_policy", "prefetch_depth",
+                 "reactors", "max_value_bytes", "queue_depth", "cuda_device")
 
 
 def _as_bytes(h: Any) -> bytes:

@@ -106,7 +106,7 @@ SCHEME = "gdkv://"
 
 # Options a URL or the plugin's extra config may set, by type (URL query values are strings).
 _INT_OPTIONS = {"nsid", "timeout_ms", "shared_memory_bytes", "threads", "capacity",
-                "ceph_timeout_ms", "cache_bytes", "prefetch_depth", "reactors", "max_value_bytes",
+                "memory_capacity", "ceph_timeout_ms", "cache_bytes", "prefetch_depth", "reactors", "max_value_bytes",
                 "queue_depth", "cuda_device"}
 _FLOAT_OPTIONS = {"retry_interval_s"}
 _STR_OPTIONS = {"socket_dir", "backend", "namespace", "store", "pool", "ceph_conf", "ceph_client",

@@ -227,6 +227,7 @@ struct OpenOptions {
   std::string backend = "local";
   std::string store;  // local: directory (default: as the CLI)
   uint64_t capacity = 0;
+  uint64_t memory_capacity = 0;  // memory backend; 0: MemoryBackendOptions' default
   std::string pool = "gdkv-rep3";
   std::string ceph_conf, ceph_client = "client.admin", ceph_keyring;
   uint32_t ceph_timeout_ms = 5000;
@@ -801,6 +802,7 @@ std::unique_ptr<PyClient> open_in_process(const OpenOptions& o, uint32_t nsid) {
   bc.kind = o.backend;
   bc.local.path = o.store;
   if (o.capacity > 0) bc.local.capacity_bytes = o.capacity;
+  if (o.memory_capacity > 0) bc.memory.capacity_bytes = o.memory_capacity;
   bc.rados.pool = o.pool;
   bc.rados.ceph_conf = o.ceph_conf;
   bc.rados.client_name = o.ceph_client;
@@ -916,6 +918,7 @@ NB_MODULE(_core, m) {
       .def_rw("backend", &OpenOptions::backend)
       .def_rw("store", &OpenOptions::store)
       .def_rw("capacity", &OpenOptions::capacity)
+      .def_rw("memory_capacity", &OpenOptions::memory_capacity)
       .def_rw("pool", &OpenOptions::pool)
       .def_rw("ceph_conf", &OpenOptions::ceph_conf)
       .def_rw("ceph_client", &OpenOptions::ceph_client)

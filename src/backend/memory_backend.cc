@@ -1,19 +1,25 @@
 // The memory backend: one ordered map per namespace under a mutex. Gets hand out a view of the
 // stored value (no copy here: the controller's copy engine moves the bytes). A Store whose op
 // names a value_owner (the host cache's slab buffer) is kept by reference, not copied; otherwise
-// its bytes are copied once, outside the lock. With delay_us set, completions are held back by a
-// timer thread, so it can stand in for a slow backend.
+// its bytes are copied once, outside the lock, into an arena (common/arena.h) whose memory was
+// faulted in ahead of use and is reused when values go: a Store of a new key no longer makes the
+// kernel fault in and zero fresh pages (issue 38). At capacity it evicts like a cache, least
+// recently used first (Stores and Gets count as uses), rather than failing with 81h. With delay_us
+// set, completions are held back by a timer thread, so it can stand in for a slow backend.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <iterator>
+#include <list>
 #include <map>
 #include <mutex>
 #include <queue>
 #include <thread>
 #include <vector>
 
+#include "common/arena.h"
 #include "gdkv/backend.h"
 
 namespace gdkv {
@@ -29,7 +35,8 @@ using Clock = std::chrono::steady_clock;
 
 class MemoryBackend final : public Backend {
  public:
-  explicit MemoryBackend(const MemoryBackendOptions& o) : options_(o) {
+  explicit MemoryBackend(const MemoryBackendOptions& o)
+      : options_(o), arena_(std::make_shared<Arena>(arena_options(o))) {
     if (options_.delay_us > 0) timer_ = std::thread([this] { run_timer(); });
   }
   ~MemoryBackend() override {
@@ -76,6 +83,27 @@ class MemoryBackend final : public Backend {
                          MetricType::kCounter,
                          {{"backend", "memory"}},
                          static_cast<double>(copied_.load())});
+    out.push_back(Metric{"backend_evictions_total",
+                         "values evicted to make room (least recently used first)",
+                         MetricType::kCounter,
+                         {{"backend", "memory"}},
+                         static_cast<double>(evictions_.load())});
+    out.push_back(Metric{"backend_arena_bytes",
+                         "value memory prepared (arena regions, faulted in)",
+                         MetricType::kGauge,
+                         {{"backend", "memory"}},
+                         static_cast<double>(arena_->reserved_bytes())});
+    out.push_back(Metric{"backend_arena_growths_total",
+                         "arena regions allocated",
+                         MetricType::kCounter,
+                         {{"backend", "memory"}},
+                         static_cast<double>(arena_->regions_allocated())});
+    out.push_back(Metric{"backend_heap_values_total",
+                         "values copied to the heap because the arena had no room (views of "
+                         "evicted values still held, or fragmentation)",
+                         MetricType::kCounter,
+                         {{"backend", "memory"}},
+                         static_cast<double>(heap_values_.load())});
     out.push_back(Metric{"backend_bytes_used",
                          "bytes stored",
                          MetricType::kGauge,
@@ -89,20 +117,40 @@ class MemoryBackend final : public Backend {
   }
 
  private:
-  using Map = std::map<Key, Value>;
+  struct Slot {
+    uint32_t nsid;
+    Key key;
+  };
+  using Lru = std::list<Slot>;  // front: most recently used
+  struct Entry {
+    Value value;
+    Lru::iterator lru;
+  };
+  using Map = std::map<Key, Entry>;
+
+  // Regions of 64 MiB (or the capacity, when smaller), at most the capacity in all.
+  static Arena::Options arena_options(const MemoryBackendOptions& o) {
+    constexpr uint64_t kStep = uint64_t{64} << 20;
+    Arena::Options a;
+    a.step_bytes = static_cast<size_t>(std::clamp<uint64_t>(o.capacity_bytes, 1, kStep));
+    a.limit_bytes = std::max<uint64_t>(o.capacity_bytes, 1);
+    return a;
+  }
 
   void run(BackendOp* op) {
     Status s = Status::kSuccess;
     uint64_t len = 0;
-    Value incoming;  // a Store's value, made before the lock
-    if (op->kind == BackendOpKind::kPut) incoming = take(*op);
-    Value replaced;  // freed after the lock
+    std::vector<Value> gone;  // replaced, deleted or evicted values: freed after the lock
+    if (op->kind == BackendOpKind::kPut) {
+      s = store(*op, gone);
+      gone.clear();
+      return op->complete(s, len);
+    }
     {
       std::lock_guard lk(mu_);
       Map& m = spaces_[op->nsid];
       switch (op->kind) {
         case BackendOpKind::kPut:
-          s = put(m, *op, incoming, replaced);
           break;
         case BackendOpKind::kGet: {
           auto it = m.find(op->key);
@@ -110,8 +158,9 @@ class MemoryBackend final : public Backend {
             s = Status::kKeyNotExist;
             break;
           }
-          len = it->second.bytes.size();
-          op->view = ValueView{it->second.bytes, it->second.keep};
+          lru_.splice(lru_.begin(), lru_, it->second.lru);
+          len = it->second.value.bytes.size();
+          op->view = ValueView{it->second.value.bytes, it->second.value.keep};
           break;
         }
         case BackendOpKind::kDelete: {
@@ -120,9 +169,7 @@ class MemoryBackend final : public Backend {
             s = Status::kKeyNotExist;
             break;
           }
-          used_ -= it->first.len + it->second.bytes.size();
-          replaced = std::move(it->second);
-          m.erase(it);
+          erase_locked(m, it, gone);
           break;
         }
         case BackendOpKind::kExists:
@@ -137,39 +184,117 @@ class MemoryBackend final : public Backend {
         }
       }
     }
+    gone.clear();
     op->complete(s, len);
   }
 
-  // The Store's value as kept: by reference when the op has an owner, else a copy of its own.
-  // Made before the lock, so the lock covers map operations only (a 2 MiB copy under it stalled
-  // every other reactor's ops); a Store then rejected (81h, 87h, 89h) paid for a copy it did not
-  // need.
-  Value take(const BackendOp& op) {
-    if (op.value_owner) return Value{op.value, op.value_owner};
-    const size_t n = op.value.size();
-    std::shared_ptr<std::byte[]> copy = std::make_shared_for_overwrite<std::byte[]>(n == 0 ? 1 : n);
-    if (n != 0) std::memcpy(copy.get(), op.value.data(), n);
-    copied_.fetch_add(n, std::memory_order_relaxed);
-    return Value{{copy.get(), n}, std::move(copy)};
+  Status store(const BackendOp& op, std::vector<Value>& gone) {
+    // Larger than the whole store: no eviction can make room.
+    if (op.key.len + op.value.size() > options_.capacity_bytes) return Status::kCapacityExceeded;
+    Value v;
+    if (Status s = take(op, v, gone); s != Status::kSuccess) return s;
+    std::lock_guard lk(mu_);
+    return put(op, std::move(v), gone);
   }
 
-  // REQUIRES: mu_ held. `v` becomes the key's value; the one it replaces goes to `replaced`.
-  Status put(Map& m, const BackendOp& op, Value& v, Value& replaced) {
-    auto it = m.find(op.key);
-    const bool exists = it != m.end();
+  // The Store's value as kept: by reference when the op has an owner, else a copy of its own in
+  // the arena. Made before the lock, so the lock covers map operations only (a 2 MiB copy under it
+  // stalled every other reactor's ops), and a rewrite holds both copies for that moment. When the
+  // arena is full, the least recently used values go until the copy fits; if it still does not
+  // (evicted values a Get's view still holds, fragmentation, or a rewrite of the only key) after
+  // evicting four times its size, it goes to the heap rather than emptying the store
+  // (backend_heap_values_total counts those).
+  Status take(const BackendOp& op, Value& v, std::vector<Value>& gone) {
+    if (op.value_owner) {
+      v = Value{op.value, op.value_owner};
+      return Status::kSuccess;
+    }
+    const size_t n = op.value.size();
+    if (n == 0) {
+      v = Value{{}, empty_keep()};
+      return Status::kSuccess;
+    }
+    void* p = arena_->allocate(n);
+    uint64_t evicted = 0;
+    const uint64_t max_evicted = uint64_t{4} * n + (uint64_t{64} << 10);
+    while (p == nullptr && evicted < max_evicted) {
+      {
+        std::lock_guard lk(mu_);
+        // A Store its options refuse evicts nothing.
+        if (Status s = check_options(spaces_[op.nsid], op); s != Status::kSuccess) return s;
+        if (lru_.empty()) break;
+        // A rewrite never evicts its own key (a Store that then failed would have changed it);
+        // the old value goes when the new one is in.
+        if (lru_.back().nsid == op.nsid && lru_.back().key == op.key) {
+          if (lru_.size() == 1) break;
+          lru_.splice(lru_.begin(), lru_, std::prev(lru_.end()));
+        }
+        evicted += evict_one_locked(gone);
+      }
+      gone.clear();  // the evicted extents go back to the arena (unless a view holds one)
+      p = arena_->allocate(n);
+    }
+    copied_.fetch_add(n, std::memory_order_relaxed);
+    if (p == nullptr) {
+      heap_values_.fetch_add(1, std::memory_order_relaxed);
+      std::shared_ptr<std::byte[]> copy = std::make_shared_for_overwrite<std::byte[]>(n);
+      std::memcpy(copy.get(), op.value.data(), n);
+      v = Value{{copy.get(), n}, std::move(copy)};
+      return Status::kSuccess;
+    }
+    std::memcpy(p, op.value.data(), n);
+    // The last holder (this backend, or a Get's view of an evicted value) returns the extent;
+    // the arena outlives the backend while a view holds one.
+    std::shared_ptr<const void> keep(
+        p, [arena = arena_, n](const void* q) { arena->release(const_cast<void*>(q), n); });
+    v = Value{{static_cast<const std::byte*>(p), n}, std::move(keep)};
+    return Status::kSuccess;
+  }
+
+  static std::shared_ptr<const void> empty_keep() {
+    static const std::shared_ptr<const void> nothing = std::make_shared<char>(0);
+    return nothing;
+  }
+
+  // REQUIRES: mu_ held.
+  static Status check_options(const Map& m, const BackendOp& op) {
+    const bool exists = m.contains(op.key);
     if (op.store_options & nvme::kStoreMustExist && !exists) return Status::kKeyNotExist;
     if (op.store_options & nvme::kStoreMustNotExist && exists) return Status::kKeyExists;
-    const uint64_t old = exists ? op.key.len + it->second.bytes.size() : 0;
-    const uint64_t add = op.key.len + v.bytes.size();
-    if (used_ - old + add > options_.capacity_bytes) return Status::kCapacityExceeded;
-    used_ = used_ - old + add;
-    if (exists) {
-      replaced = std::move(it->second);
-      it->second = std::move(v);
-    } else {
-      m.emplace(op.key, std::move(v));
-    }
     return Status::kSuccess;
+  }
+
+  // REQUIRES: mu_ held, and the value fits in the capacity. `v` becomes the key's value; the one it
+  // replaces and those evicted to make room go to `gone`.
+  Status put(const BackendOp& op, Value v, std::vector<Value>& gone) {
+    Map& m = spaces_[op.nsid];
+    if (Status s = check_options(m, op); s != Status::kSuccess) return s;
+    if (auto it = m.find(op.key); it != m.end()) erase_locked(m, it, gone);
+    const uint64_t add = op.key.len + v.bytes.size();
+    while (used_ + add > options_.capacity_bytes && !lru_.empty()) evict_one_locked(gone);
+    lru_.push_front(Slot{op.nsid, op.key});
+    m.emplace(op.key, Entry{std::move(v), lru_.begin()});
+    used_ += add;
+    return Status::kSuccess;
+  }
+
+  // REQUIRES: mu_ held.
+  void erase_locked(Map& m, Map::iterator it, std::vector<Value>& gone) {
+    used_ -= it->first.len + it->second.value.bytes.size();
+    gone.push_back(std::move(it->second.value));
+    lru_.erase(it->second.lru);
+    m.erase(it);
+  }
+
+  // REQUIRES: mu_ held, lru_ not empty. Evicts the least recently used value; returns its bytes.
+  uint64_t evict_one_locked(std::vector<Value>& gone) {
+    const Slot& s = lru_.back();
+    Map& m = spaces_[s.nsid];
+    auto it = m.find(s.key);
+    const uint64_t bytes = it->second.value.bytes.size();
+    erase_locked(m, it, gone);
+    evictions_.fetch_add(1, std::memory_order_relaxed);
+    return bytes;
   }
 
   struct Timer {
@@ -202,11 +327,15 @@ class MemoryBackend final : public Backend {
   }
 
   MemoryBackendOptions options_;
+  const std::shared_ptr<Arena> arena_;
   mutable std::mutex mu_;
   std::map<uint32_t, Map> spaces_;
+  Lru lru_;
   uint64_t used_ = 0;
   std::atomic<uint64_t> ops_{0};
   std::atomic<uint64_t> copied_{0};
+  std::atomic<uint64_t> evictions_{0};
+  std::atomic<uint64_t> heap_values_{0};
 
   std::mutex timer_mu_;
   std::condition_variable timer_cv_;

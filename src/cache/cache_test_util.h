@@ -18,7 +18,7 @@ namespace gdkv::test {
 
 inline std::vector<std::byte> bytes_of(const std::string& s) {
   std::vector<std::byte> v(s.size());
-  std::memcpy(v.data(), s.data(), s.size());
+  if (!s.empty()) std::memcpy(v.data(), s.data(), s.size());  // an empty vector's data() is null
   return v;
 }
 

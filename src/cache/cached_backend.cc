@@ -70,7 +70,7 @@ class CachedBackend final : public Backend {
         max_inflight_(o.capacity_bytes == 0 ? 0 : o.max_prefetch_inflight),
         queue_cap_(o.prefetch_queue),
         policy_name_(o.policy),
-        slab_(SlabAllocator::create(o.alloc, o.free, o.slab_page_bytes)),
+        slab_(SlabAllocator::create(o.alloc, o.free, o.slab_page_bytes, arena_step(o))),
         policy_(std::move(policy)),
         learning_(depth_ != 0 || policy_->uses_chains()),
         chain_(o.chain_entries) {
@@ -149,6 +149,10 @@ class CachedBackend final : public Backend {
       add("cache_slab_reserved_bytes", "slab memory held (pages)", kG, d(slab_->reserved_bytes()));
       add("cache_slab_chunk_bytes", "slab memory in chunks handed out", kG,
           d(slab_->chunk_bytes()));
+      add("cache_slab_arena_bytes", "slab memory prepared (arena regions, faulted in)", kG,
+          d(slab_->arena_bytes()));
+      add("cache_slab_arena_growths_total", "arena regions allocated for the slab", kC,
+          d(slab_->arena_growths()));
       add("cache_prefetch_issued_total", "prefetch reads sent to the backend", kC,
           d(c.issued[kChain]), {{"source", "chain"}});
       add("cache_prefetch_issued_total", "prefetch reads sent to the backend", kC,
@@ -707,6 +711,16 @@ class CachedBackend final : public Backend {
     bytes_ -= it->second.buf->len;
     entries_.erase(it);
     ++n_.invalidations;
+  }
+
+  // The slab's arena grows in steps of 64 MiB, or of the capacity (2 MiB granules) when that is
+  // smaller, so a small cache does not fault in more than it can hold.
+  static size_t arena_step(const CacheOptions& o) {
+    constexpr uint64_t kGranule = uint64_t{2} << 20;
+    const uint64_t cap =
+        (std::max<uint64_t>(o.capacity_bytes, 1) + kGranule - 1) / kGranule * kGranule;
+    return static_cast<size_t>(std::max<uint64_t>(
+        o.slab_page_bytes, std::min<uint64_t>(SlabAllocator::kDefaultArenaStep, cap)));
   }
 
   std::shared_ptr<Buffer> alloc_value(size_t n) {

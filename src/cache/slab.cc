@@ -32,18 +32,28 @@ Buffer::~Buffer() {
   if (owner) owner->release(page, index);
 }
 
-std::shared_ptr<SlabAllocator> SlabAllocator::create(AllocFn alloc, FreeFn free,
-                                                     size_t page_bytes) {
+std::shared_ptr<SlabAllocator> SlabAllocator::create(AllocFn alloc, FreeFn free, size_t page_bytes,
+                                                     size_t arena_step_bytes) {
   return std::shared_ptr<SlabAllocator>(
-      new SlabAllocator(std::move(alloc), std::move(free), page_bytes));
+      new SlabAllocator(std::move(alloc), std::move(free), page_bytes, arena_step_bytes));
 }
 
-SlabAllocator::SlabAllocator(AllocFn alloc, FreeFn free, size_t page_bytes)
-    : alloc_(std::move(alloc)), free_(std::move(free)) {
-  if (!alloc_ || !free_) {
-    alloc_ = [](size_t n) { return std::aligned_alloc(kAlign, round_up(n, kAlign)); };
-    free_ = [](void* p, size_t) { std::free(p); };
+namespace {
+Arena::Options arena_options(SlabAllocator::AllocFn alloc, SlabAllocator::FreeFn free,
+                             size_t step) {
+  Arena::Options o;
+  o.step_bytes = step;
+  o.align = kAlign;
+  if (alloc && free) {
+    o.alloc = std::move(alloc);
+    o.free = std::move(free);
   }
+  return o;
+}
+}  // namespace
+
+SlabAllocator::SlabAllocator(AllocFn alloc, FreeFn free, size_t page_bytes, size_t arena_step_bytes)
+    : arena_(arena_options(std::move(alloc), std::move(free), arena_step_bytes)) {
   page_bytes_ = round_up(page_bytes == 0 ? kAlign : page_bytes, kAlign);
   classes_.resize((kMaxExp - kMinExp + 1) * 4);
   for (uint32_t i = 0; i < classes_.size(); ++i) {
@@ -53,11 +63,12 @@ SlabAllocator::SlabAllocator(AllocFn alloc, FreeFn free, size_t page_bytes)
 }
 
 SlabAllocator::~SlabAllocator() {
-  // Every buffer holds a reference to us, so no chunk is in use any more.
+  // Every buffer holds a reference to us, so no chunk is in use any more; the arena's regions go
+  // back to the hook with the arena.
   while (all_ != nullptr) {
     SlabPage* p = all_;
     all_ = p->all_next;
-    free_(p->base, p->bytes);
+    arena_.release(p->base, p->bytes);
     delete p;
   }
 }
@@ -99,10 +110,10 @@ std::shared_ptr<Buffer> SlabAllocator::allocate(size_t n) {
   std::unique_lock lk(mu_);
   Class& c = classes_[ci];
   if (c.avail == nullptr) {
-    // The hook may be slow (pinned memory): call it without the lock.
+    // The arena may grow (the hook may be slow: pinned memory): call it without the lock.
     const size_t bytes = chunk <= page_bytes_ ? page_bytes_ : round_up(chunk, kAlign);
     lk.unlock();
-    void* mem = alloc_(bytes);
+    void* mem = arena_.allocate(bytes);
     if (mem == nullptr) return nullptr;
     auto* p = new SlabPage;
     p->base = static_cast<std::byte*>(mem);
@@ -169,13 +180,17 @@ void SlabAllocator::release(SlabPage* p, uint32_t index) {
       }
     }
   }
-  if (give_back != nullptr) free_(give_back, give_bytes);
+  if (give_back != nullptr) arena_.release(give_back, give_bytes);
 }
 
 uint64_t SlabAllocator::reserved_bytes() const {
   std::lock_guard lk(mu_);
   return reserved_;
 }
+
+uint64_t SlabAllocator::arena_bytes() const { return arena_.reserved_bytes(); }
+
+uint64_t SlabAllocator::arena_growths() const { return arena_.regions_allocated(); }
 
 uint64_t SlabAllocator::chunk_bytes() const {
   std::lock_guard lk(mu_);

@@ -375,6 +375,9 @@ int load(int argc, char** argv, Config& c, std::string* error) {
   opt("--store", c.backend.local.path, "local store directory", "GDKVD_STORE");
   opt("--capacity", c.backend.local.capacity_bytes, "local store capacity in bytes",
       "GDKVD_CAPACITY");
+  opt("--memory-capacity", c.backend.memory.capacity_bytes,
+      "memory backend capacity in bytes (default 1 GiB; full, it evicts least recently used)",
+      "GDKVD_MEMORY_CAPACITY");
   opt("--pool", c.backend.rados.pool, "RADOS pool", "GDKVD_POOL");
   opt("--ceph-conf", c.backend.rados.ceph_conf, "ceph.conf", "GDKVD_CEPH_CONF");
   opt("--ceph-client", c.backend.rados.client_name, "Ceph client name", "GDKVD_CEPH_CLIENT");

@@ -99,7 +99,7 @@ TEST(Config, FileThenEnvironmentThenFlags) {
   {
     std::ofstream f(path);
     f << "socket_dir = \"/from/file\"\nmetrics_port = 1111\n[backend]\nkind = \"memory\"\n"
-         "[controller]\nreactors = 5\n";
+         "memory_capacity_bytes = 1000\n[controller]\nreactors = 5\n";
   }
   ::setenv("GDKVD_METRICS_PORT", "2222", 1);
   ::setenv("GDKVD_REACTORS", "6", 1);
@@ -110,6 +110,11 @@ TEST(Config, FileThenEnvironmentThenFlags) {
   EXPECT_EQ(c.metrics_port, 2222);        // environment over file
   EXPECT_EQ(c.reactors, 7u);              // flag over environment
   EXPECT_EQ(c.socket_mode, 0600u);
+  EXPECT_EQ(c.backend.memory.capacity_bytes, 1000u);  // file
+  Config m;
+  ASSERT_EQ(run({"--config", path, "--memory-capacity", "268435456"}, m, &err), 0) << err;
+  EXPECT_EQ(m.backend.memory.capacity_bytes, uint64_t{256} << 20);  // flag over file
+  EXPECT_EQ(Config{}.backend.memory.capacity_bytes, uint64_t{1} << 30);
   ::unsetenv("GDKVD_METRICS_PORT");
   ::unsetenv("GDKVD_REACTORS");
   Config bad;
