@@ -157,7 +157,8 @@ struct ReadJob {
 
 class LocalStore final : public Backend {
  public:
-  explicit LocalStore(const LocalBackendOptions& o);
+  // `hook` (tests only; may be null): sees, and may fail, every write, flush and size change.
+  explicit LocalStore(const LocalBackendOptions& o, IoHook* hook = nullptr);
   ~LocalStore() override;
 
   void submit(BackendOp* op) override;
@@ -169,6 +170,10 @@ class LocalStore final : public Backend {
   // ---- open ----
   void open_file(const LocalBackendOptions& o);
   void load_or_create_superblock(const LocalBackendOptions& o);
+  void size_segments(const LocalBackendOptions& o);
+  // The synchronous writes and flushes of open (the superblock), through the hook.
+  ssize_t io_write_sync(const std::byte* buf, uint32_t n, uint64_t off);
+  int io_datasync_sync();
   void rebuild();
   uint64_t seg_base(uint32_t s) const { return kBlock + uint64_t{s} * seg_bytes_; }
 
@@ -221,7 +226,7 @@ class LocalStore final : public Backend {
     return arena_ + size_t{kStageChunks} * kStageBytes + size_t{kBounceCount} * kBounceBytes;
   }
   void prep_read(io_uring_sqe* s, std::byte* buf, uint32_t n, uint64_t off, bool arena);
-  void prep_write(io_uring_sqe* s, const std::byte* buf, uint32_t n, uint64_t off);
+  void prep_write(io_uring_sqe* s, const std::byte* buf, uint32_t n, uint64_t off, void* data);
 
   // ---- configuration ----
   std::string file_;
@@ -236,6 +241,8 @@ class LocalStore final : public Backend {
   uint64_t store_id_ = 0;
   uint64_t file_size_ = 0;
   uint64_t max_value_ = 0;
+  uint64_t configured_bytes_ = 0;  // capacity_bytes asked for, in whole segments
+  IoHook* hook_ = nullptr;
 
   std::unique_ptr<Uring> ring_;  // created, used and destroyed by the I/O thread only
   bool registered_ = false;
