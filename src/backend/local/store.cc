@@ -245,9 +245,10 @@ void LocalStore::size_segments(const LocalBackendOptions& o) {
   } else {
     struct statvfs vfs {};
     struct stat st {};
-    if (::fstatvfs(fd_, &vfs) == 0 && ::fstat(fd_, &st) == 0) {
+    // A file system that reports no size at all (f_blocks 0, as some FUSE ones do) is trusted.
+    if (::fstatvfs(fd_, &vfs) == 0 && vfs.f_blocks != 0 && ::fstat(fd_, &st) == 0) {
       const uint64_t free_bytes = uint64_t{vfs.f_bavail} * vfs.f_frsize;
-      const uint64_t room = uint64_t(st.st_blocks) * 512 + free_bytes;
+      const uint64_t room = static_cast<uint64_t>(st.st_blocks) * 512 + free_bytes;
       const uint64_t fits = room > kBlock ? (room - kBlock) / seg_bytes_ : 0;
       if (present == 0 && fits == 0) {
         const uint64_t best = room > kBlock ? round_down(room - kBlock, kBlock) : 0;
@@ -492,6 +493,9 @@ void LocalStore::on_cqe(IoTag* t, int res) {
       break;
     case IoTag::kInvalidate:
       on_invalidate(res);
+      break;
+    case IoTag::kClearHeader:
+      on_clear_header(res);
       break;
     case IoTag::kDirect:
     case IoTag::kChunk:

@@ -93,6 +93,7 @@ struct IoTag {
     kDirectWrite,
     kFsync,
     kInvalidate,
+    kClearHeader,
     kDirect,
     kChunk,
     kScan
@@ -107,6 +108,10 @@ struct SegState {
   uint32_t readers = 0;   // Gets in flight against this segment: reclaim waits for them
   uint64_t live = 0;      // index entries pointing here (reclaim skips the scan when 0)
   bool reserved = false;  // disk space known to exist (fallocated, or a block device)
+  // Its first block may hold a valid header of a previous life (it was reclaimed): zeroed and
+  // flushed before the new life's first batch, so a power loss in that batch cannot leave the
+  // old header over a half-overwritten old log (whose records would point at new bytes).
+  bool stale_header = false;
 };
 
 // One Get in progress. The value's bytes arrive in two parts: a prefix read with O_DIRECT straight
@@ -203,6 +208,7 @@ class LocalStore final : public Backend {
   void on_direct_write(uint32_t slot, int res);
   void on_fsync(int res);
   void on_invalidate(int res);
+  void on_clear_header(int res);
   void commit_batch();
   void fail_batch();
 
@@ -253,6 +259,7 @@ class LocalStore final : public Backend {
   IoTag wake_tag_{IoTag::kWake};
   IoTag fsync_tag_{IoTag::kFsync};
   IoTag inval_tag_{IoTag::kInvalidate};
+  IoTag clear_tag_{IoTag::kClearHeader};
   unsigned sqe_inflight_ = 0;
   unsigned read_sqe_limit_ = 0;
 
@@ -280,7 +287,7 @@ class LocalStore final : public Backend {
   };
   struct Batch {
     bool active = false;
-    enum Phase { kWriting, kSyncing, kInvalidating } phase = kWriting;
+    enum Phase { kClearing, kWriting, kSyncing, kInvalidating } phase = kWriting;
     uint32_t seg = 0;
     uint32_t stream_start = 0;  // segment offset of the stream (0 when it carries the seg header)
     uint32_t batch_off = 0;

@@ -17,7 +17,7 @@ namespace gdkv::local {
 // A test's view of, and hand in, every write, flush and size change the store makes to its file:
 // the power-loss harness records them to build crash states (crash_test.cc), the error tests fail
 // chosen ones. Called on the thread that issues the I/O, before it is issued. Unset (the default)
-// it costs one null-pointer test per write or flush.
+// it costs one null-pointer test per write or flush and one empty-vector test per completion.
 class IoHook {
  public:
   virtual ~IoHook() = default;

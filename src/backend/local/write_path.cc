@@ -209,6 +209,32 @@ void LocalStore::start_batch(uint64_t inline_bytes, uint64_t data_bytes) {
   b.restage = false;
   b.active = true;
   b.phase = Batch::kWriting;
+  if (fresh && g.stale_header) {
+    // A reused segment: its old header goes first (zeroed and flushed), then the batch.
+    b.phase = Batch::kClearing;
+    b.inval_left = 2;
+    b.inval_failed = false;
+    io_uring_sqe* s = ring_->sqe();
+    prep_write(s, zero_block(), kBlock, seg_base(b.seg), &clear_tag_);
+    s->flags |= IOSQE_IO_LINK;
+    s = ring_->sqe();
+    ring_->prep_fdatasync(s, fd_, &clear_tag_);
+    ++sqe_inflight_;
+    return;
+  }
+  pump_writes();
+}
+
+void LocalStore::on_clear_header(int res) {
+  Batch& b = batch_;
+  if (res < 0 && !b.inval_failed) {
+    b.inval_failed = true;
+    b.error = -res;
+  }
+  if (--b.inval_left > 0) return;
+  if (b.inval_failed) return fail_batch();  // nothing of the batch was written
+  segments_[b.seg].stale_header = false;
+  b.phase = Batch::kWriting;
   pump_writes();
 }
 
@@ -540,6 +566,7 @@ void LocalStore::reclaim(uint32_t s) {
   g.seq = 0;
   g.end = 0;
   g.live = 0;
+  g.stale_header = true;
   reclaimed_.fetch_add(1);
 }
 
