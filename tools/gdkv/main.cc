@@ -416,6 +416,8 @@ int main(int argc, char** argv) {
   app.add_option("--store", o.backend.local.path,
                  "local store directory (default $GDKV_STORE, else ~/.local/share/gdkv)");
   app.add_option("--capacity", o.backend.local.capacity_bytes, "local store capacity in bytes");
+  app.add_option("--segment-bytes", o.backend.local.segment_bytes,
+                 "local store segment size in bytes, for a new store (default 64 MiB)");
   app.add_option("--pool", o.backend.rados.pool, "RADOS pool (default gdkv-rep3)");
   app.add_option("--ceph-conf", o.backend.rados.ceph_conf,
                  "ceph.conf (default $CEPH_CONF, then /etc/ceph/ceph.conf)");

@@ -144,7 +144,7 @@ struct AlignedValue {
   size_t n = 0;
   explicit AlignedValue(const std::vector<std::byte>& v) : n(v.size()) {
     p = static_cast<std::byte*>(std::aligned_alloc(4096, (n + 4095) / 4096 * 4096 + 4096));
-    std::memcpy(p, v.data(), n);
+    if (n > 0) std::memcpy(p, v.data(), n);
   }
   ~AlignedValue() { std::free(p); }
   AlignedValue(const AlignedValue&) = delete;
@@ -649,11 +649,13 @@ void run_workload(const WorkloadSpec& w, uint64_t states, bool reuse_only = fals
       checker.check(busy[i % busy.size()], 2 + i, rng, st, wd);
     }
   }
+  // With fewer states than twice the barriers, barrier states take half, evenly spread.
+  const uint64_t P = std::min<uint64_t>(E, std::max<uint64_t>(1, states / 2));
   for (uint64_t i = 0; !reuse_only && i < states && st.violations <= 20; ++i) {
-    if (i < E) {
-      checker.check(i, 0, rng, st, wd);
-    } else if ((i - E) % 2 == 0 || busy.empty()) {
-      checker.check((i - E) / 2 % E, 1, rng, st, wd);
+    if (i < P) {
+      checker.check(i * E / P, 0, rng, st, wd);
+    } else if ((i - P) % 2 == 0 || busy.empty()) {
+      checker.check((i - P) / 2 % E, 1, rng, st, wd);
     } else {
       checker.check(busy[rng() % busy.size()], 2 + i, rng, st, wd);
     }

@@ -257,7 +257,8 @@ void LocalStore::size_segments(const LocalBackendOptions& o) {
             " bytes free, not enough for one segment of " + std::to_string(seg_bytes_) +
             " bytes (plus the 4096-byte superblock); " +
             (best >= 16 * kBlock
-                 ? "choose segment_bytes of at most " + std::to_string(best) + " or free space"
+                 ? "choose segment_bytes (gdkv --segment-bytes) of at most " +
+                       std::to_string(best) + " or free space"
                  : std::string("free space (the smallest segment is 65536 bytes)")));
       }
       if (fits < want) {
