@@ -7,10 +7,14 @@
 //     the kernel accepted. Runs until killed. "big": only values of 1-3 MiB.
 //
 //   local_store_helper diskfull DIR
-//     Mounts a small tmpfs (and, as root with mkfs.ext4 at hand, a loop-mounted ext4 image) in a
-//     private mount namespace under DIR, fills a store on it until the file system is full, and
-//     checks: the full disk is reported as 81h, nothing acknowledged is lost or altered, the store
-//     keeps serving and reopens consistent. Exit 0: pass; 77: cannot mount here (skip); else fail.
+//     Mounts a small tmpfs (and, as root, a loop-mounted ext4 image) in a private mount namespace
+//     under DIR and on each: fills a store past full from one process and from 60, fills the disk
+//     behind an open store, and opens a store whose file system cannot hold one segment. Checks:
+//     the capacity is what the file system holds, every Store succeeds or gets 81h (twice at most),
+//     nothing acknowledged is lost or altered (only reclaimed, oldest first), the store keeps
+//     serving and reopens consistent, and the too-small open fails naming the sizes.
+//     Exit 0: pass; 77: cannot mount here (skip); 78: the tmpfs part passed, the ext4 part needs
+//     root (skip); else fail. As root, a missing mkfs.ext4 or a failed loop mount fails.
 #include <fcntl.h>
 #include <sched.h>
 #include <sys/mount.h>
@@ -440,7 +444,7 @@ int diskfull(const std::string& dir) {
   // A real block file system too, where fallocate and O_DIRECT behave as on an NVMe drive.
   if (::geteuid() != 0) {
     std::printf("[ext4 on a loop device: needs root, skipped]\n");
-    return 0;
+    return 78;
   }
   if (std::system("command -v mkfs.ext4 >/dev/null 2>&1") != 0) {
     std::printf("[ext4 on a loop device: mkfs.ext4 not installed (e2fsprogs)]\n");
