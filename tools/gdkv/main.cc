@@ -419,6 +419,8 @@ int main(int argc, char** argv) {
   app.add_option("--memory-capacity", o.backend.memory.capacity_bytes,
                  "memory backend capacity in bytes (default 1 GiB; full, it evicts least "
                  "recently used)");
+  app.add_option("--segment-bytes", o.backend.local.segment_bytes,
+                 "local store segment size in bytes, for a new store (default 64 MiB)");
   app.add_option("--pool", o.backend.rados.pool, "RADOS pool (default gdkv-rep3)");
   app.add_option("--ceph-conf", o.backend.rados.ceph_conf,
                  "ceph.conf (default $CEPH_CONF, then /etc/ceph/ceph.conf)");

@@ -509,13 +509,16 @@ TEST_F(LocalStore, ReadsRacingReclaimNeverSeeWrongBytes) {
   EXPECT_EQ(metric(b, "local_checksum_failures_total"), 0);
 }
 
-TEST_F(LocalStore, FullFileSystemYields81hAndStaysConsistent) {
+TEST_F(LocalStore, FullFileSystemKeepsServingAndStaysConsistent) {
   // The helper mounts small file systems in a private mount namespace (tmpfs; ext4 on a loop
   // device when run as root), fills a store there and checks the outcome; see its header.
   const std::string cmd = std::string(GDKV_LOCAL_HELPER) + " diskfull " + dir_.string();
   const int rc = std::system(cmd.c_str());
   ASSERT_TRUE(WIFEXITED(rc)) << cmd;
   if (WEXITSTATUS(rc) == 77) GTEST_SKIP() << "no way to mount a small file system here";
+  if (WEXITSTATUS(rc) == 78) {
+    GTEST_SKIP() << "the tmpfs scenarios passed; the ext4-on-a-loop-device ones need root";
+  }
   EXPECT_EQ(WEXITSTATUS(rc), 0) << cmd;
 }
 

@@ -6,10 +6,12 @@
 #include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <future>
 #include <random>
@@ -22,7 +24,8 @@ namespace gdkv::local {
 // Open
 // ================================================================================================
 
-LocalStore::LocalStore(const LocalBackendOptions& o) : preallocate_(o.preallocate) {
+LocalStore::LocalStore(const LocalBackendOptions& o, IoHook* hook)
+    : preallocate_(o.preallocate), hook_(hook) {
   if (o.segment_bytes < 16 * kBlock || o.segment_bytes % kBlock != 0 ||
       o.segment_bytes > (1u << 31)) {
     throw std::runtime_error(
@@ -140,6 +143,28 @@ void LocalStore::open_file(const LocalBackendOptions& o) {
   mem_align_ = std::max<uint32_t>(mem_align_, 1);
 }
 
+ssize_t LocalStore::io_write_sync(const std::byte* buf, uint32_t n, uint64_t off) {
+  if (hook_ != nullptr) {
+    const int64_t r = hook_->write(off, buf, n);
+    if (r < 0) {
+      errno = static_cast<int>(-r);
+      return -1;
+    }
+    n = static_cast<uint32_t>(std::min<int64_t>(r, n));
+  }
+  return ::pwrite(fd_, buf, n, static_cast<off_t>(off));
+}
+
+int LocalStore::io_datasync_sync() {
+  if (hook_ != nullptr) {
+    if (const int r = hook_->sync(); r < 0) {
+      errno = -r;
+      return -1;
+    }
+  }
+  return ::fdatasync(fd_);
+}
+
 void LocalStore::load_or_create_superblock(const LocalBackendOptions& o) {
   AlignedBuf blk = alloc_aligned(kBlock, kBlock);
   ssize_t r = 0;
@@ -159,6 +184,14 @@ void LocalStore::load_or_create_superblock(const LocalBackendOptions& o) {
           "it" +
           (blockdev_ ? " (zero its first 4 KiB to let gdkv use the device)" : ""));
     }
+  }
+  // An existing store keeps the segment size it was created with.
+  seg_bytes_ = sb ? sb->segment_bytes : o.segment_bytes;
+  max_value_ = seg_bytes_ - 2 * kBlock;
+  // Before a new store writes anything: a file system without room for one segment is refused
+  // with the sizes, instead of a store that fails every Store.
+  size_segments(o);
+  if (!sb) {
     Superblock s{};
     s.magic = kSuperMagic;
     s.version = kFormatVersion;
@@ -171,8 +204,8 @@ void LocalStore::load_or_create_superblock(const LocalBackendOptions& o) {
     seal(s);
     std::memset(blk.get(), 0, kBlock);
     std::memcpy(blk.get(), &s, sizeof(s));
-    if (::pwrite(fd_, blk.get(), kBlock, 0) != kBlock) fail("cannot write " + file_, errno);
-    if (::fdatasync(fd_) != 0) fail("cannot sync " + file_, errno);
+    if (io_write_sync(blk.get(), kBlock, 0) != kBlock) fail("cannot write " + file_, errno);
+    if (io_datasync_sync() != 0) fail("cannot sync " + file_, errno);
     if (!blockdev_) {
       // The new file's directory entry must be durable too, or a crash could lose the store.
       const std::string dir = std::filesystem::path(file_).parent_path().string();
@@ -185,22 +218,7 @@ void LocalStore::load_or_create_superblock(const LocalBackendOptions& o) {
     }
     sb = s;
   }
-  // An existing store keeps the segment size it was created with.
-  seg_bytes_ = sb->segment_bytes;
   store_id_ = sb->store_id;
-  max_value_ = seg_bytes_ - 2 * kBlock;
-
-  uint64_t want = std::max<uint64_t>(1, o.capacity_bytes / seg_bytes_);
-  const uint64_t present =
-      file_size_ > kBlock ? (file_size_ - kBlock + seg_bytes_ - 1) / seg_bytes_ : 0;
-  // Never fewer segments than the file holds: dropping newer segments could resurrect what their
-  // tombstones deleted. Shrinking a store means deleting it.
-  uint64_t n = std::max(want, present);
-  if (blockdev_) {
-    n = std::min<uint64_t>(n, file_size_ > kBlock ? (file_size_ - kBlock) / seg_bytes_ : 0);
-    if (n == 0) throw std::runtime_error("local store: " + file_ + " is smaller than one segment");
-  }
-  nseg_ = static_cast<uint32_t>(std::min<uint64_t>(n, 1u << 24));
   segments_.resize(nseg_);
   for (uint32_t i = 0; i < nseg_; ++i) {
     // Space within the file is reserved when the store preallocates (it only ever extends the
@@ -208,6 +226,56 @@ void LocalStore::load_or_create_superblock(const LocalBackendOptions& o) {
     segments_[i].reserved = blockdev_ || (preallocate_ && seg_base(i) + seg_bytes_ <= file_size_);
   }
   capacity_.store(uint64_t{nseg_} * seg_bytes_);
+}
+
+// The number of segments: what capacity_bytes asks for, but no more than the file system can hold
+// (the file's own blocks plus its free space, at this open: every process that opens the store
+// learns it, so none tries to grow into space that is not there), and never fewer than the file
+// holds (dropping newer segments could resurrect what their tombstones deleted; shrinking a store
+// means deleting it).
+void LocalStore::size_segments(const LocalBackendOptions& o) {
+  const uint64_t want = std::max<uint64_t>(1, o.capacity_bytes / seg_bytes_);
+  configured_bytes_ = want * seg_bytes_;
+  const uint64_t present =
+      file_size_ > kBlock ? (file_size_ - kBlock + seg_bytes_ - 1) / seg_bytes_ : 0;
+  uint64_t n = std::max(want, present);
+  if (blockdev_) {
+    n = std::min<uint64_t>(n, file_size_ > kBlock ? (file_size_ - kBlock) / seg_bytes_ : 0);
+    if (n == 0) throw std::runtime_error("local store: " + file_ + " is smaller than one segment");
+  } else {
+    struct statvfs vfs {};
+    struct stat st {};
+    // A file system that reports no size at all (f_blocks 0, as some FUSE ones do) is trusted.
+    if (::fstatvfs(fd_, &vfs) == 0 && vfs.f_blocks != 0 && ::fstat(fd_, &st) == 0) {
+      const uint64_t free_bytes = uint64_t{vfs.f_bavail} * vfs.f_frsize;
+      const uint64_t room = static_cast<uint64_t>(st.st_blocks) * 512 + free_bytes;
+      const uint64_t fits = room > kBlock ? (room - kBlock) / seg_bytes_ : 0;
+      if (present == 0 && fits == 0) {
+        const uint64_t best = room > kBlock ? round_down(room - kBlock, kBlock) : 0;
+        throw std::runtime_error(
+            "local store: the file system of " + file_ + " has " + std::to_string(free_bytes) +
+            " bytes free, not enough for one segment of " + std::to_string(seg_bytes_) +
+            " bytes (plus the 4096-byte superblock); " +
+            (best >= 16 * kBlock
+                 ? "choose segment_bytes (gdkv --segment-bytes) of at most " +
+                       std::to_string(best) + " or free space"
+                 : std::string("free space (the smallest segment is 65536 bytes)")));
+      }
+      if (fits < want) {
+        n = std::max(present, fits);
+        std::fprintf(stderr,
+                     "gdkv: local store %s: the file system has room for %llu bytes of log "
+                     "(%llu segments of %u bytes), less than the %llu bytes configured; the "
+                     "store's capacity is %llu bytes, and when full it reclaims its oldest "
+                     "segment\n",
+                     file_.c_str(), static_cast<unsigned long long>(fits * seg_bytes_),
+                     static_cast<unsigned long long>(fits), seg_bytes_,
+                     static_cast<unsigned long long>(configured_bytes_),
+                     static_cast<unsigned long long>(n * seg_bytes_));
+      }
+    }
+  }
+  nseg_ = static_cast<uint32_t>(std::min<uint64_t>(n, 1u << 24));
 }
 
 // ================================================================================================
@@ -290,7 +358,11 @@ void LocalStore::collect(MetricList& out) const {
   add("backend_keys", "keys stored", G, static_cast<double>(i.keys), {{"backend", "local"}});
   add("backend_bytes_used", "bytes stored", G, static_cast<double>(i.bytes_used),
       {{"backend", "local"}});
-  add("local_capacity_bytes", "log capacity in bytes", G, static_cast<double>(i.capacity_bytes));
+  add("local_capacity_bytes",
+      "log capacity in bytes (what the file system can hold, at most what was configured)", G,
+      static_cast<double>(i.capacity_bytes));
+  add("local_configured_capacity_bytes", "log capacity configured (capacity_bytes)", G,
+      static_cast<double>(configured_bytes_));
   add("local_segments", "log segments holding data", G, static_cast<double>(i.segments));
   add("local_read_bytes_total", "value bytes returned by Gets", C, ld(read_bytes_));
   add("local_written_bytes_total", "value bytes of acknowledged Stores", C, ld(written_bytes_));
@@ -344,6 +416,7 @@ void LocalStore::arm_wake() {
 void LocalStore::run(unsigned entries, std::promise<void>& ready) {
   try {
     ring_ = std::make_unique<Uring>(entries);
+    ring_->set_hook(hook_);
     read_sqe_limit_ = ring_->entries() - kReservedSqes;
     registered_ = ring_->register_arena(arena_, arena_bytes_);
     const auto t0 = std::chrono::steady_clock::now();
@@ -394,7 +467,9 @@ void LocalStore::run(unsigned entries, std::promise<void>& ready) {
     unsigned seen = 0;
     io_uring_for_each_cqe(ring, head, cqe) {
       ++seen;
-      done.emplace_back(static_cast<IoTag*>(io_uring_cqe_get_data(cqe)), cqe->res);
+      void* data = io_uring_cqe_get_data(cqe);
+      const int res = ring_->result(data, cqe->res);
+      done.emplace_back(static_cast<IoTag*>(data), res);
     }
     io_uring_cq_advance(ring, seen);
     for (auto [t, res] : done) on_cqe(t, res);
@@ -419,6 +494,9 @@ void LocalStore::on_cqe(IoTag* t, int res) {
       break;
     case IoTag::kInvalidate:
       on_invalidate(res);
+      break;
+    case IoTag::kClearHeader:
+      on_clear_header(res);
       break;
     case IoTag::kDirect:
     case IoTag::kChunk:

@@ -93,6 +93,7 @@ struct IoTag {
     kDirectWrite,
     kFsync,
     kInvalidate,
+    kClearHeader,
     kDirect,
     kChunk,
     kScan
@@ -107,6 +108,10 @@ struct SegState {
   uint32_t readers = 0;   // Gets in flight against this segment: reclaim waits for them
   uint64_t live = 0;      // index entries pointing here (reclaim skips the scan when 0)
   bool reserved = false;  // disk space known to exist (fallocated, or a block device)
+  // Its first block may hold a valid header of a previous life (it was reclaimed): zeroed and
+  // flushed before the new life's first batch, so a power loss in that batch cannot leave the
+  // old header over a half-overwritten old log (whose records would point at new bytes).
+  bool stale_header = false;
 };
 
 // One Get in progress. The value's bytes arrive in two parts: a prefix read with O_DIRECT straight
@@ -157,7 +162,8 @@ struct ReadJob {
 
 class LocalStore final : public Backend {
  public:
-  explicit LocalStore(const LocalBackendOptions& o);
+  // `hook` (tests only; may be null): sees, and may fail, every write, flush and size change.
+  explicit LocalStore(const LocalBackendOptions& o, IoHook* hook = nullptr);
   ~LocalStore() override;
 
   void submit(BackendOp* op) override;
@@ -169,6 +175,10 @@ class LocalStore final : public Backend {
   // ---- open ----
   void open_file(const LocalBackendOptions& o);
   void load_or_create_superblock(const LocalBackendOptions& o);
+  void size_segments(const LocalBackendOptions& o);
+  // The synchronous writes and flushes of open (the superblock), through the hook.
+  ssize_t io_write_sync(const std::byte* buf, uint32_t n, uint64_t off);
+  int io_datasync_sync();
   void rebuild();
   uint64_t seg_base(uint32_t s) const { return kBlock + uint64_t{s} * seg_bytes_; }
 
@@ -198,6 +208,7 @@ class LocalStore final : public Backend {
   void on_direct_write(uint32_t slot, int res);
   void on_fsync(int res);
   void on_invalidate(int res);
+  void on_clear_header(int res);
   void commit_batch();
   void fail_batch();
 
@@ -221,7 +232,7 @@ class LocalStore final : public Backend {
     return arena_ + size_t{kStageChunks} * kStageBytes + size_t{kBounceCount} * kBounceBytes;
   }
   void prep_read(io_uring_sqe* s, std::byte* buf, uint32_t n, uint64_t off, bool arena);
-  void prep_write(io_uring_sqe* s, const std::byte* buf, uint32_t n, uint64_t off);
+  void prep_write(io_uring_sqe* s, const std::byte* buf, uint32_t n, uint64_t off, void* data);
 
   // ---- configuration ----
   std::string file_;
@@ -236,6 +247,8 @@ class LocalStore final : public Backend {
   uint64_t store_id_ = 0;
   uint64_t file_size_ = 0;
   uint64_t max_value_ = 0;
+  uint64_t configured_bytes_ = 0;  // capacity_bytes asked for, in whole segments
+  IoHook* hook_ = nullptr;
 
   std::unique_ptr<Uring> ring_;  // created, used and destroyed by the I/O thread only
   bool registered_ = false;
@@ -246,6 +259,7 @@ class LocalStore final : public Backend {
   IoTag wake_tag_{IoTag::kWake};
   IoTag fsync_tag_{IoTag::kFsync};
   IoTag inval_tag_{IoTag::kInvalidate};
+  IoTag clear_tag_{IoTag::kClearHeader};
   unsigned sqe_inflight_ = 0;
   unsigned read_sqe_limit_ = 0;
 
@@ -273,7 +287,7 @@ class LocalStore final : public Backend {
   };
   struct Batch {
     bool active = false;
-    enum Phase { kWriting, kSyncing, kInvalidating } phase = kWriting;
+    enum Phase { kClearing, kWriting, kSyncing, kInvalidating } phase = kWriting;
     uint32_t seg = 0;
     uint32_t stream_start = 0;  // segment offset of the stream (0 when it carries the seg header)
     uint32_t batch_off = 0;

@@ -74,6 +74,47 @@ bool Uring::register_arena(std::byte* base, size_t bytes) {
   return registered_;
 }
 
+void Uring::prep_write(io_uring_sqe* s, int fd, const std::byte* buf, uint32_t n, uint64_t off,
+                       bool fixed, void* data) {
+  if (hook_ != nullptr) {
+    const int64_t r = hook_->write(off, buf, n);
+    if (r < 0) return inject(s, data, static_cast<int>(r));
+    if (r < n) n = static_cast<uint32_t>(r);
+  }
+  if (fixed) {
+    io_uring_prep_write_fixed(s, fd, buf, n, off, 0);
+  } else {
+    io_uring_prep_write(s, fd, buf, n, off);
+  }
+  io_uring_sqe_set_data(s, data);
+}
+
+void Uring::prep_fdatasync(io_uring_sqe* s, int fd, void* data) {
+  if (hook_ != nullptr) {
+    if (const int r = hook_->sync(); r < 0) return inject(s, data, r);
+  }
+  io_uring_prep_fsync(s, fd, IORING_FSYNC_DATASYNC);
+  io_uring_sqe_set_data(s, data);
+}
+
+void Uring::inject(io_uring_sqe* s, void* data, int res) {
+  injected_.push_back(std::make_unique<Injected>(Injected{data, res}));
+  io_uring_prep_nop(s);
+  io_uring_sqe_set_data(s, injected_.back().get());
+}
+
+int Uring::take_injected(void*& data, int res) {
+  for (size_t i = 0; i < injected_.size(); ++i) {
+    if (injected_[i].get() == data) {
+      data = injected_[i]->data;
+      res = injected_[i]->res;
+      injected_.erase(injected_.begin() + static_cast<ptrdiff_t>(i));
+      break;
+    }
+  }
+  return res;
+}
+
 io_uring_sqe* Uring::sqe() {
   for (;;) {
     if (io_uring_sqe* s = io_uring_get_sqe(&ring_)) return s;

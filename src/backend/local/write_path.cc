@@ -209,6 +209,32 @@ void LocalStore::start_batch(uint64_t inline_bytes, uint64_t data_bytes) {
   b.restage = false;
   b.active = true;
   b.phase = Batch::kWriting;
+  if (fresh && g.stale_header) {
+    // A reused segment: its old header goes first (zeroed and flushed), then the batch.
+    b.phase = Batch::kClearing;
+    b.inval_left = 2;
+    b.inval_failed = false;
+    io_uring_sqe* s = ring_->sqe();
+    prep_write(s, zero_block(), kBlock, seg_base(b.seg), &clear_tag_);
+    s->flags |= IOSQE_IO_LINK;
+    s = ring_->sqe();
+    ring_->prep_fdatasync(s, fd_, &clear_tag_);
+    ++sqe_inflight_;
+    return;
+  }
+  pump_writes();
+}
+
+void LocalStore::on_clear_header(int res) {
+  Batch& b = batch_;
+  if (res < 0 && !b.inval_failed) {
+    b.inval_failed = true;
+    b.error = -res;
+  }
+  if (--b.inval_left > 0) return;
+  if (b.inval_failed) return fail_batch();  // nothing of the batch was written
+  segments_[b.seg].stale_header = false;
+  b.phase = Batch::kWriting;
   pump_writes();
 }
 
@@ -235,12 +261,9 @@ uint32_t LocalStore::fill_stage(std::byte* dst, uint32_t max) {
   return static_cast<uint32_t>(done);
 }
 
-void LocalStore::prep_write(io_uring_sqe* s, const std::byte* buf, uint32_t n, uint64_t off) {
-  if (ring_->registered()) {
-    io_uring_prep_write_fixed(s, fd_, buf, n, off, 0);
-  } else {
-    io_uring_prep_write(s, fd_, buf, n, off);
-  }
+void LocalStore::prep_write(io_uring_sqe* s, const std::byte* buf, uint32_t n, uint64_t off,
+                            void* data) {
+  ring_->prep_write(s, fd_, buf, n, off, ring_->registered(), data);
   ++sqe_inflight_;
 }
 
@@ -258,8 +281,7 @@ void LocalStore::issue_stage_write(uint32_t slot) {
   st.tag.slot = slot;
   io_uring_sqe* s = ring_->sqe();
   const uint64_t off = seg_base(batch_.seg) + batch_.stream_start + st.stream_off + st.got;
-  prep_write(s, stage(slot) + st.got, st.len - st.got, off);
-  io_uring_sqe_set_data(s, &st.tag);
+  prep_write(s, stage(slot) + st.got, st.len - st.got, off, &st.tag);
 }
 
 void LocalStore::issue_direct_write(uint32_t slot) {
@@ -267,8 +289,8 @@ void LocalStore::issue_direct_write(uint32_t slot) {
   d.tag.slot = slot;
   io_uring_sqe* s = ring_->sqe();
   const uint64_t off = seg_base(batch_.seg) + batch_.stream_start + d.stream_off + d.got;
-  io_uring_prep_write(s, fd_, d.src + d.got, static_cast<uint32_t>(d.len - d.got), off);
-  io_uring_sqe_set_data(s, &d.tag);
+  ring_->prep_write(s, fd_, d.src + d.got, static_cast<uint32_t>(d.len - d.got), off, false,
+                    &d.tag);
   ++sqe_inflight_;
 }
 
@@ -337,20 +359,17 @@ void LocalStore::pump_writes() {
     b.inval_left = 2;
     b.inval_failed = false;
     io_uring_sqe* s = ring_->sqe();
-    prep_write(s, zero_block(), kBlock, seg_base(b.seg) + b.batch_off);
-    io_uring_sqe_set_data(s, &inval_tag_);
+    prep_write(s, zero_block(), kBlock, seg_base(b.seg) + b.batch_off, &inval_tag_);
     s->flags |= IOSQE_IO_LINK;
     s = ring_->sqe();
-    io_uring_prep_fsync(s, fd_, IORING_FSYNC_DATASYNC);
-    io_uring_sqe_set_data(s, &inval_tag_);
+    ring_->prep_fdatasync(s, fd_, &inval_tag_);
     ++sqe_inflight_;
     return;
   }
   if (b.produced == b.stream_len) {
     b.phase = Batch::kSyncing;
     io_uring_sqe* s = ring_->sqe();
-    io_uring_prep_fsync(s, fd_, IORING_FSYNC_DATASYNC);
-    io_uring_sqe_set_data(s, &fsync_tag_);
+    ring_->prep_fdatasync(s, fd_, &fsync_tag_);
     ++sqe_inflight_;
   }
 }
@@ -470,6 +489,9 @@ int LocalStore::reserve(uint32_t s) {
   SegState& g = segments_[s];
   if (g.reserved) return 0;
   const uint64_t base = seg_base(s);
+  if (hook_ != nullptr) {
+    if (const int r = hook_->resize(base + seg_bytes_); r < 0) return -r;
+  }
   if (preallocate_) {
     if (::fallocate(fd_, 0, static_cast<off_t>(base), seg_bytes_) == 0) {
       g.reserved = true;
@@ -544,6 +566,7 @@ void LocalStore::reclaim(uint32_t s) {
   g.seq = 0;
   g.end = 0;
   g.live = 0;
+  g.stale_header = true;
   reclaimed_.fetch_add(1);
 }
 
@@ -561,7 +584,7 @@ Status LocalStore::switch_segment() {
     if (!is_disk_full(e)) return Status::kInternalError;
     ++disk_full_;
     cap_segments();  // drops s and every other segment without space
-    return Status::kCapacityExceeded;
+    break;           // and reclaims the oldest instead, as a store capped at open does
   }
   if (fifo_.empty()) return Status::kCapacityExceeded;
   // Always the oldest: a tombstone then outlives every older record of its key (they sit in
