@@ -22,9 +22,12 @@ void LocalStore::start_get(BackendOp* op) {
       op->view = ValueView{};
       return finish(op, Status::kSuccess, 0);
     }
-    AlignedBuf b = alloc_aligned(round_up(loc.length, kBlock), kBlock);
-    owned = std::shared_ptr<std::byte>(b.release(), [](std::byte* p) { std::free(p); });
-    dst = {owned.get(), round_up(loc.length, kBlock)};
+    const size_t n = round_up(loc.length, kBlock);
+    auto* mem = static_cast<std::byte*>(read_arena_->allocate(n));
+    if (mem == nullptr) return finish(op, Status::kInternalError);
+    owned = std::shared_ptr<std::byte>(
+        mem, [arena = read_arena_, n](std::byte* p) { arena->release(p, n); });
+    dst = {owned.get(), n};
   }
   std::unique_ptr<ReadJob> jp;
   if (job_pool_.empty()) {
