@@ -99,6 +99,57 @@ class ShmAllocator {
                  [&] { return poisoned_ || (p = alloc_locked(bytes, align)) != nullptr; });
     return p;
   }
+  // Up to `bytes` (at least `min_bytes`): `bytes` where a free extent holds them, else the
+  // largest free extent. With `wait`, waits up to `timeout` for other callers to free some.
+  void* alloc_up_to(size_t bytes, size_t min_bytes, bool wait, std::chrono::milliseconds timeout,
+                    size_t* got) {
+    std::unique_lock lk(mu_);
+    void* p = nullptr;
+    auto take = [&] {
+      if (poisoned_) return true;
+      if ((p = alloc_locked(bytes, 64)) != nullptr) {
+        *got = bytes;
+        return true;
+      }
+      size_t best = 0;
+      for (const auto& [off, len] : free_) {
+        const size_t at = align_up(off, 64);
+        if (at < off + len) best = std::max(best, (off + len - at) & ~size_t{63});
+      }
+      if (best == 0 || best < min_bytes) return false;
+      p = alloc_locked(best, 64);
+      *got = best;
+      return true;
+    };
+    if (min_bytes > size_) return nullptr;
+    if (wait) {
+      cv_.wait_for(lk, timeout, take);
+    } else {
+      (void)take();
+    }
+    if (p == nullptr) *got = 0;
+    return p;
+  }
+  // Gives back all but the first `keep` bytes of what alloc handed out at p.
+  void shrink(void* p, size_t keep) {
+    {
+      std::lock_guard lk(mu_);
+      if (poisoned_) return;
+      const size_t off = static_cast<size_t>(static_cast<std::byte*>(p) - base_);
+      auto u = used_.find(off);
+      keep = align_up(std::max<size_t>(keep, 1), 64);
+      if (u == used_.end() || keep >= u->second) return;
+      size_t start = off + keep, len = u->second - keep;
+      u->second = keep;
+      auto next = free_.lower_bound(start);
+      if (next != free_.end() && next->first == start + len) {
+        len += next->second;
+        free_.erase(next);
+      }
+      free_[start] = len;
+    }
+    cv_.notify_all();
+  }
   // The connection failed: commands may still write into memory handed out, so none of it is
   // handed out again (free is a no-op, alloc fails).
   void poison() {
@@ -252,6 +303,14 @@ class ShmStager final : public BufferStager {
     if (copy_back > 0) std::memcpy(p, s, copy_back);
     a_.free(s);
   }
+  // Values of unknown length land in the shared memory itself (DMA address = pointer), read
+  // there by the caller: no stand-in, no copy back.
+  bool has_receive_memory() const override { return true; }
+  std::byte* acquire_receive(size_t len, size_t min_len, bool wait, size_t* got) override {
+    return static_cast<std::byte*>(
+        a_.alloc_up_to(len, min_len, wait, std::chrono::seconds(10), got));
+  }
+  void shrink_receive(std::byte* p, size_t keep) override { a_.shrink(p, keep); }
 
  private:
   ShmAllocator& a_;
@@ -746,6 +805,7 @@ class Driver final : public VfioUserDevice {
     devmem_ = vi.flags & kVendorDeviceMemory;
     wakeups_offered_ = vi.flags & kVendorWakeups;
     msix_vectors_ = vi.msix_vectors;
+    max_value_bytes_ = vi.max_value_bytes;
     max_entries_ = vi.max_queue_entries;
     nvme::Sqe f{};
     f.opcode = static_cast<uint8_t>(AdminOp::kSetFeatures);
@@ -811,6 +871,7 @@ class Driver final : public VfioUserDevice {
   uint32_t max_entries_ = 0;
   bool devmem_ = false;
   bool wakeups_offered_ = false;  // Identify vendor flag kVendorWakeups
+  uint64_t max_value_bytes_ = 0;  // Identify vendor area: the controller's largest value
   uint32_t msix_vectors_ = 0;
   UniqueFd doorbell_efd_;            // gdkvd's doorbell ioeventfd (wake-ups on)
   std::atomic<bool> failed_{false};  // poison() was called
@@ -991,6 +1052,7 @@ std::unique_ptr<Client> Driver::open_client(uint32_t depth) {
     ref.wake_fn = &wake_reactor;
   }
   auto client = std::make_unique<Client>(ref, q, nullptr, &stager_);
+  if (max_value_bytes_ > 0) client->set_max_value_bytes(max_value_bytes_);
   if (q->waiter) client->set_waiter(q->waiter.get());
   client->set_timeout(std::chrono::milliseconds(options_.io_timeout_ms));
   // The client's queue (its owner) keeps the driver alive, so the check may name it.
