@@ -66,6 +66,9 @@ class BufferStager {
     (void)p;
     (void)keep;
   }
+  // What keeps this stager and its memory alive for a ReceivedValue that outlives the Client
+  // (gdkv's vfio-user driver: the connection); null: the Client's owner does.
+  virtual std::shared_ptr<void> keep_alive() { return nullptr; }
 };
 
 // A value Client::get_value read, in the memory it was received in: through gdkvd a chunk of the
@@ -92,7 +95,7 @@ class ReceivedValue {
   std::byte* p_ = nullptr;
   size_t size_ = 0;
   BufferStager* stager_ = nullptr;  // its memory (acquire_receive); null: the heap
-  std::shared_ptr<void> keep_;      // keeps the stager alive (the Client's owner)
+  std::shared_ptr<void> keep_;      // keeps the stager alive (BufferStager::keep_alive)
 };
 
 // For transports whose controller can signal completions (gdkvd's completion interrupts): how a

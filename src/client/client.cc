@@ -386,7 +386,8 @@ void Client::finish_receive(ReceivedValue& v, std::byte* p, bool heap, const Cmd
   v.size_ = r.dw0;
   if (!heap) {
     v.stager_ = stager_;
-    v.keep_ = owner_;
+    v.keep_ = stager_->keep_alive();
+    if (!v.keep_) v.keep_ = owner_;
     stager_->shrink_receive(p, r.dw0);
   }
 }

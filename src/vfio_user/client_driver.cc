@@ -289,7 +289,9 @@ class InPlaceSet {
 // is shared memory, or memory shared in place).
 class ShmStager final : public BufferStager {
  public:
-  ShmStager(ShmAllocator& a, const InPlaceSet& in_place) : a_(a), in_place_(in_place) {}
+  // `device`: the connection that owns the stager, kept alive by values received in its memory.
+  ShmStager(ShmAllocator& a, const InPlaceSet& in_place, VfioUserDevice& device)
+      : a_(a), in_place_(in_place), device_(device) {}
   uint64_t acquire(const void* p, size_t len, bool to_controller, bool wait) override {
     if (a_.contains(p, len) || in_place_.contains(p, len)) return reinterpret_cast<uint64_t>(p);
     void* s = wait ? a_.alloc_wait(len, 64, std::chrono::seconds(10)) : a_.alloc(len, 64);
@@ -311,10 +313,14 @@ class ShmStager final : public BufferStager {
         a_.alloc_up_to(len, min_len, wait, std::chrono::seconds(10), got));
   }
   void shrink_receive(std::byte* p, size_t keep) override { a_.shrink(p, keep); }
+  // The connection (its shared memory), not the Client's queue: a value held after the Client
+  // is closed keeps the mapping, as VfioUserDevice::alloc memory does, and no I/O queue.
+  std::shared_ptr<void> keep_alive() override { return device_.shared_from_this(); }
 
  private:
   ShmAllocator& a_;
   const InPlaceSet& in_place_;
+  VfioUserDevice& device_;
 };
 
 // ---- Wake-ups (docs/vfio-user.md "Wake-ups") ----
@@ -449,7 +455,7 @@ struct IoQueue {
 class Driver final : public VfioUserDevice {
  public:
   Driver(const std::string& dir, const VfioUserClientOptions& o)
-      : options_(o), stager_(alloc_, in_place_) {
+      : options_(o), stager_(alloc_, in_place_, *this) {
     connect(dir);
     negotiate();
     map_doorbells();
