@@ -75,6 +75,8 @@ class BufferStager {
 // shared memory, read where gdkvd wrote it; in-process (or with a stager without receive memory)
 // the heap. Move-only; the memory is given back when it is destroyed or reset(), which may be
 // after the Client is gone (it keeps the connection's memory alive). Not thread-safe.
+struct ReceiveSpare;  // client.cc: a Client's kept heap receive buffer
+
 class ReceivedValue {
  public:
   ReceivedValue() = default;
@@ -94,8 +96,9 @@ class ReceivedValue {
   friend class Client;
   std::byte* p_ = nullptr;
   size_t size_ = 0;
-  BufferStager* stager_ = nullptr;  // its memory (acquire_receive); null: the heap
-  std::shared_ptr<void> keep_;      // keeps the stager alive (BufferStager::keep_alive)
+  BufferStager* stager_ = nullptr;       // its memory (acquire_receive); null: the heap
+  std::shared_ptr<void> keep_;           // keeps the stager alive (BufferStager::keep_alive)
+  std::shared_ptr<ReceiveSpare> spare_;  // heap memory that goes back there (if it is empty)
 };
 
 // For transports whose controller can signal completions (gdkvd's completion interrupts): how a
@@ -191,7 +194,7 @@ class Client {
   // The controller's largest value (Identify, or the in-process controller's options): the size
   // of get_value's receive buffer. Set by the transport before the Client is shared.
   uint64_t max_value_bytes() const { return max_value_bytes_; }
-  void set_max_value_bytes(uint64_t n) { max_value_bytes_ = n; }
+  void set_max_value_bytes(uint64_t n);
   CmdResult del(const Key& key, uint32_t nsid = 1);
   CmdResult exists(const Key& key, uint32_t nsid = 1);
   // Keys >= start in ascending order, one List command of `buf_bytes`; appends to out.
@@ -268,7 +271,7 @@ class Client {
   // A receive buffer of up to `want` bytes (*got of them) for get_value; null when none.
   std::byte* acquire_receive(size_t want, size_t min_len, bool wait, size_t* got, bool* heap);
   // The end of a Retrieve into a receive buffer: `v` holds the value or is reset (r failed).
-  void finish_receive(ReceivedValue& v, std::byte* p, bool heap, const CmdResult& r);
+  void finish_receive(ReceivedValue& v, std::byte* p, size_t len, bool heap, const CmdResult& r);
   CmdResult wait_slow(uint16_t cid);
   // wait() with a CompletionWaiter: spins for its spin(), then blocks.
   CmdResult wait_blocking(uint16_t cid);
@@ -296,6 +299,10 @@ class Client {
   std::atomic<uint64_t> copies_{0}, copy_bytes_{0};
   uint64_t max_value_bytes_ = uint64_t{64} << 20;  // ControllerOptions' default until told
   std::atomic<uint64_t> learned_len_{0};  // the largest value length of the last get; 0: none
+  // One heap receive buffer of max_value_bytes_ kept for the next get_value (in-process): a
+  // fresh one costs an mmap, page faults and an munmap each time (a 4 KiB get took 4x as long).
+  // Its committed pages stay at the longest value read into it.
+  std::shared_ptr<ReceiveSpare> spare_;
 };
 
 // The data buffer of a Scatter Retrieve (82h): its header and `pieces`.

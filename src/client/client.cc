@@ -11,6 +11,22 @@
 
 namespace gdkv {
 
+struct ReceiveSpare {
+  explicit ReceiveSpare(size_t n) : size(n) {}
+  ~ReceiveSpare() { std::free(p.load()); }
+  ReceiveSpare(const ReceiveSpare&) = delete;
+  ReceiveSpare& operator=(const ReceiveSpare&) = delete;
+  // The kept buffer, or null.
+  std::byte* take() { return p.exchange(nullptr, std::memory_order_acquire); }
+  // Keeps `b` (of `size` bytes) if nothing is kept, else frees it.
+  void give(std::byte* b) {
+    std::byte* none = nullptr;
+    if (!p.compare_exchange_strong(none, b, std::memory_order_release)) std::free(b);
+  }
+  const size_t size;
+  std::atomic<std::byte*> p{nullptr};
+};
+
 Result<std::unique_ptr<Client>> Client::open(std::shared_ptr<Backend> backend,
                                              const ClientOptions& options) {
   if (!backend) return Error{"Client::open: no backend"};
@@ -25,7 +41,13 @@ Result<std::unique_ptr<Client>> Client::open(std::shared_ptr<Backend> backend,
 Client::Client(QueueRef queue, std::shared_ptr<void> owner, Controller* controller,
                BufferStager* stager)
     : queue_(queue), owner_(std::move(owner)), stager_(stager), controller_(controller) {
-  if (controller_ != nullptr) max_value_bytes_ = controller_->options().max_value_bytes;
+  set_max_value_bytes(controller_ != nullptr ? controller_->options().max_value_bytes
+                                             : max_value_bytes_);
+}
+
+void Client::set_max_value_bytes(uint64_t n) {
+  max_value_bytes_ = n;
+  spare_ = std::make_shared<ReceiveSpare>(std::clamp<uint64_t>(n, 1, UINT32_MAX));
 }
 
 Client::~Client() {
@@ -337,6 +359,7 @@ ReceivedValue& ReceivedValue::operator=(ReceivedValue&& o) noexcept {
     size_ = std::exchange(o.size_, 0);
     stager_ = std::exchange(o.stager_, nullptr);
     keep_ = std::move(o.keep_);
+    spare_ = std::move(o.spare_);
   }
   return *this;
 }
@@ -345,6 +368,8 @@ void ReceivedValue::reset() {
   if (p_ != nullptr) {
     if (stager_ != nullptr) {
       stager_->release(reinterpret_cast<uint64_t>(p_), nullptr, 0);
+    } else if (spare_) {
+      spare_->give(p_);
     } else {
       std::free(p_);
     }
@@ -353,6 +378,7 @@ void ReceivedValue::reset() {
   size_ = 0;
   stager_ = nullptr;
   keep_.reset();
+  spare_.reset();
 }
 
 std::byte* Client::acquire_receive(size_t want, size_t min_len, bool wait, size_t* got,
@@ -366,23 +392,33 @@ std::byte* Client::acquire_receive(size_t want, size_t min_len, bool wait, size_
   // stages it as any other buffer. Untouched pages of it are never committed.
   *heap = true;
   *got = want;
+  if (want == spare_->size) {
+    if (std::byte* p = spare_->take()) return p;
+  }
   return static_cast<std::byte*>(std::malloc(want));
 }
 
-void Client::finish_receive(ReceivedValue& v, std::byte* p, bool heap, const CmdResult& r) {
+void Client::finish_receive(ReceivedValue& v, std::byte* p, size_t len, bool heap,
+                            const CmdResult& r) {
   v.reset();
+  v.p_ = p;
+  if (heap) {
+    if (len == spare_->size) v.spare_ = spare_;
+  } else {
+    v.stager_ = stager_;
+  }
   if (!r.ok()) {
     // Aborted because the Client failed: the command may still write it, so it is never given
     // back (the shared memory is poisoned then anyway).
-    if (r.status == nvme::Status::kAbortRequested && broken()) return;
-    if (heap) {
-      std::free(p);
-    } else {
-      stager_->release(reinterpret_cast<uint64_t>(p), nullptr, 0);
+    if (r.status == nvme::Status::kAbortRequested && broken()) {
+      v.p_ = nullptr;
+      v.stager_ = nullptr;
+      v.spare_.reset();
+      return;
     }
+    v.reset();
     return;
   }
-  v.p_ = p;
   v.size_ = r.dw0;
   if (!heap) {
     v.stager_ = stager_;
@@ -405,11 +441,12 @@ CmdResult Client::get_value(const Key& key, ReceivedValue& out, uint32_t nsid) {
         cmd::retrieve(key.bytes, key.len, p, static_cast<uint32_t>(got), nsid), p, got, false);
     if (r.ok() && r.dw0 > got) {
       // The memory gave less than the value (or it grew since): once more, at its length.
-      finish_receive(out, p, heap, CmdResult{nvme::Status::kInvalidField, nvme::kSctGeneric, 0});
+      finish_receive(out, p, got, heap,
+                     CmdResult{nvme::Status::kInvalidField, nvme::kSctGeneric, 0});
       want = min_len = r.dw0;
       continue;
     }
-    finish_receive(out, p, heap, r);
+    finish_receive(out, p, got, heap, r);
     if (r.ok()) learned_len_.store(std::max<uint64_t>(r.dw0, 1), std::memory_order_relaxed);
     return r;
   }
@@ -463,13 +500,13 @@ void Client::get_values(std::span<const Key> keys, uint32_t nsid,
       const CmdResult& r = items[k].result;
       ReceivedValue v;
       if (r.ok() && r.dw0 > items[k].len) {
-        finish_receive(v, bufs[k].first, bufs[k].second,
+        finish_receive(v, bufs[k].first, items[k].len, bufs[k].second,
                        CmdResult{nvme::Status::kInvalidField, nvme::kSctGeneric, 0});
         todo.push_back({round[k].key, r.dw0});
         return;
       }
       if (r.ok()) largest = std::max<size_t>(largest, std::max<uint32_t>(r.dw0, 1));
-      finish_receive(v, bufs[k].first, bufs[k].second, r);
+      finish_receive(v, bufs[k].first, items[k].len, bufs[k].second, r);
       done(round[k].key, r, v);
     });
     if (largest > 0) {
