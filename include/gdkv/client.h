@@ -188,7 +188,8 @@ class Client {
   // the calling thread, as its command completes (later commands of the round still running;
   // not in key order); it may move the value out. A key costs one Retrieve unless its value is
   // longer than its buffer (longer than the last ones seen): then it is read again, at its
-  // length, in a later round. A key no memory can be had for, even after waiting, gets 81h.
+  // length, in a later round. A key no memory can be had for, even after waiting, gets 81h, and
+  // the keys after it wait no more (81h unless memory is free at once).
   void get_values(std::span<const Key> keys, uint32_t nsid,
                   const std::function<void(size_t, const CmdResult&, ReceivedValue&)>& done);
   // The controller's largest value (Identify, or the in-process controller's options): the size

@@ -188,7 +188,8 @@ class Client:
     def get_many_view(self, keys: Iterable[Key]) -> list[Optional[memoryview]]:
         """get_many as get_view's read-only memoryviews (no copy), None where a key does not
         exist. Each view holds its memory until released: a batch of views larger than the
-        shared memory raises CapacityError."""
+        shared memory raises CapacityError (after waiting up to 10 s for memory other calls
+        hold)."""
         return self._core.get_many_view(list(keys))
 
     def get_many_into(self, keys: Iterable[Key], outs: Iterable[Buffer | Sequence[Buffer]], *,

@@ -24,6 +24,7 @@
 #include <optional>
 #include <shared_mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "gdkv/backend_factory.h"
@@ -754,7 +755,14 @@ class PyClient {
                   where_ + " closed the connection (exited or died); connect again");
     }
     std::string msg = gdkv::describe(r);
-    if (r.status == gdkv::kStagingExhausted && device()) {
+    const std::string_view o(op);
+    const bool receives = o == "get" || o == "get_view" || o == "get_many" || o == "get_many_view";
+    if (r.status == gdkv::kStagingExhausted && device() && receives) {
+      msg +=
+          ": the memory shared with gdkvd has no room to receive this value "
+          "(connect(shared_memory_bytes=...) sets its size; views returned by get_view hold "
+          "theirs until released)";
+    } else if (r.status == gdkv::kStagingExhausted && device()) {
       msg +=
           ": the store is full, or the memory shared with gdkvd has no room to stage this "
           "buffer (connect(shared_memory_bytes=...), or use client.empty() buffers)";

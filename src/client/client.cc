@@ -464,6 +464,9 @@ void Client::get_values(std::span<const Key> keys, uint32_t nsid,
   std::vector<BatchItem> items;
   std::vector<Pending> round;
   std::vector<std::pair<std::byte*, bool>> bufs;  // (buffer, heap)
+  // Once a wait for memory failed, later keys do not wait again: the memory is likely held by
+  // the values this call already handed to `done` (kept by the caller), and each wait is 10 s.
+  bool starved = false;
   while (!todo.empty()) {
     items.clear();
     round.clear();
@@ -476,8 +479,12 @@ void Client::get_values(std::span<const Key> keys, uint32_t nsid,
       const bool first = items.empty();
       size_t got = 0;
       bool heap = false;
-      std::byte* p = acquire_receive(want, first && pd.len == 0 ? 1 : want, first, &got, &heap);
-      if (p == nullptr) break;
+      std::byte* p =
+          acquire_receive(want, first && pd.len == 0 ? 1 : want, first && !starved, &got, &heap);
+      if (p == nullptr) {
+        starved = starved || first;
+        break;
+      }
       todo.pop_front();
       const Key& k = keys[pd.key];
       BatchItem it;
