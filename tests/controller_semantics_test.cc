@@ -692,5 +692,102 @@ TEST(StagedBatch, MoreItemsThanStagingMemory) {
   ctl.stop();
 }
 
+// ---- whole values in one command (issue 38) ----
+
+// Retrieve commands the controller completed, over its reactors.
+double retrieves(const Controller& ctl) {
+  MetricList m;
+  ctl.collect(m);
+  double n = 0;
+  for (const Metric& x : m) {
+    for (const auto& [label, value] : x.labels) {
+      if (x.name == "commands_total" && label == "op" && value == "retrieve") n += x.value;
+    }
+  }
+  return n;
+}
+
+// get(vector) and get_value read a value of any length with one Retrieve (before, a value over
+// the 64 KiB hint cost two), byte-exact from 0 bytes to the controller's largest.
+TEST(WholeValueGet, OneRetrieveWhateverTheLength) {
+  ClientOptions o;
+  o.controller.max_value_bytes = 4u << 20;
+  auto client = Client::open(make_memory_backend(), o).value();
+  EXPECT_EQ(client->max_value_bytes(), 4u << 20);
+  uint32_t seed = 7;
+  for (size_t n : {size_t{0}, size_t{1}, size_t{4096}, size_t{(64 << 10) + 1}, size_t{2 << 20},
+                   size_t{4 << 20}}) {
+    const Key k = key("whole-", static_cast<int>(n));
+    const auto v = random_bytes(n, seed++);
+    ASSERT_TRUE(client->put(k, v).ok()) << n;
+    double before = retrieves(*client->controller());
+    std::vector<std::byte> out(3, std::byte{1});
+    CmdResult r = client->get(k, out);
+    ASSERT_TRUE(r.ok()) << describe(r);
+    EXPECT_EQ(r.dw0, n);
+    EXPECT_TRUE(out == v) << "value of " << n << " bytes differs";
+    EXPECT_EQ(retrieves(*client->controller()) - before, 1.0) << n << " bytes";
+    before = retrieves(*client->controller());
+    ReceivedValue rv;
+    r = client->get_value(k, rv);
+    ASSERT_TRUE(r.ok()) << describe(r);
+    ASSERT_EQ(rv.size(), n);
+    EXPECT_TRUE(n == 0 || std::memcmp(rv.data(), v.data(), n) == 0) << n;
+    EXPECT_EQ(retrieves(*client->controller()) - before, 1.0) << n << " bytes";
+  }
+  std::vector<std::byte> out(5);
+  EXPECT_EQ(client->get(key("missing"), out).status, Status::kKeyNotExist);
+  EXPECT_TRUE(out.empty());
+  ReceivedValue rv;
+  EXPECT_EQ(client->get_value(key("missing"), rv).status, Status::kKeyNotExist);
+  EXPECT_EQ(rv.size(), 0u);
+}
+
+// get_values: one Retrieve per key when the values are as long as the last ones seen (uniform
+// KV blocks), one more for each key longer than that; missing keys 87h; every value exact.
+TEST(WholeValueGet, ManyKeysOneRetrieveEach) {
+  ClientOptions o;
+  o.controller.max_value_bytes = 4u << 20;
+  auto client = Client::open(make_memory_backend(), o).value();
+  constexpr int kN = 64;
+  std::vector<Key> keys;
+  std::vector<std::vector<std::byte>> values;
+  for (int i = 0; i < kN; ++i) {
+    keys.push_back(key("many-", i));
+    values.push_back(random_bytes((2 << 20) - (i == kN - 1 ? 1000 : 0), 100 + i));
+    if (i != 5) {
+      ASSERT_TRUE(client->put(keys[i], values[i]).ok());
+    }
+  }
+  auto check = [&](std::span<const Key> ks, int first, int missing) {
+    std::vector<int> seen(ks.size(), 0);
+    client->get_values(ks, 1, [&](size_t i, const CmdResult& r, ReceivedValue& v) {
+      ++seen[i];
+      const int at = first + static_cast<int>(i);
+      if (at == missing) {
+        EXPECT_EQ(r.status, Status::kKeyNotExist);
+        return;
+      }
+      ASSERT_TRUE(r.ok()) << at << ": " << describe(r);
+      ASSERT_EQ(v.size(), values[at].size());
+      EXPECT_EQ(0, std::memcmp(v.data(), values[at].data(), v.size())) << at;
+    });
+    for (int s : seen) EXPECT_EQ(s, 1);
+  };
+  // Nothing learned yet: buffers of the largest value.
+  double before = retrieves(*client->controller());
+  check(keys, 0, 5);
+  EXPECT_EQ(retrieves(*client->controller()) - before, kN);
+  // Learned: the last batch's largest length fits them all.
+  before = retrieves(*client->controller());
+  check(keys, 0, 5);
+  EXPECT_EQ(retrieves(*client->controller()) - before, kN);
+  // Learned a shorter one (the last key alone): the longer values are read once more each.
+  check(std::span(keys).subspan(kN - 1), kN - 1, -1);
+  before = retrieves(*client->controller());
+  check(std::span(keys).first(8), 0, 5);
+  EXPECT_EQ(retrieves(*client->controller()) - before, 8 + 7);
+}
+
 }  // namespace
 }  // namespace gdkv

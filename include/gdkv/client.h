@@ -46,6 +46,59 @@ class BufferStager {
   // After the command: copies the first `copy_back` bytes of the stand-in back to `p` (0 for data
   // sent to the controller, and for commands that failed), and frees the stand-in.
   virtual void release(uint64_t addr, void* p, size_t copy_back) = 0;
+  // Memory for a value whose length is not known yet, which the controller writes in place and
+  // this process reads at the same address (gdkv's vfio-user driver: a chunk of the shared
+  // memory): `len` bytes, or the largest piece the memory has free when that is less (*got says
+  // how many). Null when there is none, at once or (`wait`) after a bounded wait. Given back
+  // with release(ptr, nullptr, 0). The default has none: Client::get_value then receives into
+  // the heap and stages that buffer as any other.
+  // A piece shorter than `min_len` is never given. Only called when has_receive_memory().
+  virtual bool has_receive_memory() const { return false; }
+  virtual std::byte* acquire_receive(size_t len, size_t min_len, bool wait, size_t* got) {
+    (void)len;
+    (void)min_len;
+    (void)wait;
+    *got = 0;
+    return nullptr;
+  }
+  // Gives back all but the first `keep` bytes of a buffer from acquire_receive.
+  virtual void shrink_receive(std::byte* p, size_t keep) {
+    (void)p;
+    (void)keep;
+  }
+  // What keeps this stager and its memory alive for a ReceivedValue that outlives the Client
+  // (gdkv's vfio-user driver: the connection); null: the Client's owner does.
+  virtual std::shared_ptr<void> keep_alive() { return nullptr; }
+};
+
+// A value Client::get_value read, in the memory it was received in: through gdkvd a chunk of the
+// shared memory, read where gdkvd wrote it; in-process (or with a stager without receive memory)
+// the heap. Move-only; the memory is given back when it is destroyed or reset(), which may be
+// after the Client is gone (it keeps the connection's memory alive). Not thread-safe.
+struct ReceiveSpare;  // client.cc: a Client's kept heap receive buffer
+
+class ReceivedValue {
+ public:
+  ReceivedValue() = default;
+  ~ReceivedValue() { reset(); }
+  ReceivedValue(ReceivedValue&& o) noexcept { *this = std::move(o); }
+  ReceivedValue& operator=(ReceivedValue&& o) noexcept;
+  ReceivedValue(const ReceivedValue&) = delete;
+  ReceivedValue& operator=(const ReceivedValue&) = delete;
+
+  const std::byte* data() const { return p_; }
+  size_t size() const { return size_; }
+  std::span<const std::byte> bytes() const { return {p_, size_}; }
+  // Gives the memory back now; size() becomes 0.
+  void reset();
+
+ private:
+  friend class Client;
+  std::byte* p_ = nullptr;
+  size_t size_ = 0;
+  BufferStager* stager_ = nullptr;       // its memory (acquire_receive); null: the heap
+  std::shared_ptr<void> keep_;           // keeps the stager alive (BufferStager::keep_alive)
+  std::shared_ptr<ReceiveSpare> spare_;  // heap memory that goes back there (if it is empty)
 };
 
 // For transports whose controller can signal completions (gdkvd's completion interrupts): how a
@@ -115,9 +168,34 @@ class Client {
                 uint32_t nsid = 1);
   // dw0 of the result = the value's full length; min(length, buf.size()) bytes land in buf.
   CmdResult get(const Key& key, std::span<std::byte> buf, uint32_t nsid = 1);
-  // The whole value, however long (a second round trip when it outgrows `hint` bytes).
+  // The whole value, however long: get_value, then one copy into `out`. `hint` is not needed
+  // any more and is ignored (kept so that callers passing one still compile).
   CmdResult get(const Key& key, std::vector<std::byte>& out, uint32_t nsid = 1,
                 size_t hint = 64 * 1024);
+  // The whole value in one Retrieve whatever its length: received into a buffer of the
+  // controller's max value size (max_value_bytes()) in memory the controller writes in place and
+  // this process reads (through gdkvd a chunk of the shared memory, so there is no staging copy;
+  // in-process the heap), then cut to the value's length (completion DW0). A second Retrieve
+  // happens only when the memory could not give a max-size buffer and the value is longer than
+  // the piece it gave; if it cannot give the value's length either, 81h (kStagingExhausted).
+  // On an error `out` is empty.
+  CmdResult get_value(const Key& key, ReceivedValue& out, uint32_t nsid = 1);
+  // get_value for many keys in rounds: each round receives as many keys as the memory gives
+  // buffers for at once, into buffers of the largest length of the previous round (KV blocks
+  // are uniform; the first round, knowing none, of max_value_bytes()), and runs as one batch.
+  // The first round uses the largest length this Client saw last (get_value, get_values), or
+  // max_value_bytes() when it saw none. done(i, result, value) is called once for every key, on
+  // the calling thread, as its command completes (later commands of the round still running;
+  // not in key order); it may move the value out. A key costs one Retrieve unless its value is
+  // longer than its buffer (longer than the last ones seen): then it is read again, at its
+  // length, in a later round. A key no memory can be had for, even after waiting, gets 81h, and
+  // the keys after it wait no more (81h unless memory is free at once).
+  void get_values(std::span<const Key> keys, uint32_t nsid,
+                  const std::function<void(size_t, const CmdResult&, ReceivedValue&)>& done);
+  // The controller's largest value (Identify, or the in-process controller's options): the size
+  // of get_value's receive buffer. Set by the transport before the Client is shared.
+  uint64_t max_value_bytes() const { return max_value_bytes_; }
+  void set_max_value_bytes(uint64_t n);
   CmdResult del(const Key& key, uint32_t nsid = 1);
   CmdResult exists(const Key& key, uint32_t nsid = 1);
   // Keys >= start in ascending order, one List command of `buf_bytes`; appends to out.
@@ -141,7 +219,9 @@ class Client {
   // in place go in one submission round where the queue allows; staged ones in rounds of about
   // 512 KiB of staging copies, each completion unstaged as it arrives, so the copies overlap the
   // controller's work.
-  void execute_batch(std::span<BatchItem> items);
+  // `completed(i)`, when given, runs as item i's result is filled in (in item order).
+  void execute_batch(std::span<BatchItem> items,
+                     const std::function<void(size_t)>& completed = nullptr);
 
   // ---- asynchronous ----
   // Submits; nullopt when the queue is full (back-pressure).
@@ -189,6 +269,10 @@ class Client {
   // still in flight (the Client failed) keeps its stand-in.
   void unstage(const nvme::Sqe& sqe, const void* p, size_t len, bool to_controller,
                const CmdResult& r);
+  // A receive buffer of up to `want` bytes (*got of them) for get_value; null when none.
+  std::byte* acquire_receive(size_t want, size_t min_len, bool wait, size_t* got, bool* heap);
+  // The end of a Retrieve into a receive buffer: `v` holds the value or is reset (r failed).
+  void finish_receive(ReceivedValue& v, std::byte* p, size_t len, bool heap, const CmdResult& r);
   CmdResult wait_slow(uint16_t cid);
   // wait() with a CompletionWaiter: spins for its spin(), then blocks.
   CmdResult wait_blocking(uint16_t cid);
@@ -214,6 +298,12 @@ class Client {
   std::function<void(ClientFailure)> on_failure_;
   std::atomic<ClientFailure> failure_{ClientFailure::kNone};
   std::atomic<uint64_t> copies_{0}, copy_bytes_{0};
+  uint64_t max_value_bytes_ = uint64_t{64} << 20;  // ControllerOptions' default until told
+  std::atomic<uint64_t> learned_len_{0};  // the largest value length of the last get; 0: none
+  // One heap receive buffer of max_value_bytes_ kept for the next get_value (in-process): a
+  // fresh one costs an mmap, page faults and an munmap each time (a 4 KiB get took 4x as long).
+  // Its committed pages stay at the longest value read into it.
+  std::shared_ptr<ReceiveSpare> spare_;
 };
 
 // The data buffer of a Scatter Retrieve (82h): its header and `pieces`.

@@ -12,8 +12,10 @@
 // DMA memory, brings the controller up through its registers, creates an I/O queue pair in that
 // memory with gdkv's counter doorbells (so many threads, or GPU threads, submit lock-free as with
 // an in-process queue), and returns an ordinary gdkv::Client. Buffers passed to the synchronous
-// Client calls are staged through the shared memory; asynchronous callers put their buffers in
-// memory from VfioUserDevice::alloc() and pass those pointers directly (DMA address = pointer).
+// Client calls are staged through the shared memory, and values of unknown length
+// (Client::get_value, get_values) are received in it and read there; asynchronous callers put
+// their buffers in memory from VfioUserDevice::alloc() and pass those pointers directly (DMA
+// address = pointer).
 //
 // Thread safety: VfioUserServer's member functions are thread-safe. A VfioUserDevice may be used
 // from many threads; its Clients are thread-safe as every Client.

@@ -84,8 +84,30 @@ class Client:
         self._core.put(key, value, must_exist, must_not_exist)
 
     def get(self, key: Key, *, size_hint: int = 65536) -> bytes:
-        """The whole value as bytes (a copy; see get_into for none). KeyError if missing."""
+        """The whole value as bytes (one copy; see get_view and get_into for none). KeyError if
+        missing.
+
+        One Retrieve whatever the value's length: it is received into a buffer of the
+        controller's largest value size (through gdkvd in the shared memory, where gdkvd writes
+        it), then copied into the bytes object. A second happens only when the shared memory has
+        no piece that large free and the value is longer than the piece it had; a value the
+        shared memory cannot hold at all raises CapacityError. ``size_hint`` is no longer
+        needed and is ignored (accepted for compatibility).
+        """
         return self._core.get(key, size_hint)
+
+    def get_view(self, key: Key) -> memoryview:
+        """The whole value as a read-only memoryview of the memory it was received in: no copy
+        at all (through gdkvd, the shared memory gdkvd wrote it to). One Retrieve, as get. The
+        view holds that memory until it is released (``view.release()``, or its last reference
+        gone), so release views you are done with: through gdkvd they use the connection's
+        shared memory (``connect(shared_memory_bytes=...)``). It stays valid after other calls
+        and after close(). KeyError if missing.
+
+        >>> with c.get_view(b"block-0") as v:
+        ...     np.frombuffer(v, np.float16)      # read in place (copy what you keep)
+        """
+        return self._core.get_view(key)
 
     def get_into(self, key: Key, out: Buffer | Sequence[Buffer], *, partial: bool = False) -> int:
         """Writes the value into ``out`` in place and returns its length in bytes.
@@ -153,8 +175,22 @@ class Client:
         self._core.put_many([k for k, _ in pairs], values)
 
     def get_many(self, keys: Iterable[Key], *, size_hint: int = 65536) -> list[Optional[bytes]]:
-        """Each key's value, None where it does not exist."""
+        """Each key's value, None where it does not exist.
+
+        One Retrieve per key in rounds of as many keys as the shared memory has room for at
+        once, each into a buffer as long as the longest value of the client's last get (KV
+        blocks are uniform); the first, knowing none, of the controller's largest value size.
+        A key whose value is longer than what the client saw last is read a second time (at its
+        length). ``size_hint`` is no longer needed and is ignored.
+        """
         return self._core.get_many(list(keys), size_hint)
+
+    def get_many_view(self, keys: Iterable[Key]) -> list[Optional[memoryview]]:
+        """get_many as get_view's read-only memoryviews (no copy), None where a key does not
+        exist. Each view holds its memory until released: a batch of views larger than the
+        shared memory raises CapacityError (after waiting up to 10 s for memory other calls
+        hold)."""
+        return self._core.get_many_view(list(keys))
 
     def get_many_into(self, keys: Iterable[Key], outs: Iterable[Buffer | Sequence[Buffer]], *,
                       partial: bool = False) -> list[Optional[int]]:
@@ -252,6 +288,9 @@ class Client:
     async def aget(self, key: Key, **kw) -> bytes:
         return await self._run(self.get, key, **kw)
 
+    async def aget_view(self, key: Key) -> memoryview:
+        return await self._run(self.get_view, key)
+
     async def aget_into(self, key: Key, out: Buffer | Sequence[Buffer], **kw) -> int:
         return await self._run(self.get_into, key, out, **kw)
 
@@ -266,6 +305,9 @@ class Client:
 
     async def aget_many(self, keys: Iterable[Key], **kw) -> list[Optional[bytes]]:
         return await self._run(self.get_many, list(keys), **kw)
+
+    async def aget_many_view(self, keys: Iterable[Key]) -> list[Optional[memoryview]]:
+        return await self._run(self.get_many_view, list(keys))
 
     async def aget_many_into(self, keys: Iterable[Key], outs: Iterable[Any], **kw):
         return await self._run(self.get_many_into, list(keys), list(outs), **kw)

@@ -24,6 +24,7 @@
 #include <optional>
 #include <shared_mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "gdkv/backend_factory.h"
@@ -286,12 +287,24 @@ class PyClient {
     check("put", &k, r);
   }
 
-  nb::bytes get(nb::handle key, size_t size_hint) {
+  // One Retrieve whatever the value's length (Client::get_value: received in memory gdkvd
+  // writes in place), then the one copy a bytes object needs. `size_hint` is no longer used.
+  nb::bytes get(nb::handle key, size_t /*size_hint*/) {
     const Key k = to_key(key);
-    std::vector<std::byte> out;
-    CmdResult r = run([&](gdkv::Client& c) { return c.get(k, out, nsid_, size_hint); });
+    gdkv::ReceivedValue v;
+    CmdResult r = run([&](gdkv::Client& c) { return c.get_value(k, v, nsid_); });
     check("get", &k, r);
-    return nb::bytes(out.data(), out.size());
+    return nb::bytes(v.data(), v.size());
+  }
+
+  // The value where it was received, no copy: a read-only memoryview that owns the memory until
+  // it is released (memoryview.release(), or its last reference gone).
+  nb::ndarray<nb::memview, const uint8_t, nb::ndim<1>> get_view(nb::handle key) {
+    const Key k = to_key(key);
+    auto v = std::make_unique<gdkv::ReceivedValue>();
+    CmdResult r = run([&](gdkv::Client& c) { return c.get_value(k, *v, nsid_); });
+    check("get_view", &k, r);
+    return view_of(std::move(v));
   }
 
   uint32_t get_into(nb::handle key, nb::handle out, bool partial) {
@@ -425,31 +438,58 @@ class PyClient {
     for (size_t i = 0; i < keys.size(); ++i) check("put_many", &keys[i], items[i].result);
   }
 
-  std::vector<std::optional<nb::bytes>> get_many(nb::handle keys_obj, size_t size_hint) {
-    if (size_hint > UINT32_MAX) raise_value("size_hint is larger than 4 GiB - 1 bytes");
+  // Client::get_values: one Retrieve per key where the memory allows (see its comment). Each
+  // value is copied into its bytes object as its command completes, while the controller works
+  // on the later ones, and its memory given back at once; None where the key is missing.
+  // `size_hint` is no longer used.
+  std::vector<nb::object> get_many(nb::handle keys_obj, size_t /*size_hint*/) {
     std::vector<Key> keys = to_keys(keys_obj);
-    std::vector<std::vector<std::byte>> bufs(keys.size(), std::vector<std::byte>(size_hint));
-    std::vector<BatchItem> items(keys.size());
+    std::vector<nb::object> out(keys.size(), nb::none());
+    std::vector<CmdResult> results(keys.size());
+    bool no_memory = false;
+    (void)run([&](gdkv::Client& c) {
+      c.get_values(keys, nsid_, [&](size_t i, const CmdResult& r, gdkv::ReceivedValue& v) {
+        results[i] = r;
+        if (!r.ok()) return;
+        nb::gil_scoped_acquire gil;
+        PyObject* b = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(v.data()),
+                                                static_cast<Py_ssize_t>(v.size()));
+        if (b == nullptr) {  // raised below, after every command completed
+          PyErr_Clear();
+          no_memory = true;
+          return;
+        }
+        out[i] = nb::steal(b);
+      });
+      return CmdResult{};
+    });
+    if (no_memory) throw std::bad_alloc();
     for (size_t i = 0; i < keys.size(); ++i) {
-      items[i] = BatchItem{gdkv::cmd::retrieve(keys[i].bytes, keys[i].len, bufs[i].data(),
-                                               static_cast<uint32_t>(size_hint), nsid_),
-                           bufs[i].data(),
-                           size_hint,
-                           false,
-                           {}};
+      if (results[i].status != Status::kKeyNotExist) check("get_many", &keys[i], results[i]);
     }
-    run_batch(items);
-    std::vector<std::optional<nb::bytes>> out(keys.size());
+    return out;
+  }
+
+  // get_many's values as get_view's read-only memoryviews (each holds its memory while it
+  // lives); None where the key is missing.
+  std::vector<nb::object> get_many_view(nb::handle keys_obj) {
+    std::vector<Key> keys = to_keys(keys_obj);
+    std::vector<std::unique_ptr<gdkv::ReceivedValue>> values(keys.size());
+    std::vector<CmdResult> results(keys.size());
+    (void)run([&](gdkv::Client& c) {
+      c.get_values(keys, nsid_, [&](size_t i, const CmdResult& r, gdkv::ReceivedValue& v) {
+        results[i] = r;
+        if (r.ok()) values[i] = std::make_unique<gdkv::ReceivedValue>(std::move(v));
+      });
+      return CmdResult{};
+    });
+    std::vector<nb::object> out(keys.size(), nb::none());
     for (size_t i = 0; i < keys.size(); ++i) {
-      CmdResult r = items[i].result;
-      if (r.status == Status::kKeyNotExist) continue;
-      check("get_many", &keys[i], r);
-      if (r.dw0 > size_hint) {  // longer than the hint: read it whole
-        r = run([&](gdkv::Client& c) { return c.get(keys[i], bufs[i], nsid_, r.dw0); });
-        if (r.status == Status::kKeyNotExist) continue;
-        check("get_many", &keys[i], r);
-      }
-      out[i] = nb::bytes(bufs[i].data(), std::min<size_t>(r.dw0, bufs[i].size()));
+      if (results[i].status == Status::kKeyNotExist) continue;
+      check("get_many_view", &keys[i], results[i]);
+    }
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (values[i]) out[i] = nb::cast(view_of(std::move(values[i])));
     }
     return out;
   }
@@ -716,7 +756,14 @@ class PyClient {
                   where_ + " closed the connection (exited or died); connect again");
     }
     std::string msg = gdkv::describe(r);
-    if (r.status == gdkv::kStagingExhausted && device()) {
+    const std::string_view o(op);
+    const bool receives = o == "get" || o == "get_view" || o == "get_many" || o == "get_many_view";
+    if (r.status == gdkv::kStagingExhausted && device() && receives) {
+      msg +=
+          ": the memory shared with gdkvd has no room to receive this value "
+          "(connect(shared_memory_bytes=...) sets its size; views returned by get_view hold "
+          "theirs until released)";
+    } else if (r.status == gdkv::kStagingExhausted && device()) {
       msg +=
           ": the store is full, or the memory shared with gdkvd has no room to stage this "
           "buffer (connect(shared_memory_bytes=...), or use client.empty() buffers)";
@@ -775,6 +822,19 @@ class PyClient {
       off += b.len;
     }
     return pieces;
+  }
+
+  // A read-only memoryview of a received value that owns it: the memory goes back when the
+  // view is released.
+  static nb::ndarray<nb::memview, const uint8_t, nb::ndim<1>> view_of(
+      std::unique_ptr<gdkv::ReceivedValue> v) {
+    static const uint8_t kNothing = 0;  // a 0-byte value may have no memory
+    const uint8_t* p =
+        v->data() != nullptr ? reinterpret_cast<const uint8_t*>(v->data()) : &kNothing;
+    const size_t n = v->size();
+    nb::capsule owner(v.release(),
+                      [](void* x) noexcept { delete static_cast<gdkv::ReceivedValue*>(x); });
+    return nb::ndarray<nb::memview, const uint8_t, nb::ndim<1>>(p, {n}, owner);
   }
 
   // The connection, while open (close() drops it): read it through device().
@@ -942,6 +1002,7 @@ NB_MODULE(_core, m) {
       .def("put", &PyClient::put, nb::arg("key"), nb::arg("value"), nb::arg("must_exist"),
            nb::arg("must_not_exist"))
       .def("get", &PyClient::get, nb::arg("key"), nb::arg("size_hint"))
+      .def("get_view", &PyClient::get_view, nb::arg("key"))
       .def("get_into", &PyClient::get_into, nb::arg("key"), nb::arg("out"), nb::arg("partial"))
       .def("exists", &PyClient::exists, nb::arg("key"))
       .def("delete", &PyClient::remove, nb::arg("key"), nb::arg("missing_ok"))
@@ -952,6 +1013,7 @@ NB_MODULE(_core, m) {
       .def("delete_many", &PyClient::delete_many, nb::arg("keys"), nb::arg("missing_ok"))
       .def("put_many", &PyClient::put_many, nb::arg("keys"), nb::arg("values"))
       .def("get_many", &PyClient::get_many, nb::arg("keys"), nb::arg("size_hint"))
+      .def("get_many_view", &PyClient::get_many_view, nb::arg("keys"))
       .def("get_many_into", &PyClient::get_many_into, nb::arg("keys"), nb::arg("outs"),
            nb::arg("partial"))
       .def("alloc", &PyClient::alloc, nb::arg("nbytes"))

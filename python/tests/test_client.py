@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import gdkv
+from conftest import Gdkvd
 
 
 def test_roundtrip(client):
@@ -330,3 +331,120 @@ def test_register_shares_host_memory_with_gdkvd_in_place(gdkvd):
             c.unregister(np.zeros(8))
         with pytest.raises(ValueError, match="empty"):
             c.register(np.zeros(0))
+
+
+# ---- whole values in one command (issue 38) ----
+
+def _retrieves(c, d) -> float:
+    """Retrieve commands the controller completed: in-process from the client, through gdkvd
+    from its /metrics."""
+    m = d.metrics() if d is not None else c.metrics()
+    return sum(v for k, v in m.items() if "commands_total{" in k and 'op="retrieve"' in k
+               and not k.startswith("gdkv_command_errors"))
+
+
+@pytest.fixture(params=["memory", "gdkvd"])
+def counted(request):
+    """(client, gdkvd or None): a client whose controller's Retrieve commands can be counted."""
+    if request.param == "memory":
+        with gdkv.open("memory") as c:
+            yield c, None
+        return
+    d = Gdkvd("--backend", "memory", metrics=True)
+    try:
+        with gdkv.connect(d.dir) as c:
+            yield c, d
+    finally:
+        d.stop()
+
+
+SIZES = [0, 1, 4096, 65536 + 1, 2 << 20]
+
+
+def test_get_and_get_view_one_retrieve_whatever_the_length(counted):
+    c, d = counted
+    values = {n: np.random.default_rng(n).integers(0, 256, n, np.uint8).tobytes() for n in SIZES}
+    for n, v in values.items():
+        c.put(f"whole-{n}", v)
+    copies = c.copies()   # the puts' (bytes objects are staged)
+    for n, v in values.items():
+        before = _retrieves(c, d)
+        assert c.get(f"whole-{n}") == v
+        assert _retrieves(c, d) - before == 1, f"{n} bytes"   # 2 before, past the 64 KiB hint
+        before = _retrieves(c, d)
+        view = c.get_view(f"whole-{n}")
+        assert _retrieves(c, d) - before == 1, f"{n} bytes"
+        assert isinstance(view, memoryview) and view.readonly and view.nbytes == n
+        assert view.tobytes() == v
+        view.release()
+    with pytest.raises(KeyError):
+        c.get(b"missing")
+    with pytest.raises(gdkv.KeyNotFoundError):
+        c.get_view(b"missing")
+    assert c.get(b"whole-1", size_hint=1) == values[1]   # accepted, no longer needed
+    if d is not None:
+        assert c.copies() == copies   # received where gdkvd wrote it: no staging copy
+
+
+def test_get_many_and_get_many_view_one_retrieve_per_key(counted):
+    c, d = counted
+    keys = [f"many-{i}" for i in range(64)]
+    values = [np.full(2 << 20, i, np.uint8).tobytes() for i in range(64)]
+    c.put_many(zip(keys, values))
+    keys.insert(5, b"missing")
+    values.insert(5, None)
+    for _ in range(2):   # the first batch knows no length yet, the second the first's
+        before = _retrieves(c, d)
+        assert c.get_many(keys) == values
+        assert _retrieves(c, d) - before == len(keys)
+    before = _retrieves(c, d)
+    views = c.get_many_view(keys)
+    assert _retrieves(c, d) - before == len(keys)
+    assert views[5] is None
+    assert all(v.readonly and v.tobytes() == values[i] for i, v in enumerate(views) if v)
+    for v in views:
+        if v is not None:
+            v.release()
+    # Mixed lengths: small values after large ones, then a longer one read again.
+    c.put(b"short", b"s" * 10)
+    assert c.get_many([b"short", keys[0], b"missing"]) == [b"s" * 10, values[0], None]
+
+
+def test_view_is_read_only_and_outlives_other_calls(gdkvd):
+    c = gdkv.connect(gdkvd.dir)
+    c.put(b"a", b"first value")
+    view = c.get_view(b"a")
+    with pytest.raises(TypeError):
+        view[0] = 0
+    c.put(b"a", b"second value, longer")   # other calls reuse no memory a view holds
+    assert c.get(b"a") == b"second value, longer"
+    others = c.get_many_view([b"a"] * 8)
+    assert view.tobytes() == b"first value"
+    assert [o.tobytes() for o in others] == [b"second value, longer"] * 8
+    c.close()
+    assert view.tobytes() == b"first value"   # valid after close(), released by its owner
+    view.release()
+
+
+def test_views_give_their_shared_memory_back(gdkvd):
+    """A view holds its value's shared memory until released; a value larger than the shared
+    memory is CapacityError, not a crash."""
+    with gdkv.connect(gdkvd.dir, shared_memory_bytes=8 << 20) as c:
+        with gdkv.connect(gdkvd.dir) as big:
+            big.put(b"3m", bytes(3 << 20))
+            big.put(b"9m", bytes(9 << 20))
+        v1, v2 = c.get_view(b"3m"), c.get_view(b"3m")   # 6 of the 8 MiB held
+        v1.release()
+        t = time.monotonic()
+        v3 = c.get_view(b"3m")      # v1's memory, at once (held, it would wait 10 s and fail)
+        assert time.monotonic() - t < 5
+        assert v2.tobytes() == v3.tobytes() == bytes(3 << 20)
+        v2.release()
+        v3.release()
+        with pytest.raises(gdkv.CapacityError, match="shared_memory_bytes"):
+            c.get(b"9m")
+        with pytest.raises(gdkv.CapacityError):
+            c.get_view(b"9m")
+        with pytest.raises(gdkv.CapacityError):
+            c.get_many([b"3m", b"9m"])
+        assert c.get(b"3m") == bytes(3 << 20)   # still usable

@@ -1,12 +1,31 @@
 #include "gdkv/client.h"
 
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <thread>
 
 #include "gdkv/commands.h"
 
 namespace gdkv {
+
+struct ReceiveSpare {
+  explicit ReceiveSpare(size_t n) : size(n) {}
+  ~ReceiveSpare() { std::free(p.load()); }
+  ReceiveSpare(const ReceiveSpare&) = delete;
+  ReceiveSpare& operator=(const ReceiveSpare&) = delete;
+  // The kept buffer, or null.
+  std::byte* take() { return p.exchange(nullptr, std::memory_order_acquire); }
+  // Keeps `b` (of `size` bytes) if nothing is kept, else frees it.
+  void give(std::byte* b) {
+    std::byte* none = nullptr;
+    if (!p.compare_exchange_strong(none, b, std::memory_order_release)) std::free(b);
+  }
+  const size_t size;
+  std::atomic<std::byte*> p{nullptr};
+};
 
 Result<std::unique_ptr<Client>> Client::open(std::shared_ptr<Backend> backend,
                                              const ClientOptions& options) {
@@ -21,7 +40,15 @@ Result<std::unique_ptr<Client>> Client::open(std::shared_ptr<Backend> backend,
 
 Client::Client(QueueRef queue, std::shared_ptr<void> owner, Controller* controller,
                BufferStager* stager)
-    : queue_(queue), owner_(std::move(owner)), stager_(stager), controller_(controller) {}
+    : queue_(queue), owner_(std::move(owner)), stager_(stager), controller_(controller) {
+  set_max_value_bytes(controller_ != nullptr ? controller_->options().max_value_bytes
+                                             : max_value_bytes_);
+}
+
+void Client::set_max_value_bytes(uint64_t n) {
+  max_value_bytes_ = n;
+  spare_ = std::make_shared<ReceiveSpare>(std::clamp<uint64_t>(n, 1, UINT32_MAX));
+}
 
 Client::~Client() {
   if (owned_controller_) {
@@ -179,7 +206,8 @@ CmdResult Client::execute_data(nvme::Sqe sqe, const void* p, size_t len, bool to
 // copies this thread makes into and out of staging memory overlap the controller's work on the
 // commands before and after them, where staging everything first and unstaging everything last
 // ran them one after the other. Buffers used in place cost no copy: they go in one group.
-void Client::execute_batch(std::span<BatchItem> items) {
+void Client::execute_batch(std::span<BatchItem> items,
+                           const std::function<void(size_t)>& completed) {
   constexpr size_t kPipelineBytes = 512 << 10;
   std::vector<nvme::Sqe> sqes;
   std::vector<std::pair<size_t, uint16_t>> flights;  // (item, cid), in submission order
@@ -192,12 +220,17 @@ void Client::execute_batch(std::span<BatchItem> items) {
     BatchItem& it = items[flights[f].first];
     it.result = r;
     unstage(it.sqe, it.data, it.len, it.to_controller, r);
+    if (completed) completed(flights[f].first);
+  };
+  auto never_sent = [&](size_t k, const CmdResult& r) {
+    items[k].result = r;
+    if (completed) completed(k);
   };
   while (i < items.size() || head < flights.size()) {
     if (broken()) {
       // Commands in flight keep their stand-ins (unstage of an abort); the rest never start.
       for (; head < flights.size(); ++head) complete(head, aborted());
-      for (; i < items.size(); ++i) items[i].result = aborted();
+      for (; i < items.size(); ++i) never_sent(i, aborted());
       return;
     }
     // Stage and submit one group. Only an item with nothing of ours ahead of it may wait for
@@ -219,8 +252,7 @@ void Client::execute_batch(std::span<BatchItem> items) {
           blocked = true;
           break;
         }
-        it.result = staging_exhausted();
-        ++i;
+        never_sent(i++, staging_exhausted());
         continue;
       }
       if (it.to_controller && it.sqe.dptr.prp.prp1 != reinterpret_cast<uint64_t>(it.data)) {
@@ -309,19 +341,185 @@ CmdResult Client::get(const Key& key, std::span<std::byte> buf, uint32_t nsid) {
       buf.data(), buf.size(), false);
 }
 
-CmdResult Client::get(const Key& key, std::vector<std::byte>& out, uint32_t nsid, size_t hint) {
-  out.resize(hint);
+CmdResult Client::get(const Key& key, std::vector<std::byte>& out, uint32_t nsid, size_t /*hint*/) {
+  ReceivedValue v;
+  CmdResult r = get_value(key, v, nsid);
+  if (!r.ok()) {
+    out.clear();
+    return r;
+  }
+  out.assign(v.data(), v.data() + v.size());
+  return r;
+}
+
+ReceivedValue& ReceivedValue::operator=(ReceivedValue&& o) noexcept {
+  if (this != &o) {
+    reset();
+    p_ = std::exchange(o.p_, nullptr);
+    size_ = std::exchange(o.size_, 0);
+    stager_ = std::exchange(o.stager_, nullptr);
+    keep_ = std::move(o.keep_);
+    spare_ = std::move(o.spare_);
+  }
+  return *this;
+}
+
+void ReceivedValue::reset() {
+  if (p_ != nullptr) {
+    if (stager_ != nullptr) {
+      stager_->release(reinterpret_cast<uint64_t>(p_), nullptr, 0);
+    } else if (spare_) {
+      spare_->give(p_);
+    } else {
+      std::free(p_);
+    }
+  }
+  p_ = nullptr;
+  size_ = 0;
+  stager_ = nullptr;
+  keep_.reset();
+  spare_.reset();
+}
+
+std::byte* Client::acquire_receive(size_t want, size_t min_len, bool wait, size_t* got,
+                                   bool* heap) {
+  want = std::clamp<size_t>(want, 1, UINT32_MAX);  // CDW10 holds the buffer size
+  if (stager_ != nullptr && stager_->has_receive_memory()) {
+    *heap = false;
+    return stager_->acquire_receive(want, std::min(min_len, want), wait, got);
+  }
+  // The heap: in-process the controller writes it in place; a stager without receive memory
+  // stages it as any other buffer. Untouched pages of it are never committed.
+  *heap = true;
+  *got = want;
+  if (want == spare_->size) {
+    if (std::byte* p = spare_->take()) return p;
+  }
+  return static_cast<std::byte*>(std::malloc(want));
+}
+
+void Client::finish_receive(ReceivedValue& v, std::byte* p, size_t len, bool heap,
+                            const CmdResult& r) {
+  v.reset();
+  v.p_ = p;
+  if (heap) {
+    if (len == spare_->size) v.spare_ = spare_;
+  } else {
+    v.stager_ = stager_;
+  }
+  if (!r.ok()) {
+    // Aborted because the Client failed: the command may still write it, so it is never given
+    // back (the shared memory is poisoned then anyway).
+    if (r.status == nvme::Status::kAbortRequested && broken()) {
+      v.p_ = nullptr;
+      v.stager_ = nullptr;
+      v.spare_.reset();
+      return;
+    }
+    v.reset();
+    return;
+  }
+  v.size_ = r.dw0;
+  if (!heap) {
+    v.stager_ = stager_;
+    v.keep_ = stager_->keep_alive();
+    if (!v.keep_) v.keep_ = owner_;
+    stager_->shrink_receive(p, r.dw0);
+  }
+}
+
+CmdResult Client::get_value(const Key& key, ReceivedValue& out, uint32_t nsid) {
+  out.reset();
+  size_t want = max_value_bytes_, min_len = 1;
   for (;;) {
-    CmdResult r = get(key, std::span<std::byte>(out), nsid);
-    if (!r.ok()) {
-      out.clear();
-      return r;
+    if (broken()) return aborted();
+    size_t got = 0;
+    bool heap = false;
+    std::byte* p = acquire_receive(want, min_len, true, &got, &heap);
+    if (p == nullptr) return staging_exhausted();
+    CmdResult r = execute_data(
+        cmd::retrieve(key.bytes, key.len, p, static_cast<uint32_t>(got), nsid), p, got, false);
+    if (r.ok() && r.dw0 > got) {
+      // The memory gave less than the value (or it grew since): once more, at its length.
+      finish_receive(out, p, got, heap,
+                     CmdResult{nvme::Status::kInvalidField, nvme::kSctGeneric, 0});
+      want = min_len = r.dw0;
+      continue;
     }
-    if (r.dw0 <= out.size()) {
-      out.resize(r.dw0);
-      return r;
+    finish_receive(out, p, got, heap, r);
+    if (r.ok()) learned_len_.store(std::max<uint64_t>(r.dw0, 1), std::memory_order_relaxed);
+    return r;
+  }
+}
+
+void Client::get_values(std::span<const Key> keys, uint32_t nsid,
+                        const std::function<void(size_t, const CmdResult&, ReceivedValue&)>& done) {
+  struct Pending {
+    size_t key;
+    size_t len;  // 0: the round's guess; else the value's length, from a first read too short
+  };
+  std::deque<Pending> todo;
+  for (size_t i = 0; i < keys.size(); ++i) todo.push_back({i, 0});
+  size_t guess = learned_len_.load(std::memory_order_relaxed);
+  std::vector<BatchItem> items;
+  std::vector<Pending> round;
+  std::vector<std::pair<std::byte*, bool>> bufs;  // (buffer, heap)
+  // Once a wait for memory failed, later keys do not wait again: the memory is likely held by
+  // the values this call already handed to `done` (kept by the caller), and each wait is 10 s.
+  bool starved = false;
+  while (!todo.empty()) {
+    items.clear();
+    round.clear();
+    bufs.clear();
+    // Buffers for as many keys as the memory gives at once; only the first key waits for memory
+    // other calls hold, and takes whatever piece it can get.
+    while (!todo.empty()) {
+      const Pending pd = todo.front();
+      const size_t want = pd.len > 0 ? pd.len : guess > 0 ? guess : max_value_bytes_;
+      const bool first = items.empty();
+      size_t got = 0;
+      bool heap = false;
+      std::byte* p =
+          acquire_receive(want, first && pd.len == 0 ? 1 : want, first && !starved, &got, &heap);
+      if (p == nullptr) {
+        starved = starved || first;
+        break;
+      }
+      todo.pop_front();
+      const Key& k = keys[pd.key];
+      BatchItem it;
+      it.sqe = cmd::retrieve(k.bytes, k.len, p, static_cast<uint32_t>(got), nsid);
+      it.data = p;
+      it.len = got;
+      items.push_back(it);
+      round.push_back(pd);
+      bufs.emplace_back(p, heap);
     }
-    out.resize(r.dw0);  // the value grew past the buffer: read it whole
+    if (items.empty()) {
+      const Pending pd = todo.front();
+      todo.pop_front();
+      ReceivedValue none;
+      done(pd.key, broken() ? aborted() : staging_exhausted(), none);
+      continue;
+    }
+    size_t largest = 0;
+    execute_batch(items, [&](size_t k) {
+      const CmdResult& r = items[k].result;
+      ReceivedValue v;
+      if (r.ok() && r.dw0 > items[k].len) {
+        finish_receive(v, bufs[k].first, items[k].len, bufs[k].second,
+                       CmdResult{nvme::Status::kInvalidField, nvme::kSctGeneric, 0});
+        todo.push_back({round[k].key, r.dw0});
+        return;
+      }
+      if (r.ok()) largest = std::max<size_t>(largest, std::max<uint32_t>(r.dw0, 1));
+      finish_receive(v, bufs[k].first, items[k].len, bufs[k].second, r);
+      done(round[k].key, r, v);
+    });
+    if (largest > 0) {
+      guess = largest;
+      learned_len_.store(largest, std::memory_order_relaxed);
+    }
   }
 }
 

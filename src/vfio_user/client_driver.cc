@@ -99,6 +99,57 @@ class ShmAllocator {
                  [&] { return poisoned_ || (p = alloc_locked(bytes, align)) != nullptr; });
     return p;
   }
+  // Up to `bytes` (at least `min_bytes`): `bytes` where a free extent holds them, else the
+  // largest free extent. With `wait`, waits up to `timeout` for other callers to free some.
+  void* alloc_up_to(size_t bytes, size_t min_bytes, bool wait, std::chrono::milliseconds timeout,
+                    size_t* got) {
+    std::unique_lock lk(mu_);
+    void* p = nullptr;
+    auto take = [&] {
+      if (poisoned_) return true;
+      if ((p = alloc_locked(bytes, 64)) != nullptr) {
+        *got = bytes;
+        return true;
+      }
+      size_t best = 0;
+      for (const auto& [off, len] : free_) {
+        const size_t at = align_up(off, 64);
+        if (at < off + len) best = std::max(best, (off + len - at) & ~size_t{63});
+      }
+      if (best == 0 || best < min_bytes) return false;
+      p = alloc_locked(best, 64);
+      *got = best;
+      return true;
+    };
+    if (min_bytes > size_) return nullptr;
+    if (wait) {
+      cv_.wait_for(lk, timeout, take);
+    } else {
+      (void)take();
+    }
+    if (p == nullptr) *got = 0;
+    return p;
+  }
+  // Gives back all but the first `keep` bytes of what alloc handed out at p.
+  void shrink(void* p, size_t keep) {
+    {
+      std::lock_guard lk(mu_);
+      if (poisoned_) return;
+      const size_t off = static_cast<size_t>(static_cast<std::byte*>(p) - base_);
+      auto u = used_.find(off);
+      keep = align_up(std::max<size_t>(keep, 1), 64);
+      if (u == used_.end() || keep >= u->second) return;
+      size_t start = off + keep, len = u->second - keep;
+      u->second = keep;
+      auto next = free_.lower_bound(start);
+      if (next != free_.end() && next->first == start + len) {
+        len += next->second;
+        free_.erase(next);
+      }
+      free_[start] = len;
+    }
+    cv_.notify_all();
+  }
   // The connection failed: commands may still write into memory handed out, so none of it is
   // handed out again (free is a no-op, alloc fails).
   void poison() {
@@ -238,7 +289,9 @@ class InPlaceSet {
 // is shared memory, or memory shared in place).
 class ShmStager final : public BufferStager {
  public:
-  ShmStager(ShmAllocator& a, const InPlaceSet& in_place) : a_(a), in_place_(in_place) {}
+  // `device`: the connection that owns the stager, kept alive by values received in its memory.
+  ShmStager(ShmAllocator& a, const InPlaceSet& in_place, VfioUserDevice& device)
+      : a_(a), in_place_(in_place), device_(device) {}
   uint64_t acquire(const void* p, size_t len, bool to_controller, bool wait) override {
     if (a_.contains(p, len) || in_place_.contains(p, len)) return reinterpret_cast<uint64_t>(p);
     void* s = wait ? a_.alloc_wait(len, 64, std::chrono::seconds(10)) : a_.alloc(len, 64);
@@ -252,10 +305,22 @@ class ShmStager final : public BufferStager {
     if (copy_back > 0) std::memcpy(p, s, copy_back);
     a_.free(s);
   }
+  // Values of unknown length land in the shared memory itself (DMA address = pointer), read
+  // there by the caller: no stand-in, no copy back.
+  bool has_receive_memory() const override { return true; }
+  std::byte* acquire_receive(size_t len, size_t min_len, bool wait, size_t* got) override {
+    return static_cast<std::byte*>(
+        a_.alloc_up_to(len, min_len, wait, std::chrono::seconds(10), got));
+  }
+  void shrink_receive(std::byte* p, size_t keep) override { a_.shrink(p, keep); }
+  // The connection (its shared memory), not the Client's queue: a value held after the Client
+  // is closed keeps the mapping, as VfioUserDevice::alloc memory does, and no I/O queue.
+  std::shared_ptr<void> keep_alive() override { return device_.shared_from_this(); }
 
  private:
   ShmAllocator& a_;
   const InPlaceSet& in_place_;
+  VfioUserDevice& device_;
 };
 
 // ---- Wake-ups (docs/vfio-user.md "Wake-ups") ----
@@ -390,7 +455,7 @@ struct IoQueue {
 class Driver final : public VfioUserDevice {
  public:
   Driver(const std::string& dir, const VfioUserClientOptions& o)
-      : options_(o), stager_(alloc_, in_place_) {
+      : options_(o), stager_(alloc_, in_place_, *this) {
     connect(dir);
     negotiate();
     map_doorbells();
@@ -746,6 +811,7 @@ class Driver final : public VfioUserDevice {
     devmem_ = vi.flags & kVendorDeviceMemory;
     wakeups_offered_ = vi.flags & kVendorWakeups;
     msix_vectors_ = vi.msix_vectors;
+    max_value_bytes_ = vi.max_value_bytes;
     max_entries_ = vi.max_queue_entries;
     nvme::Sqe f{};
     f.opcode = static_cast<uint8_t>(AdminOp::kSetFeatures);
@@ -811,6 +877,7 @@ class Driver final : public VfioUserDevice {
   uint32_t max_entries_ = 0;
   bool devmem_ = false;
   bool wakeups_offered_ = false;  // Identify vendor flag kVendorWakeups
+  uint64_t max_value_bytes_ = 0;  // Identify vendor area: the controller's largest value
   uint32_t msix_vectors_ = 0;
   UniqueFd doorbell_efd_;            // gdkvd's doorbell ioeventfd (wake-ups on)
   std::atomic<bool> failed_{false};  // poison() was called
@@ -991,6 +1058,7 @@ std::unique_ptr<Client> Driver::open_client(uint32_t depth) {
     ref.wake_fn = &wake_reactor;
   }
   auto client = std::make_unique<Client>(ref, q, nullptr, &stager_);
+  if (max_value_bytes_ > 0) client->set_max_value_bytes(max_value_bytes_);
   if (q->waiter) client->set_waiter(q->waiter.get());
   client->set_timeout(std::chrono::milliseconds(options_.io_timeout_ms));
   // The client's queue (its owner) keeps the driver alive, so the check may name it.
