@@ -7,7 +7,8 @@ batch 1 and batch 64:
 - ``gdkvd``: a gdkvd this script starts (memory backend, ``--cache-bytes 0``: the values live in
   the daemon), reached over vfio-user. Zero copy: ``put_many``/``get_many_into`` of
   ``client.empty()`` buffers (memory shared with gdkvd); plain: numpy buffers (the package stages
-  them through shared memory, one copy each way) and ``get_many`` (bytes).
+  them through shared memory, one copy each way) and ``get_many`` (bytes). Also ``get_view`` /
+  ``get_many_view``: read-only views of the shared memory the values landed in (no copy).
 - ``in-process``: ``gdkv.open("memory")``, the controller in this process (any buffer in place).
 - ``mooncake``: Mooncake Store (PyPI ``mooncake-transfer-engine-non-cuda``) with its master and a
   storage client (``mooncake_client``, holding the memory segment) this script starts on
@@ -159,7 +160,8 @@ class Check:
         self.vals = vals
 
     def same(self, i: int, got) -> None:
-        arr = np.frombuffer(got, np.uint8) if isinstance(got, (bytes, bytearray)) else got
+        arr = np.frombuffer(got, np.uint8) if isinstance(got, (bytes, bytearray, memoryview)) \
+            else got
         if arr is None or not np.array_equal(arr, self.vals[i]):
             raise SystemExit(f"peer_bench: value {i} read back wrong")
 
@@ -212,12 +214,23 @@ def gdkv_figures(c: gdkv.Client, size: int, batch: int, seconds: float,
             check.same(i, got[j])
         return size * batch, t.s
 
+    def get_view() -> tuple[int, float]:
+        idx = group()
+        ks = [keys[i] for i in idx]
+        with timed() as t:
+            got = c.get_many_view(ks) if batch > 1 else [c.get_view(ks[0])]
+        for j, i in enumerate(idx):
+            check.same(i, got[j])
+            got[j].release()
+        return size * batch, t.s
+
     out = {"put_zero_copy": rate(put(shared), seconds)}
     stored_right()
     out["put_plain"] = rate(put(vals[:batch]), seconds)
     stored_right()
     out["get_plain"] = rate(get_plain, seconds)
     out["get_zero_copy"] = rate(get_zero_copy, seconds)
+    out["get_view"] = rate(get_view, seconds)
     c.delete_many(keys + [k.encode() for k in names.written()], missing_ok=True)
     return out
 
@@ -402,8 +415,10 @@ def main() -> None:
                       "(put zero-copy / plain, get bytes / zero-copy)", flush=True)
                 for store in stores:
                     r = [row[f"{store}.{f}"] for f in FIGURES]
+                    view = row.get(f"{store}.get_view")
                     print(f"  {store:<11} put {r[0]:.3f} / {r[1]:.3f}   get {r[2]:.3f} / "
-                          f"{r[3]:.3f}", flush=True)
+                          f"{r[3]:.3f}" + (f"   get_view {view:.3f}" if view else ""),
+                          flush=True)
                 vs = [row[f"gdkvd.{f}"] / row[f"mooncake.{f}"] for f in FIGURES]
                 print(f"  gdkvd / mooncake: put {vs[0]:.2f}x / {vs[1]:.2f}x   get {vs[2]:.2f}x / "
                       f"{vs[3]:.2f}x", flush=True)
