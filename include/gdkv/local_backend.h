@@ -22,8 +22,8 @@ struct LocalBackendOptions {
   // Bytes of log space, default 8 GiB; at most what the file system holds at open (open warns
   // on stderr when it holds less, and fails when it cannot hold one segment).
   uint64_t capacity_bytes = uint64_t{8} << 30;
-  uint32_t segment_bytes = 64u << 20;           // bytes per segment, default 64 MiB
-  uint32_t queue_depth = 128;                   // io_uring entries, 64..4096, default 128
+  uint32_t segment_bytes = 64u << 20;  // bytes per segment, default 64 MiB
+  uint32_t queue_depth = 128;          // io_uring entries, 64..4096, default 128
   // Reserve each segment's space with fallocate when the log first uses it, so a full file system
   // shows up (81h) before data is written. Off: a sparse file; ENOSPC then surfaces on write.
   bool preallocate = true;
@@ -35,9 +35,10 @@ struct LocalBackendOptions {
 
 // Opens (creating if needed) the store and rebuilds its index. An Error (gdkv/result.h) with a
 // clear message when the path cannot be used, another process has the store open (flock),
-// io_uring lacks what the store needs, or a new store's file system has no room for one segment. An existing store keeps the segment size it was created
-// with, and never shrinks below the segments its file holds. Values up to segment_bytes − 8 KiB
-// are accepted (larger: 85h). Format, durability and reclaim: docs/local-store.md.
+// io_uring lacks what the store needs, or a new store's file system has no room for one segment. An
+// existing store keeps the segment size it was created with, and never shrinks below the segments
+// its file holds. Values up to segment_bytes − 8 KiB are accepted (larger: 85h). Format, durability
+// and reclaim: docs/local-store.md.
 Result<std::shared_ptr<Backend>> make_local_backend(const LocalBackendOptions& options);
 
 }  // namespace gdkv

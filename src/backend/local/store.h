@@ -38,10 +38,10 @@
 #include <vector>
 
 #include "backend/local/format.h"
-#include "common/arena.h"
 #include "backend/local/hash.h"
 #include "backend/local/index.h"
 #include "backend/local/uring.h"
+#include "common/arena.h"
 #include "gdkv/local_backend.h"
 
 namespace gdkv::local {
