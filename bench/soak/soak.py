@@ -261,14 +261,9 @@ def verdict(samples: list[dict], lives: int, warmup: float, shm: int) -> tuple[l
         if len(ss) < 5:
             lines.append(f"  life {life}: {len(ss)} samples after warm-up (too short to judge)")
             continue
-        row = []
-        for k in keys:
-            a, b = growth(ss, k)
-            row.append(f"{k} {fmt(k, a)} -> {fmt(k, b)}")
-            if b > allowed(k, a, shm):
-                failures.append(f"gdkvd life {life}: {k} grew {fmt(k, a)} -> {fmt(k, b)}")
+        lines.append(f"  gdkvd life {life}: " + judge(ss, keys, shm, f"gdkvd life {life}",
+                                                        failures))
         ends.append({k: growth(ss, k)[1] for k in keys})
-        lines.append(f"  gdkvd life {life}: " + ", ".join(row))
     for i, e in enumerate(ends[1:], 1):
         for k in keys:
             if e[k] > allowed(k, ends[0][k], shm):
@@ -276,14 +271,20 @@ def verdict(samples: list[dict], lives: int, warmup: float, shm: int) -> tuple[l
                                 f"{fmt(k, ends[0][k])}")
     cs = [{k: s["client"][k] for k in keys} for s in samples if s["t"] >= warmup]
     if len(cs) >= 5:
-        row = []
-        for k in keys:
-            a, b = growth(cs, k)
-            row.append(f"{k} {fmt(k, a)} -> {fmt(k, b)}")
-            if b > allowed(k, a, shm):
-                failures.append(f"client: {k} grew {fmt(k, a)} -> {fmt(k, b)}")
-        lines.append("  client: " + ", ".join(row))
+        lines.append("  client: " + judge(cs, keys, shm, "client", failures))
     return lines, failures
+
+
+def judge(samples: list[dict], keys: tuple[str, ...], shm: int, who: str,
+          failures: list[str]) -> str:
+    """One report row: each resource's first and last fifth; growth past allowed() fails."""
+    row = []
+    for k in keys:
+        a, b = growth(samples, k)
+        row.append(f"{k} {fmt(k, a)} -> {fmt(k, b)}")
+        if b > allowed(k, a, shm):
+            failures.append(f"{who}: {k} grew {fmt(k, a)} -> {fmt(k, b)}")
+    return ", ".join(row)
 
 
 def fmt(key: str, v: float) -> str:
