@@ -39,7 +39,7 @@ the same store: the run must lose no request and no output may change (the conne
 what it cannot load, and reconnects), and the time until the engine loads from gdkv again is
 reported. Exit 1 if any system's output differs from vLLM alone's or a request failed.
 
-    bench/serving/serve_bench.py --systems vllm,limit,gdkv,mooncake     # scripts/bench-serving
+    bench/serving/serve_bench.py --systems vllm,limit,gdkv,mooncake     # the run in docs/serving.md
 """
 
 from __future__ import annotations
