@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -29,12 +30,15 @@ GDKVD = Path(os.environ.get("GDKV_BUILD_DIR", ROOT / "build" / "release")) / "to
 class Gdkvd:
     """``gdkvd --socket-dir DIR --metrics-port P [--config DIR/gdkvd.toml] ARGS...``, started at
     once; ``config`` is the TOML text of a config file, ``metrics`` serves /metrics on a port the
-    kernel picks. ``dir`` is the socket directory, ``pid`` the running daemon's."""
+    kernel picks. ``dir`` is the socket directory, ``pid`` the running daemon's. ``wrap`` comes
+    before the command and must exec it (``ip netns exec NS``: gdkvd in another network
+    namespace, its socket still in this file system)."""
 
     def __init__(self, *args: str, binary: str | Path = GDKVD, config: Optional[str] = None,
-                 metrics: bool = False, prefix: str = "gdkvd-bench-"):
+                 metrics: bool = False, prefix: str = "gdkvd-bench-", wrap: tuple | list = ()):
         self.dir = tempfile.mkdtemp(prefix=prefix)
-        self.cmd = [str(binary), "--socket-dir", self.dir, "--metrics-port",
+        self.wrap = list(wrap)
+        self.cmd = [*wrap, str(binary), "--socket-dir", self.dir, "--metrics-port",
                     "0" if metrics else "-1"]
         if config is not None:
             (Path(self.dir) / "gdkvd.toml").write_text(config)
@@ -88,7 +92,13 @@ class Gdkvd:
         if not self.metrics_port:
             return {}
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        if self.wrap:   # another network namespace: fetched from inside it
+            fetch = ("import sys, urllib.request; sys.stdout.write(urllib.request.urlopen("
+                     f"{url!r}, timeout=5).read().decode())")
+            text = subprocess.run([*self.wrap, sys.executable, "-c", fetch], check=True,
+                                  capture_output=True, text=True, timeout=30).stdout
+        else:
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
         return {name: float(v) for name, v in
                 (line.rsplit(" ", 1) for line in text.splitlines() if line and line[0] != "#")}
 

@@ -9,9 +9,15 @@ built model, every engine's compute pinned to the same cores (``gdkv.vllm_demo.S
 - ``vllm``: vLLM alone. Its outputs are the reference every other system's are compared with.
 - ``limit``: vLLM with a KV space that holds every history (``--limit-blocks``): its own prefix
   cache hits every reused turn, as if the KV never left the engine.
-- ``gdkv``: ``gdkv.vllm.GdkvConnector`` through a gdkvd this script starts on the local store.
-- ``gdkv-tiered``: the same through a tiered gdkvd (local store in front of a RADOS pool;
-  needs ``--ceph-conf`` and ``--pool``).
+- ``gdkv``: ``gdkv.vllm.GdkvConnector`` through a gdkvd this script starts on the local store
+  (with several engines, one gdkvd they share), the connector's ``load_mode`` ``--load-mode``
+  (default async, the connector's own default).
+- ``gdkv-sync``: the same with ``load_mode`` "sync" (a request runs in the step that loads it).
+- ``gdkv-tiered``: the same through tiered gdkvds (a local store in front of a RADOS pool), one
+  per engine. Without ``--ceph-conf`` the bench brings up network-namespace hosts
+  (scripts/netns-hosts, its own prefix ``--netns-prefix``) with a Ceph cluster in a namespace of
+  its own: each engine's gdkvd runs in host namespace h<i> and reaches RADOS over a veth link
+  and a bridge; the engines' HTTP front ends stay in this namespace, where the clients are.
 - ``mooncake``: vLLM's in-tree ``MooncakeStoreConnector`` with Mooncake Store's master started
   here on 127.0.0.1 (embedded mode, TCP; ``mooncake-transfer-engine-non-cuda``).
 
@@ -30,14 +36,23 @@ Workloads (``--workload``):
 Arrivals: a closed loop of ``--concurrency`` streaming clients, or Poisson arrivals at
 ``--rate`` requests/s (each still waits for its user's previous turn).
 
+Engines: ``--engines N`` (1 or more) engines per system, engine i pinned to the i-th entry of
+``--cpus`` (entries separated by ``/``: ``0/1``). Turn t of user u goes to engine (u + t) mod N:
+no affinity, every turn of a user on another engine than the one before.
+
 Per system: requests/s, output tokens/s, TTFT p50/p90/p99, the TTFT p50 of reused turns (a
 turn after the user's first, or any request after the first that shares the system prompt),
 time per output token, prompt tokens loaded from the store (``vllm:external_prefix_cache_hits``),
 and how many requests' output tokens equal vLLM alone's. ``--json`` prints a JSON object last.
-``--kill-gdkvd-at S`` SIGKILLs a gdkv system's gdkvd S seconds into its run and starts it again on
-the same store: the run must lose no request and no output may change (the connector recomputes
-what it cannot load, and reconnects), and the time until the engine loads from gdkv again is
-reported. Exit 1 if any system's output differs from vLLM alone's or a request failed.
+Faults, S seconds into a run: ``--kill-gdkvd-at S`` SIGKILLs a gdkv system's (first) gdkvd and
+starts it again on the same store; ``--kill-osd-at S`` SIGKILLs OSD 1 of the namespaces'
+cluster (started again after the system's run); ``--cut-link-at S`` cuts the last host's link
+for ``--cut-s`` seconds (tiered systems on namespace hosts). The run must lose no request and no
+output may change (the connector recomputes what it cannot load, and reconnects). Per fault it
+reports when the engines loaded from the store again after the fault ended, and the time back
+to full speed: until the first reused turn that arrived after the fault's end had a TTFT within
+1.5x the reused turns' median before the fault. Exit 1 if any system's output differs from vLLM
+alone's or a request failed.
 
     bench/serving/serve_bench.py --systems vllm,limit,gdkv,mooncake     # the run in docs/serving.md
 """
@@ -66,7 +81,8 @@ ROOT = Path(__file__).resolve().parents[2]
 BUILD = Path(os.environ.get("GDKV_BUILD_DIR", ROOT / "build" / "release"))
 sys.path.insert(0, str(ROOT / "bench" / "python"))
 from gdkvd_proc import Gdkvd  # noqa: E402
-SYSTEMS = ("vllm", "limit", "gdkv", "gdkv-tiered", "mooncake")
+SYSTEMS = ("vllm", "limit", "gdkv", "gdkv-sync", "gdkv-tiered", "mooncake")
+NETNS = ROOT / "scripts" / "netns-hosts"
 VOCAB = 8192
 
 
@@ -165,39 +181,148 @@ def mooncake_master(work: Path) -> Iterator[dict]:
         p.wait(30)
 
 
+class NetnsHosts:
+    """scripts/netns-hosts under a prefix of the bench's own: ``n`` host namespaces and a Ceph
+    cluster in another, brought up at construction and down by ``down``."""
+
+    def __init__(self, n: int, prefix: str, subnet: str, work: Path):
+        self.prefix = prefix
+        self.env = {**os.environ, "GDKV_NETNS_PREFIX": prefix, "GDKV_NETNS_SUBNET": subnet,
+                    "GDKV_NETNS_DIR": str(work / "netns")}
+        self.dir = work / "netns"
+        t0 = time.perf_counter()
+        r = self._run("up", str(n))
+        if r.returncode != 0:
+            self.down()
+            raise SystemExit(f"serve_bench: scripts/netns-hosts up failed:\n{r.stdout[-3000:]}")
+        self.ceph_conf = r.stdout.strip().splitlines()[-1]
+        self.subnet = subnet
+        print(f"network-namespace hosts h0..h{n - 1} and a Ceph cluster up in "
+              f"{time.perf_counter() - t0:.0f} s ({self.ceph_conf})", flush=True)
+
+    def _run(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(NETNS), *args], env=self.env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=600)
+
+    def wrap(self, host: int) -> list[str]:
+        return ["ip", "netns", "exec", f"{self.prefix}-h{host}"]
+
+    def ceph(self, *args: str) -> None:
+        """scripts/ceph-cluster ARGS on the namespaces' cluster."""
+        r = self._run("exec", "ceph", "env", f"GDKV_CEPH_DIR={self.dir / 'ceph'}",
+                      f"GDKV_CEPH_ADDR={self.subnet}.1", str(ROOT / "scripts" / "ceph-cluster"),
+                      *args)
+        if r.returncode != 0:
+            raise RuntimeError(f"ceph-cluster {' '.join(args)}: {r.stdout[-2000:]}")
+
+    def cut(self, host: int) -> None:
+        r = self._run("cut", f"h{host}")
+        if r.returncode != 0:
+            raise RuntimeError(r.stdout[-2000:])
+
+    def restore(self, host: int) -> None:
+        r = self._run("restore", f"h{host}")
+        if r.returncode != 0:
+            raise RuntimeError(r.stdout[-2000:])
+
+    def down(self) -> None:
+        self._run("down")
+
+
+class System:
+    """A system's engines (``servers``, one per --engines), their gdkvds (``daemons``: none,
+    one shared, or one per engine) and what its faults need."""
+
+    def __init__(self, name: str, servers: list[Server], daemons: list[Gdkvd],
+                 net: Optional[NetnsHosts]):
+        self.name, self.servers, self.daemons, self.net = name, servers, daemons, net
+
+    def far_reads(self) -> list[float]:
+        """Each tiered gdkvd's reads from RADOS (values its local tier did not hold)."""
+        out = []
+        for d in self.daemons:
+            m = d.metrics() if d.metrics_port else {}
+            out.append(sum(v for k, v in m.items() if "tiered_far_reads_total" in k))
+        return out
+
+    def store_hits(self) -> float:
+        return sum(s.metric("vllm:external_prefix_cache_hits_total") for s in self.servers)
+
+
+def start_servers(model: str, kv: list[Optional[dict]], args: tuple, envs: list[dict],
+                  common: dict) -> list[Server]:
+    """One engine per ``kv``/``envs`` entry, started at once on threads (each takes about half
+    a minute); every one started is stopped if another fails."""
+    out: list[Optional[Server]] = [None] * len(kv)
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            out[i] = Server(model, kv[i], args=args, env=envs[i], **common)
+        except BaseException as e:   # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(kv))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        for s in out:
+            if s is not None:
+                s.stop()
+        raise errors[0]
+    return [s for s in out if s is not None]
+
+
 @contextlib.contextmanager
-def system(name: str, a: argparse.Namespace,
-           work: Path) -> Iterator[tuple[Server, Optional[Gdkvd]]]:
-    """The system's engine, and its gdkvd (None for the others)."""
+def system(name: str, a: argparse.Namespace, work: Path,
+           net: Optional[NetnsHosts]) -> Iterator[System]:
     blocks = a.limit_blocks if name == "limit" else a.kv_blocks
     args = ("--num-gpu-blocks-override", str(blocks), "--enable-prefix-caching",
             "--max-num-batched-tokens", str(a.max_batched_tokens))
-    common = dict(max_model_len=a.max_model_len, log_dir=str(work),
-                  env={"VLLM_CPU_OMP_THREADS_BIND": a.cpus})
+    n = a.engines
+    envs = [{"VLLM_CPU_OMP_THREADS_BIND": a.cpu_list[i % len(a.cpu_list)],
+             "GDKV_VLLM_STATS": str(work / f"stats-{name}-{i}")} for i in range(n)]
+    common = dict(max_model_len=a.max_model_len, log_dir=str(work))
+    kv: list[Optional[dict]] = [None] * n
+    daemons: list[Gdkvd] = []
     with contextlib.ExitStack() as stack:
-        kv: Optional[dict] = None
-        daemon: Optional[Gdkvd] = None
-        if name in ("gdkv", "gdkv-tiered"):
-            store = ["--backend", "local", "--store", str(work / f"{name}-store")]
+        if name.startswith("gdkv"):
+            mode = "sync" if name == "gdkv-sync" else a.load_mode
+            size = ["--capacity", str(a.store_mib << 20), "--reactors", "1"]
             if name == "gdkv-tiered":
-                store = ["--backend", "tiered", "--store", str(work / f"{name}-store"),
-                         "--pool", a.pool, "--ceph-conf", a.ceph_conf]
-            daemon = Gdkvd(*store, "--capacity", str(a.store_mib << 20), "--reactors", "1",
-                           prefix="gdkv-serve-")
-            stack.callback(daemon.stop)
-            kv = {"socket_dir": daemon.dir}
+                for i in range(n):
+                    store = ["--backend", "tiered", "--store", str(work / f"{name}-store-{i}"),
+                             "--pool", a.pool, "--ceph-conf",
+                             net.ceph_conf if net else a.ceph_conf]
+                    daemons.append(Gdkvd(*store, *size, prefix="gdkv-serve-", metrics=True,
+                                         wrap=net.wrap(i) if net else ()))
+                    stack.callback(daemons[-1].stop)
+            else:   # one gdkvd on the local store, shared by every engine
+                daemons.append(Gdkvd("--backend", "local", "--store", str(work / f"{name}-store"),
+                                     *size, prefix="gdkv-serve-"))
+                stack.callback(daemons[-1].stop)
+            kv = [{"socket_dir": daemons[i % len(daemons)].dir, "load_mode": mode}
+                  for i in range(n)]
         elif name == "mooncake":
             env = stack.enter_context(mooncake_master(work))
-            common["env"].update(env)
+            for e in envs:
+                e.update(env)
             args += ("--kv-transfer-config", json.dumps({
                 "kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
                 "kv_load_failure_policy": "recompute"}))
-        yield stack.enter_context(Server(a.model, kv, args=args, **common)), daemon
+        servers = start_servers(a.model, kv, args, envs, common)
+        for s in servers:
+            stack.callback(s.stop)
+        yield System(name, servers, daemons, net)
 
 
 # ---- the run -----------------------------------------------------------------------------------
-def run(server: Server, sessions: list[Session], a: argparse.Namespace) -> list[dict]:
-    """Serves every session's turns; returns one record per request."""
+def run(sys_: System, sessions: list[Session], a: argparse.Namespace, t0: float) -> list[dict]:
+    """Serves every session's turns (turn t of user u on engine (u + t) mod N); returns one
+    record per request, its times relative to ``t0``."""
+    servers = sys_.servers
     ready: "queue.Queue[Session]" = queue.Queue()
     for s in sessions:
         ready.put(s)
@@ -208,18 +333,21 @@ def run(server: Server, sessions: list[Session], a: argparse.Namespace) -> list[
 
     def one(s: Session, t_arrive: float) -> None:
         turn, prompt = s.next, s.prompt()
+        engine = (s.sid + turn) % len(servers)
+        t_start = time.perf_counter()
         try:
-            r = server.complete(prompt, a.answer_tokens)
+            r = servers[engine].complete(prompt, a.answer_tokens)
         except Exception as e:   # noqa: BLE001 - counted as a failed request
             with lock:
                 errors.append(f"session {s.sid} turn {turn}: {e}")
             r = {"ttft_s": None, "total_s": None, "tokens": []}
         s.done(prompt, r["tokens"])
         with lock:
-            records.append({"session": s.sid, "turn": turn, "prompt_tokens": len(prompt),
-                            "ttft_s": r["ttft_s"], "total_s": r["total_s"],
-                            "queued_s": time.perf_counter() - t_arrive - (r["total_s"] or 0),
-                            "tokens": r["tokens"],
+            records.append({"session": s.sid, "turn": turn, "engine": engine,
+                            "prompt_tokens": len(prompt), "ttft_s": r["ttft_s"],
+                            "total_s": r["total_s"], "start_s": t_start - t0,
+                            "end_s": time.perf_counter() - t0,
+                            "queued_s": t_start - t_arrive, "tokens": r["tokens"],
                             "reused": turn > 0 or (s.shared_prefix > 0 and s.sid > 0)})
         if s.next < len(s.turns):
             ready.put(s)
@@ -258,22 +386,68 @@ def run(server: Server, sessions: list[Session], a: argparse.Namespace) -> list[
     return records
 
 
-def fault(server: Server, daemon: Gdkvd, at_s: float, done: threading.Event,
-          out: dict) -> None:
-    """At ``at_s`` into the run: gdkvd SIGKILLed and started again on the same store; then the
-    seconds until the engine loads from gdkv again (its external prefix-cache hits grow)."""
-    if done.wait(at_s):
-        return
-    t = time.perf_counter()
-    daemon.kill()
-    daemon.start()
-    out["gdkvd_killed_at_s"] = at_s
-    out["gdkvd_restart_s"] = time.perf_counter() - t
-    before = server.metric("vllm:external_prefix_cache_hits_total")
-    while not done.wait(0.25):
-        if server.metric("vllm:external_prefix_cache_hits_total") > before:
-            out["loading_again_after_s"] = time.perf_counter() - t
+def fault_plan(sys_: System, a: argparse.Namespace) -> list[tuple[float, str]]:
+    """The faults this system gets: (seconds into the run, kind)."""
+    plan = []
+    if a.kill_gdkvd_at and sys_.daemons:
+        plan.append((a.kill_gdkvd_at, "gdkvd-kill"))
+    if sys_.name == "gdkv-tiered" and sys_.net is not None:
+        if a.kill_osd_at:
+            plan.append((a.kill_osd_at, "osd-kill"))
+        if a.cut_link_at:
+            plan.append((a.cut_link_at, "link-cut"))
+    return sorted(plan)
+
+
+def inject(sys_: System, plan: list[tuple[float, str]], cut_s: float, t0: float,
+           done: threading.Event, out: list[dict]) -> None:
+    """Runs ``plan``'s faults at their times (relative to ``t0``); each leaves a record: when
+    it began and ended, and when the engines' store hits grew again after its end."""
+    for at_s, kind in plan:
+        if done.wait(max(0.0, t0 + at_s - time.perf_counter())):
             return
+        f = {"fault": kind, "at_s": time.perf_counter() - t0}
+        if kind == "gdkvd-kill":
+            d = sys_.daemons[0]
+            d.kill()
+            d.start()
+            f["detail"] = "gdkvd SIGKILLed and started again on the same store"
+        elif kind == "osd-kill":
+            sys_.net.ceph("kill-osd", "1")
+            f["detail"] = "OSD 1 SIGKILLed (started again after the run)"
+        else:
+            host = len(sys_.servers) - 1
+            sys_.net.cut(host)
+            f["detail"] = f"host h{host}'s link cut for {cut_s:.0f} s"
+            if done.wait(cut_s):
+                sys_.net.restore(host)
+                f["end_s"] = time.perf_counter() - t0
+                out.append(f)
+                return
+            sys_.net.restore(host)
+        f["end_s"] = time.perf_counter() - t0
+        out.append(f)
+        before = sys_.store_hits()
+        while not done.wait(0.25):
+            if sys_.store_hits() > before:
+                f["loading_again_after_s"] = time.perf_counter() - t0 - f["end_s"]
+                break
+
+
+def back_to_speed(records: list[dict], f: dict) -> float:
+    """Seconds from the fault's end until a reused turn that arrived after it had a TTFT within
+    1.5x the median of the reused turns that ended before the fault (nan if none did)."""
+    before = [r["ttft_s"] for r in records
+              if r["reused"] and r["ttft_s"] is not None and r["end_s"] < f["at_s"]]
+    if not before:
+        return float("nan")
+    bar = 1.5 * statistics.median(before)
+    after = sorted((r for r in records if r["reused"] and r["ttft_s"] is not None and
+                    r["start_s"] >= f["end_s"]), key=lambda r: r["start_s"])
+    for r in after:
+        if r["ttft_s"] <= bar:
+            return r["start_s"] + r["ttft_s"] - f["end_s"]
+    return float("nan")
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -296,11 +470,32 @@ def summary(records: list[dict], wall: float, loaded: float,
            "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90), "ttft_p99_s": pct(ttft, 99),
            "reused_ttft_p50_s": pct(reused, 50), "tpot_mean_s": statistics.fmean(tpot or [0]),
            "tokens_from_store": loaded, "identical": None}
+    engines = sorted({r["engine"] for r in records})
+    if len(engines) > 1:   # each host's tail
+        out["per_engine"] = {
+            e: {"requests": sum(1 for r in ok if r["engine"] == e),
+                "ttft_p50_s": pct([r["ttft_s"] for r in ok if r["engine"] == e], 50),
+                "ttft_p90_s": pct([r["ttft_s"] for r in ok if r["engine"] == e], 90),
+                "ttft_p99_s": pct([r["ttft_s"] for r in ok if r["engine"] == e], 99),
+                "reused_ttft_p50_s": pct([r["ttft_s"] for r in ok
+                                          if r["engine"] == e and r["reused"]], 50)}
+            for e in engines}
     if reference is not None:
         mine = {(r["session"], r["turn"]): r["tokens"] for r in records}
         out["identical"] = sum(1 for k, t in reference.items() if mine.get(k) == t and t)
         out["compared"] = len(reference)
     return out
+
+
+def connector_profile(work: Path, name: str, engines: int) -> dict[str, float]:
+    """The gdkv connector's counters (GDKV_VLLM_STATS), summed over the system's engines."""
+    total: dict[str, float] = {}
+    for i in range(engines):
+        for f in work.glob(f"stats-{name}-{i}.rank*.json"):
+            for k, v in json.loads(f.read_text()).items():
+                if isinstance(v, (int, float)) and k not in ("rank", "value_bytes"):
+                    total[k] = total.get(k, 0) + v
+    return total
 
 
 def main() -> int:
@@ -322,18 +517,31 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second "
                     "(0: a closed loop of --concurrency clients)")
+    ap.add_argument("--engines", type=int, default=1, help="engines per system (round robin)")
     ap.add_argument("--kv-blocks", type=int, default=40, help="every engine's KV space")
     ap.add_argument("--limit-blocks", type=int, default=400, help="the limit engine's KV space")
     ap.add_argument("--max-model-len", type=int, default=0,
                     help="(default: what --kv-blocks holds, as vLLM requires)")
     ap.add_argument("--max-batched-tokens", type=int, default=4096)
-    ap.add_argument("--cpus", default=os.environ.get("GDKV_ENGINE_CPUS", "0"),
-                    help="every engine's compute cores (VLLM_CPU_OMP_THREADS_BIND)")
+    ap.add_argument("--cpus", default=os.environ.get("GDKV_ENGINE_CPUS", ""),
+                    help="each engine's compute cores (VLLM_CPU_OMP_THREADS_BIND), '/' between "
+                    "engines (default: 0 for one engine, 0/1/... for several)")
+    ap.add_argument("--load-mode", choices=("sync", "async"), default="async",
+                    help="the gdkv connector's load_mode for gdkv and gdkv-tiered")
     ap.add_argument("--store-mib", type=int, default=4096, help="gdkvd's local store capacity")
     ap.add_argument("--pool", default="gdkv-rep3")
-    ap.add_argument("--ceph-conf", default=os.environ.get("GDKV_CEPH_CONF", ""))
+    ap.add_argument("--ceph-conf", default=os.environ.get("GDKV_CEPH_CONF", ""),
+                    help="gdkv-tiered on this cluster, gdkvds in this namespace (default: "
+                    "network-namespace hosts and a cluster the bench brings up)")
+    ap.add_argument("--netns-prefix", default="gdkvsb")
+    ap.add_argument("--netns-subnet", default="10.78.0")
     ap.add_argument("--kill-gdkvd-at", type=float, default=0.0, metavar="S",
                     help="gdkv systems: SIGKILL gdkvd S seconds into the run and start it again")
+    ap.add_argument("--kill-osd-at", type=float, default=0.0, metavar="S",
+                    help="gdkv-tiered on namespace hosts: SIGKILL OSD 1 S seconds into the run")
+    ap.add_argument("--cut-link-at", type=float, default=0.0, metavar="S",
+                    help="gdkv-tiered on namespace hosts: cut the last host's link at S")
+    ap.add_argument("--cut-s", type=float, default=10.0, help="how long a cut link stays cut")
     ap.add_argument("--model", default=str(BUILD.parent / "engine-model"))
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", action="store_true")
@@ -341,48 +549,87 @@ def main() -> int:
     names = [s for s in a.systems.split(",") if s]
     if any(n not in SYSTEMS for n in names):
         ap.error(f"--systems: one of {SYSTEMS}")
-    if "gdkv-tiered" in names and not a.ceph_conf:
-        ap.error("gdkv-tiered needs --ceph-conf (or $GDKV_CEPH_CONF) and --pool")
+    if a.engines < 1:
+        ap.error("--engines: at least 1")
+    a.cpu_list = (a.cpus or "/".join(str(i) for i in range(a.engines))).split("/")
     a.max_model_len = a.max_model_len or (a.kv_blocks - 1) * 128   # vLLM keeps one block back
     build_engine_model(a.model, max_positions=max(8192, a.max_model_len + 64))
     work = Path(tempfile.mkdtemp(prefix="gdkv-serving-"))
+    net: Optional[NetnsHosts] = None
+    if "gdkv-tiered" in names and not a.ceph_conf:
+        net = NetnsHosts(a.engines, a.netns_prefix, a.netns_subnet, work)
+    try:
+        return serve(a, names, work, net)
+    finally:
+        if net is not None:
+            net.down()
+
+
+def serve(a: argparse.Namespace, names: list[str], work: Path,
+          net: Optional[NetnsHosts]) -> int:
     results: dict[str, dict] = {}
     reference: Optional[dict] = None
     warm = tokens(random.Random(12345), 64)
     for name in names:
         sessions = workload(a)
-        faults: dict[str, float] = {}
-        with system(name, a, work) as (s, daemon):
-            s.complete(warm, 2)
+        faults: list[dict] = []
+        with system(name, a, work, net) as sys_:
+            for s in sys_.servers:
+                s.complete(warm, 2)
+            plan = fault_plan(sys_, a)
             done = threading.Event()
-            monitor = None
-            if a.kill_gdkvd_at and daemon is not None:
-                monitor = threading.Thread(target=fault, args=(s, daemon, a.kill_gdkvd_at, done,
-                                                               faults))
-                monitor.start()
             t0 = time.perf_counter()
-            records = run(s, sessions, a)
-            wall = time.perf_counter() - t0
-            done.set()
-            if monitor is not None:
+            monitor = threading.Thread(target=inject, args=(sys_, plan, a.cut_s, t0, done,
+                                                              faults))
+            monitor.start()
+            try:
+                records = run(sys_, sessions, a, t0)
+                wall = time.perf_counter() - t0
+            finally:
+                done.set()
                 monitor.join()
-            loaded = s.metric("vllm:external_prefix_cache_hits_total")
+                if any(f["fault"] == "osd-kill" for f in faults):
+                    net.ceph("start-osd", "1")
+            loaded = sys_.store_hits()
+            far = sys_.far_reads() if name == "gdkv-tiered" else []
         if name == "vllm":
             reference = {(r["session"], r["turn"]): r["tokens"] for r in records}
         results[name] = summary(records, wall, loaded, reference if name != "vllm" else None)
         r = results[name]
-        r.update(faults)
+        for f in faults:
+            f["back_to_speed_s"] = back_to_speed(records, f)
+        if faults:
+            r["faults"] = faults
+        if far:
+            r["far_reads"] = far
+        if name.startswith("gdkv"):
+            r["connector"] = connector_profile(work, name, a.engines)
         print(f"{name:<12} {r['wall_s']:6.1f} s  {r['requests_per_s']:.2f} req/s  "
               f"{r['output_tokens_per_s']:.1f} tok/s  TTFT p50/p90/p99 {r['ttft_p50_s']:.2f}/"
               f"{r['ttft_p90_s']:.2f}/{r['ttft_p99_s']:.2f} s  reused p50 "
               f"{r['reused_ttft_p50_s']:.2f} s  TPOT {r['tpot_mean_s'] * 1e3:.0f} ms  "
               f"{int(r['tokens_from_store'])} tokens from the store"
               + (f"  identical {r['identical']}/{r['compared']}" if r["identical"] is not None
-                 else ""), flush=True)
-        if faults:
-            print(f"{'':<12} gdkvd SIGKILLed at {faults['gdkvd_killed_at_s']:.0f} s and restarted "
-                  f"in {faults['gdkvd_restart_s']:.2f} s; loading from gdkv again after "
-                  f"{faults.get('loading_again_after_s', float('nan')):.1f} s", flush=True)
+                 else "") + (f"  FAILED {r['failed']}" if r["failed"] else ""), flush=True)
+        for e, pe in r.get("per_engine", {}).items():
+            print(f"{'':<12} engine {e}: {pe['requests']} requests, TTFT p50/p90/p99 "
+                  f"{pe['ttft_p50_s']:.2f}/{pe['ttft_p90_s']:.2f}/{pe['ttft_p99_s']:.2f} s, "
+                  f"reused p50 {pe['reused_ttft_p50_s']:.2f} s", flush=True)
+        for f in faults:
+            print(f"{'':<12} {f['fault']} at {f['at_s']:.1f} s ({f['detail']}), over at "
+                  f"{f['end_s']:.1f} s: loading from the store again after "
+                  f"{f.get('loading_again_after_s', float('nan')):.1f} s, back to full speed "
+                  f"after {f['back_to_speed_s']:.1f} s", flush=True)
+        if far:
+            print(f"{'':<12} reads from RADOS (values a host's local tier did not hold), per "
+                  f"gdkvd: {', '.join(str(int(x)) for x in far)}", flush=True)
+        c = r.get("connector")
+        if c:
+            print(f"{'':<12} connector: {int(c.get('loaded_values', 0))} values loaded in "
+                  f"{c.get('load_s', 0):.2f} s (steps waited {c.get('sync_wait_s', 0):.2f} s), "
+                  f"{int(c.get('saved_values', 0))} saved ({c.get('gather_s', 0):.2f} s gathering "
+                  f"on the step, {c.get('save_s', 0):.2f} s putting), "
+                  f"{int(c.get('failed_values', 0))} failed", flush=True)
     base = results.get("vllm")
     if base:
         for name, r in results.items():
@@ -399,6 +646,8 @@ def main() -> int:
         if "limit" in results:
             print("throughput vs the limit: " + ", ".join(
                 f"{n} {r['throughput_vs_limit']:.2f}" for n, r in results.items()))
+            print("TTFT p50 of reused turns vs the limit: " + ", ".join(
+                f"{n} {r['reused_ttft_vs_limit']:.2f}" for n, r in results.items()))
     bad = [n for n, r in results.items() if r["failed"] or
            (r["identical"] is not None and r["identical"] != r["compared"])]
     print("outputs identical to vLLM alone in every system: " + ("yes" if not bad else

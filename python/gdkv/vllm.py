@@ -22,6 +22,10 @@ Extra config: gdkv.engine's keys (``socket_dir`` or ``backend``, ``nsid``, ``nam
                        most half of shared_memory_bytes)
     save_queue_bytes   saves waiting for gdkv beyond this are dropped (default 1 GiB; through
                        gdkvd at most what shared_memory_bytes leaves past the load staging)
+    load_mode          "async" (default): a request waits in WAITING_FOR_REMOTE_KVS while its
+                       values load and the engine's steps go on; "sync": the request is
+                       scheduled in the step that plans its load, which finishes before that
+                       step's forward pass (docs/serving.md measures both)
 
 How it works:
 
@@ -53,7 +57,10 @@ How it works:
   command does).
 - Worker: loads run on a background thread of their own while the forward pass goes on (the
   request waits in vLLM's WAITING_FOR_REMOTE_KVS and comes back through
-  ``get_transfer_results``); saves have another thread, so a load never waits behind saves. A
+  ``get_transfer_results``); with ``load_mode`` "sync" the request is scheduled at once and
+  ``start_load_kv`` waits for its loads before the forward pass (a failed value is reported in
+  the same step and vLLM recomputes from it). Saves have another thread, so a load never waits
+  behind saves. A
   value is written straight into its blocks' pages (zero copy, one scatter list per value) when
   the controller reaches vLLM's KV memory: in-process over CPU tensors, and through gdkvd once
   ``register_kv_caches`` has shared the CPU KV tensors with it in place
@@ -189,6 +196,10 @@ class _Plan:
         self.block_size = vllm_config.cache_config.block_size
         self.hash_block_size = kv_cache_config.hash_block_size or self.block_size
         self.blocks_per_value = int(extra.get("blocks_per_value", 1))
+        self.load_async = {"async": True, "sync": False}.get(extra.get("load_mode", "async"))
+        if self.load_async is None:
+            raise ValueError(f"gdkv: load_mode must be \"async\" or \"sync\", not "
+                             f"{extra.get('load_mode')!r}")
         if self.blocks_per_value < 1:
             raise ValueError("gdkv: blocks_per_value must be at least 1")
         self.tokens_per_value = self.blocks_per_value * self.block_size
@@ -281,7 +292,7 @@ class _SchedulerSide:
         # The values vLLM's prefix cache holds were computed here, and saved then.
         st.lookup = (num_computed, first + found)
         external = (first + found) * p.tokens_per_value - num_computed
-        return (external, True) if external > 0 else (0, False)
+        return (external, p.load_async) if external > 0 else (0, False)
 
     def arrived(self, request: "Request") -> None:
         """A request entered the waiting queue: the values it will load from gdkv (past vLLM's
@@ -386,6 +397,10 @@ class _SchedulerSide:
             st = self.requests.get(req_id)
             if st is not None:
                 st.loading = None
+        if not self.plan.load_async:   # a sync load ended with the step that carried it
+            for st in self.requests.values():
+                if st.loading is not None and st.load is None:
+                    st.loading = None
 
     def build_meta(self, out: "SchedulerOutput") -> GdkvMetadata:
         meta = GdkvMetadata()
@@ -456,7 +471,8 @@ class _WorkerSide:
         self.saved: OrderedDict[bytes, None] = OrderedDict()   # keys this worker put lately
         self.stats = dict(loaded_values=0, failed_values=0, saved_values=0,
                           skipped_present=0, dropped_saves=0, zero_copy_loads=0,
-                          dropped_values=0, loaded_bytes=0, load_s=0.0)
+                          dropped_values=0, loaded_bytes=0, load_s=0.0, sync_wait_s=0.0,
+                          gather_s=0.0, save_s=0.0)
         self._staging: Optional[tuple[Any, torch.Tensor]] = None   # (client, buffer)
 
     # ---- set-up ----
@@ -500,11 +516,20 @@ class _WorkerSide:
 
     # ---- loads ----
     def start_loads(self, loads: list[Transfer]) -> None:
+        """Starts the step's loads; with load_mode "sync" also waits for them (the forward
+        pass that follows reads their pages)."""
+        t0 = time.perf_counter()
+        pending = []
         for t in loads:
             if not self.pages:   # gdkv is off here: every value failed, reported this step
                 self._finish_load(t, list(range(len(t.hashes))))
             else:
-                self.load_pool.submit(self._load, t)
+                pending.append(self.load_pool.submit(self._load, t))
+        if not self.plan.load_async and pending:
+            for f in pending:
+                f.result()
+            with self.lock:
+                self.stats["sync_wait_s"] += time.perf_counter() - t0
 
     def _finish_load(self, t: Transfer, failed: list[int]) -> None:
         with self.lock:
@@ -512,7 +537,8 @@ class _WorkerSide:
                 self.load_errors.update(b for b in t.block_ids[v] if b >= 0)
             self.stats["failed_values"] += len(failed)
             self.stats["loaded_values"] += len(t.hashes) - len(failed)
-            self.finished_loads.add(t.req_id)
+            if self.plan.load_async:   # vLLM waits for these; a sync load is part of its step
+                self.finished_loads.add(t.req_id)
 
     def _load(self, t: Transfer) -> None:
         t0 = time.perf_counter()
@@ -690,10 +716,14 @@ class _WorkerSide:
                     self.queued_save_bytes -= size
                     self.stats["dropped_saves"] += keep
                 continue
+            t0 = time.perf_counter()
             event = self._gather(buf, [b for v in t.block_ids for b in v])
+            with self.lock:   # on the engine's step: the forward pass waits for it
+                self.stats["gather_s"] += time.perf_counter() - t0
             self.save_pool.submit(self._save, t, buf, event, size)
 
     def _save(self, t: Transfer, buf: torch.Tensor, event, size: int) -> None:
+        t0 = time.perf_counter()
         try:
             if event is not None:
                 event.synchronize()
@@ -702,6 +732,7 @@ class _WorkerSide:
         finally:
             with self.lock:
                 self.queued_save_bytes -= size
+                self.stats["save_s"] += time.perf_counter() - t0
 
     def _put(self, client, t: Transfer, buf: torch.Tensor) -> None:
         """Puts t's staged values that neither this worker nor gdkv has yet, one key failing at

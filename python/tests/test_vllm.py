@@ -160,6 +160,71 @@ def test_killed_gdkvd_mid_load(model_dir, tmp_path):
         d.stop()
 
 
+# ---- load_mode "sync": the request runs in the step that loads it ----
+def test_sync_load_runs_in_the_planning_step(model_dir, extra):
+    one = Instance(model_dir, config(extra))
+    one.add("a", PROMPT_A)
+    one.run()
+    two = Instance(model_dir, config(extra, load_mode="sync"))
+    b = two.add("b", PROMPT_B)
+    external = 10 * BS
+    out, failed = two.step()
+    assert not failed and b.status == RequestStatus.RUNNING
+    assert out.num_scheduled_tokens == {"b": len(PROMPT_B) - external}
+    assert [t.req_id for t in out.kv_connector_metadata.loads] == ["b"]
+    ids = two.block_ids("b")
+    for p in range(10):   # A's bytes were in the pages before the forward pass wrote the rest
+        for layer in range(LAYERS):
+            assert torch.equal(two.pages[layer][ids[p]], two.expected("b", p, layer)), (p, layer)
+    w = two.worker.stats
+    assert w["loaded_values"] == 10 and w["sync_wait_s"] > 0
+    assert not two.worker.finished_loads   # vLLM waits for no transfer result
+    assert two.scheduler.connector.scheduler.requests["b"].loading is None
+    two.run()
+    assert b.is_finished()
+    assert w["saved_values"] == len(PROMPT_B) // BS - 10 and w["skipped_present"] == 0
+    one.close()
+    two.close()
+
+
+def test_sync_load_of_a_killed_gdkvd_is_recomputed(model_dir):
+    d = Gdkvd("--backend", "memory")
+    cfg = {"socket_dir": d.dir, "timeout_ms": 2000, "retry_interval_s": 0.2}
+    try:
+        one = Instance(model_dir, cfg)
+        one.add("a", PROMPT_A)
+        one.run()
+        two = Instance(model_dir, dict(cfg, load_mode="sync"))
+        b = two.add("b", PROMPT_B)
+
+        def kill(out):
+            assert out.kv_connector_metadata.loads
+            d.signal(signal.SIGKILL)
+            d.proc.wait()
+
+        out, failed = two.step(check_load=kill)
+        assert out.num_scheduled_tokens == {"b": len(PROMPT_B) - 10 * BS}
+        assert len(failed) == 10 and two.worker.stats["failed_values"] == 10
+        out, failed = two.step()   # that step's output was dropped: the whole prompt again
+        assert out.num_scheduled_tokens == {"b": len(PROMPT_B)} and not failed
+        ids = two.block_ids("b")
+        for p in range(len(PROMPT_B) // BS):
+            for layer in range(LAYERS):
+                assert torch.equal(two.pages[layer][ids[p]], two.expected("b", p, layer))
+        two.run()
+        assert b.is_finished()
+        one.close()
+        two.close()
+    finally:
+        d.stop()
+
+
+def test_load_mode_is_checked(model_dir, tmp_path):
+    with pytest.raises(ValueError, match="load_mode"):
+        Instance(model_dir, {"backend": "memory", "namespace": str(tmp_path),
+                             "load_mode": "eager"})
+
+
 def test_gdkvd_absent_means_no_hits(model_dir, tmp_path):
     cfg = {"socket_dir": str(tmp_path / "nothing-here"), "retry_interval_s": 60}
     inst = Instance(model_dir, cfg)
@@ -224,21 +289,24 @@ def test_keys_name_the_model_dtype(model_dir):
     assert "model=float32" in fp32.description and "model=bfloat16" in bf16.description
 
 
-def a_stored_b_added(model_dir, tmp_path):
-    """Instance one ran PROMPT_A (its values are in gdkv); instance two has PROMPT_B added."""
+def a_stored_b_added(model_dir, tmp_path, **more):
+    """Instance one ran PROMPT_A (its values are in gdkv); instance two (its config plus
+    ``more``) has PROMPT_B added."""
     cfg = {"backend": "memory", "namespace": str(tmp_path)}
     one = Instance(model_dir, cfg)
     one.add("a", PROMPT_A)
     one.run()
-    two = Instance(model_dir, cfg)
+    two = Instance(model_dir, {**cfg, **more})
     return cfg, one, two, two.add("b", PROMPT_B)
 
 
 # ---- a value that fails to load is dropped, and saved again ----
-def test_bad_value_is_dropped_and_saved_again(model_dir, tmp_path):
+@pytest.mark.parametrize("load_mode", ["async", "sync"])
+def test_bad_value_is_dropped_and_saved_again(model_dir, tmp_path, load_mode):
     """A value of the wrong size under a block's key is reported and recomputed, never used; it
-    is deleted, and the recompute saves it again."""
-    cfg, one, two, b = a_stored_b_added(model_dir, tmp_path)
+    is deleted, and the recompute saves it again. With sync loads the request ran in the step
+    that loaded it: vLLM drops that step's output and recomputes from the failed block."""
+    cfg, one, two, b = a_stored_b_added(model_dir, tmp_path, load_mode=load_mode)
     key = two.worker.keys.key(b.block_hashes[3])
     client = two.connector.store.client()
     client.put(key, b"short")                 # what a torn or corrupted write would leave
