@@ -31,7 +31,8 @@ Workloads (``--workload``):
 - ``system``: one shared ``--system-tokens`` system prompt, then each user's short turns.
 - ``trace``: the public Mooncake trace (``--trace``): each request's ``hash_ids`` become
   ``--trace-block-tokens`` tokens per id (equal ids, equal tokens: shared prefixes), prompts
-  capped at ``--max-prompt-tokens``, the first ``--trace-requests`` requests.
+  capped at ``--max-prompt-tokens``, ``--trace-requests`` requests from ``--trace-start`` (by
+  default its last ones, where most requests start with a prefix an earlier one had).
 
 Arrivals: a closed loop of ``--concurrency`` streaming clients, or Poisson arrivals at
 ``--rate`` requests/s (each still waits for its user's previous turn).
@@ -49,9 +50,9 @@ starts it again on the same store; ``--kill-osd-at S`` SIGKILLs OSD 1 of the nam
 cluster (started again after the system's run); ``--cut-link-at S`` cuts the last host's link
 for ``--cut-s`` seconds (tiered systems on namespace hosts). The run must lose no request and no
 output may change (the connector recomputes what it cannot load, and reconnects). Per fault it
-reports when the engines loaded from the store again after the fault ended, and the time back
-to full speed: until the first reused turn that arrived after the fault's end had a TTFT within
-1.5x the reused turns' median before the fault. Exit 1 if any system's output differs from vLLM
+reports the time back to full speed: from the fault's end until the store served again (the
+engines loaded from it after a gdkvd kill; a tiered gdkvd read from RADOS again after an OSD
+kill, the cut host's after its link came back). Exit 1 if any system's output differs from vLLM
 alone's or a request failed.
 
     bench/serving/serve_bench.py --systems vllm,limit,gdkv,mooncake     # the run in docs/serving.md
@@ -96,7 +97,8 @@ class Session:
         self.sid, self.turns, self.extend = sid, turns, extend
         self.history: list[int] = []
         self.next = 0
-        self.shared_prefix = shared_prefix   # tokens shared with other sessions (system prompt)
+        # Tokens its first turn shares with requests served before it (the system prompt).
+        self.shared_prefix = shared_prefix
 
     def prompt(self) -> list[int]:
         return self.history + self.turns[self.next]
@@ -120,13 +122,16 @@ def workload(a: argparse.Namespace) -> list[Session]:
         system = tokens(rng, a.system_tokens)
         return [Session(u, [system + tokens(rng, a.question_tokens)] +
                         [tokens(rng, a.question_tokens) for _ in range(a.turns - 1)],
-                        shared_prefix=a.system_tokens)
+                        shared_prefix=a.system_tokens if u > 0 else 0)
                 for u in range(a.users)]
     blocks: dict[int, list[int]] = {}
+    seen: set[tuple[int, ...]] = set()   # every leading run of hash ids served before
     out = []
     with open(a.trace) as f:
         for i, line in enumerate(f):
-            if i >= a.trace_requests:
+            if i < a.trace_start:
+                continue
+            if i >= a.trace_start + a.trace_requests:
                 break
             r = json.loads(line)
             p: list[int] = []
@@ -134,7 +139,13 @@ def workload(a: argparse.Namespace) -> list[Session]:
                 if h not in blocks:
                     blocks[h] = tokens(random.Random(h * 7919 + a.seed), a.trace_block_tokens)
                 p += blocks[h]
-            out.append(Session(i, [p[:a.max_prompt_tokens]], extend=False))
+            ids = tuple(r["hash_ids"])
+            shared = next((n for n in range(len(ids), 0, -1) if ids[:n] in seen), 0)
+            seen.update(ids[:n] for n in range(1, len(ids) + 1))
+            # A request is "reused" when it starts with a prefix an earlier one had.
+            out.append(Session(len(out), [p[:a.max_prompt_tokens]], extend=False,
+                               shared_prefix=min(shared * a.trace_block_tokens,
+                                                 a.max_prompt_tokens)))
     return out
 
 
@@ -197,7 +208,8 @@ class NetnsHosts:
             raise SystemExit(f"serve_bench: scripts/netns-hosts up failed:\n{r.stdout[-3000:]}")
         self.ceph_conf = r.stdout.strip().splitlines()[-1]
         self.subnet = subnet
-        print(f"network-namespace hosts h0..h{n - 1} and a Ceph cluster up in "
+        hosts = "h0" if n == 1 else f"h0..h{n - 1}"
+        print(f"network-namespace hosts {hosts} and a Ceph cluster up in "
               f"{time.perf_counter() - t0:.0f} s ({self.ceph_conf})", flush=True)
 
     def _run(self, *args: str) -> subprocess.CompletedProcess:
@@ -237,12 +249,13 @@ class System:
                  net: Optional[NetnsHosts]):
         self.name, self.servers, self.daemons, self.net = name, servers, daemons, net
 
-    def far_reads(self) -> list[float]:
-        """Each tiered gdkvd's reads from RADOS (values its local tier did not hold)."""
+    def tiered(self, name: str) -> list[float]:
+        """A tiered gdkvd counter (``tiered_far_reads_total``: reads its local tier could not
+        serve; ``tiered_fills_total``: values read from RADOS into it), per gdkvd."""
         out = []
         for d in self.daemons:
             m = d.metrics() if d.metrics_port else {}
-            out.append(sum(v for k, v in m.items() if "tiered_far_reads_total" in k))
+            out.append(sum(v for k, v in m.items() if name in k))
         return out
 
     def store_hits(self) -> float:
@@ -348,7 +361,7 @@ def run(sys_: System, sessions: list[Session], a: argparse.Namespace, t0: float)
                             "total_s": r["total_s"], "start_s": t_start - t0,
                             "end_s": time.perf_counter() - t0,
                             "queued_s": t_start - t_arrive, "tokens": r["tokens"],
-                            "reused": turn > 0 or (s.shared_prefix > 0 and s.sid > 0)})
+                            "reused": turn > 0 or s.shared_prefix > 0})
         if s.next < len(s.turns):
             ready.put(s)
 
@@ -401,53 +414,64 @@ def fault_plan(sys_: System, a: argparse.Namespace) -> list[tuple[float, str]]:
 
 def inject(sys_: System, plan: list[tuple[float, str]], cut_s: float, t0: float,
            done: threading.Event, out: list[dict]) -> None:
-    """Runs ``plan``'s faults at their times (relative to ``t0``); each leaves a record: when
-    it began and ended, and when the engines' store hits grew again after its end."""
-    for at_s, kind in plan:
-        if done.wait(max(0.0, t0 + at_s - time.perf_counter())):
-            return
-        f = {"fault": kind, "at_s": time.perf_counter() - t0}
-        if kind == "gdkvd-kill":
-            d = sys_.daemons[0]
-            d.kill()
-            d.start()
-            f["detail"] = "gdkvd SIGKILLed and started again on the same store"
-        elif kind == "osd-kill":
-            sys_.net.ceph("kill-osd", "1")
-            f["detail"] = "OSD 1 SIGKILLed (started again after the run)"
-        else:
-            host = len(sys_.servers) - 1
-            sys_.net.cut(host)
-            f["detail"] = f"host h{host}'s link cut for {cut_s:.0f} s"
-            if done.wait(cut_s):
-                sys_.net.restore(host)
-                f["end_s"] = time.perf_counter() - t0
-                out.append(f)
-                return
-            sys_.net.restore(host)
+    """Runs ``plan``'s faults at their times (relative to ``t0``), none waiting for another, and
+    leaves a record of each: when it began and ended, and the seconds from its end until the
+    store served again (``back_to_full_speed_s``): the engines' external prefix-cache hits grew
+    (a gdkvd killed), a tiered gdkvd filled its local tier from RADOS again (any host after an
+    OSD kill; the cut host after its link came back)."""
+    todo = sorted(plan)
+    cut: Optional[dict] = None
+    waiting: list[dict] = []   # faults over, store not serving again yet
+
+    def progress(f: dict) -> float:
+        if f["fault"] == "gdkvd-kill":
+            return sys_.store_hits()
+        fills = sys_.tiered("tiered_fills_total")
+        return fills[f["host"]] if "host" in f else sum(fills)
+
+    def over(f: dict) -> None:
         f["end_s"] = time.perf_counter() - t0
+        f["_base"] = progress(f)
         out.append(f)
-        before = sys_.store_hits()
-        while not done.wait(0.25):
-            if sys_.store_hits() > before:
-                f["loading_again_after_s"] = time.perf_counter() - t0 - f["end_s"]
-                break
+        waiting.append(f)
 
-
-def back_to_speed(records: list[dict], f: dict) -> float:
-    """Seconds from the fault's end until a reused turn that arrived after it had a TTFT within
-    1.5x the median of the reused turns that ended before the fault (nan if none did)."""
-    before = [r["ttft_s"] for r in records
-              if r["reused"] and r["ttft_s"] is not None and r["end_s"] < f["at_s"]]
-    if not before:
-        return float("nan")
-    bar = 1.5 * statistics.median(before)
-    after = sorted((r for r in records if r["reused"] and r["ttft_s"] is not None and
-                    r["start_s"] >= f["end_s"]), key=lambda r: r["start_s"])
-    for r in after:
-        if r["ttft_s"] <= bar:
-            return r["start_s"] + r["ttft_s"] - f["end_s"]
-    return float("nan")
+    try:
+        while True:
+            now = time.perf_counter() - t0
+            if todo and now >= todo[0][0]:
+                _, kind = todo.pop(0)
+                f = {"fault": kind, "at_s": now}
+                if kind == "gdkvd-kill":
+                    d = sys_.daemons[0]
+                    d.kill()
+                    d.start()
+                    f["detail"] = "gdkvd SIGKILLed and started again on the same store"
+                    over(f)
+                elif kind == "osd-kill":
+                    sys_.net.ceph("kill-osd", "1")
+                    f["detail"] = "OSD 1 SIGKILLed (started again after the run)"
+                    over(f)
+                else:
+                    f["host"] = len(sys_.servers) - 1
+                    sys_.net.cut(f["host"])
+                    f["detail"] = f"host h{f['host']}'s link cut for {cut_s:.0f} s"
+                    cut = f
+            if cut is not None and now >= cut["at_s"] + cut_s:
+                sys_.net.restore(cut["host"])
+                over(cut)
+                cut = None
+            for f in list(waiting):
+                if progress(f) > f["_base"]:
+                    f["back_to_full_speed_s"] = time.perf_counter() - t0 - f["end_s"]
+                    waiting.remove(f)
+            if done.wait(0.25):
+                return
+    finally:
+        if cut is not None:   # the run ended during the cut
+            sys_.net.restore(cut["host"])
+            over(cut)
+        for f in out:
+            f.pop("_base", None)
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -487,6 +511,20 @@ def summary(records: list[dict], wall: float, loaded: float,
     return out
 
 
+ENGINE_PROFILE = {   # the engines' own accounting of where requests spent their time (summed)
+    "queue_s": "vllm:request_queue_time_seconds_sum",
+    "prefill_s": "vllm:request_prefill_time_seconds_sum",
+    "decode_s": "vllm:request_decode_time_seconds_sum",
+    "prefill_computed_tokens": "vllm:request_prefill_kv_computed_tokens_sum",
+    "local_hit_tokens": "vllm:prefix_cache_hits_total",
+    "preemptions": "vllm:num_preemptions_total",
+}
+
+
+def engine_profile(sys_: System) -> dict[str, float]:
+    return {k: sum(s.metric(m) for s in sys_.servers) for k, m in ENGINE_PROFILE.items()}
+
+
 def connector_profile(work: Path, name: str, engines: int) -> dict[str, float]:
     """The gdkv connector's counters (GDKV_VLLM_STATS), summed over the system's engines."""
     total: dict[str, float] = {}
@@ -512,6 +550,8 @@ def main() -> int:
     ap.add_argument("--trace", default=str(ROOT.parent / "shared" / "traces" /
                                           "mooncake_synthetic.jsonl"))
     ap.add_argument("--trace-requests", type=int, default=40)
+    ap.add_argument("--trace-start", type=int, default=3950,
+                    help="the trace's first request replayed (its last ones share prefixes most)")
     ap.add_argument("--trace-block-tokens", type=int, default=64)
     ap.add_argument("--max-prompt-tokens", type=int, default=3072)
     ap.add_argument("--concurrency", type=int, default=2)
@@ -591,17 +631,17 @@ def serve(a: argparse.Namespace, names: list[str], work: Path,
                 if any(f["fault"] == "osd-kill" for f in faults):
                     net.ceph("start-osd", "1")
             loaded = sys_.store_hits()
-            far = sys_.far_reads() if name == "gdkv-tiered" else []
+            engine = engine_profile(sys_)
+            far = sys_.tiered("tiered_far_reads_total") if name == "gdkv-tiered" else []
         if name == "vllm":
             reference = {(r["session"], r["turn"]): r["tokens"] for r in records}
         results[name] = summary(records, wall, loaded, reference if name != "vllm" else None)
         r = results[name]
-        for f in faults:
-            f["back_to_speed_s"] = back_to_speed(records, f)
         if faults:
             r["faults"] = faults
         if far:
             r["far_reads"] = far
+        r["engine"] = engine
         if name.startswith("gdkv"):
             r["connector"] = connector_profile(work, name, a.engines)
         print(f"{name:<12} {r['wall_s']:6.1f} s  {r['requests_per_s']:.2f} req/s  "
@@ -616,10 +656,17 @@ def serve(a: argparse.Namespace, names: list[str], work: Path,
                   f"{pe['ttft_p50_s']:.2f}/{pe['ttft_p90_s']:.2f}/{pe['ttft_p99_s']:.2f} s, "
                   f"reused p50 {pe['reused_ttft_p50_s']:.2f} s", flush=True)
         for f in faults:
+            back = f.get("back_to_full_speed_s")
             print(f"{'':<12} {f['fault']} at {f['at_s']:.1f} s ({f['detail']}), over at "
-                  f"{f['end_s']:.1f} s: loading from the store again after "
-                  f"{f.get('loading_again_after_s', float('nan')):.1f} s, back to full speed "
-                  f"after {f['back_to_speed_s']:.1f} s", flush=True)
+                  f"{f['end_s']:.1f} s: " + (f"the store served again {back:.1f} s later"
+                                             if back is not None else
+                                             "the store did not serve again before the run "
+                                             "ended"), flush=True)
+        print(f"{'':<12} engine: queued {engine['queue_s']:.1f} s, prefill "
+              f"{engine['prefill_s']:.1f} s, decode {engine['decode_s']:.1f} s; prefill computed "
+              f"{int(engine['prefill_computed_tokens'])} tokens, its own prefix cache hit "
+              f"{int(engine['local_hit_tokens'])}; {int(engine['preemptions'])} preemptions",
+              flush=True)
         if far:
             print(f"{'':<12} reads from RADOS (values a host's local tier did not hold), per "
                   f"gdkvd: {', '.join(str(int(x)) for x in far)}", flush=True)

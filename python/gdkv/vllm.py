@@ -6,6 +6,9 @@ Turn it on with::
         "kv_connector_module_path": "gdkv.vllm", "kv_role": "kv_both",
         "kv_connector_extra_config": {"socket_dir": "/run/gdkvd"}}'
 
+``kv_role``: ``kv_both`` saves and loads; ``kv_producer`` (a prefill engine of a disaggregated
+deployment) saves and never loads; ``kv_consumer`` (a decode engine) loads and never saves.
+
 Through gdkvd (``socket_dir``) only, in a vLLM server: its scheduler and worker are separate
 processes, so an in-process ``backend`` would be two stores (the connector warns). Environment:
 ``GDKV_VLLM_STATS=PATH``: each worker writes its counters (values and bytes loaded, the load
@@ -196,6 +199,11 @@ class _Plan:
         self.block_size = vllm_config.cache_config.block_size
         self.hash_block_size = kv_cache_config.hash_block_size or self.block_size
         self.blocks_per_value = int(extra.get("blocks_per_value", 1))
+        # kv_role: a kv_producer (a prefill engine) saves and never loads, a kv_consumer (a
+        # decode engine) loads and never saves; kv_both does both.
+        ktc = vllm_config.kv_transfer_config
+        self.loads = bool(ktc.is_kv_consumer)
+        self.saves = bool(ktc.is_kv_producer)
         self.load_async = {"async": True, "sync": False}.get(extra.get("load_mode", "async"))
         if self.load_async is None:
             raise ValueError(f"gdkv: load_mode must be \"async\" or \"sync\", not "
@@ -279,7 +287,7 @@ class _SchedulerSide:
         st = self.state(request)
         st.lookup = None
         p = self.plan
-        if self.store is None or not p.usable or self.off:
+        if self.store is None or not p.usable or self.off or not p.loads:
             return 0, False
         # vLLM computes at least the prompt's last token itself.
         last = p.hashed_values(request, request.num_prompt_tokens - 1)
@@ -299,7 +307,7 @@ class _SchedulerSide:
         prefix-cache hit now, the leading run gdkv holds) are hinted, in order, once."""
         st = self.state(request)
         p = self.plan
-        if st.hinted or self.store is None or not p.usable or self.off:
+        if st.hinted or self.store is None or not p.usable or self.off or not p.loads:
             return
         st.hinted = True
         if getattr(request, "skip_reading_prefix_cache", False):
@@ -408,7 +416,7 @@ class _SchedulerSide:
             if st.load is not None:
                 meta.loads.append(st.load)
                 st.load = None
-        if self.store is None or not self.plan.usable or self.off:
+        if self.store is None or not self.plan.usable or self.off or not self.plan.saves:
             return meta
         done: dict[str, int] = {}
         for new in out.scheduled_new_reqs:

@@ -219,6 +219,45 @@ def test_sync_load_of_a_killed_gdkvd_is_recomputed(model_dir):
         d.stop()
 
 
+# ---- kv_role: a producer (prefill engine) never loads, a consumer (decode engine) never saves
+def test_producer_saves_and_never_loads(model_dir, tmp_path):
+    cfg = {"backend": "memory", "namespace": str(tmp_path)}
+    one = Instance(model_dir, cfg)
+    one.add("a", PROMPT_A)
+    one.run()
+    prefill = Instance(model_dir, cfg, kv_role="kv_producer")
+    prefill.add("b", PROMPT_B)   # gdkv holds 10 of its blocks: a producer computes them all
+    out, failed = prefill.step()
+    assert out.num_scheduled_tokens == {"b": len(PROMPT_B)} and not failed
+    assert not out.kv_connector_metadata.loads
+    prefill.run()
+    w = prefill.worker.stats
+    assert w["loaded_values"] == 0
+    # It saves what gdkv lacks (the 10 shared values were there already).
+    assert w["saved_values"] == len(PROMPT_B) // BS - 10 and w["skipped_present"] == 10
+    one.close()
+    prefill.close()
+
+
+def test_consumer_loads_and_never_saves(model_dir, tmp_path):
+    cfg = {"backend": "memory", "namespace": str(tmp_path)}
+    prefill = Instance(model_dir, cfg, kv_role="kv_producer")
+    prefill.add("a", PROMPT_A)
+    prefill.run()
+    decode = Instance(model_dir, cfg, kv_role="kv_consumer")
+    b = decode.add("b", PROMPT_B)
+    decode.run()
+    assert b.is_finished()
+    w = decode.worker.stats
+    assert w["loaded_values"] == 10 and w["saved_values"] == 0 and w["skipped_present"] == 0
+    # The consumer's own values past the shared prefix were not put.
+    client = decode.connector.store.client()
+    assert all(client.exists(decode.worker.keys.key(h)) for h in b.block_hashes[:10])
+    assert not any(client.exists(decode.worker.keys.key(h)) for h in b.block_hashes[10:])
+    prefill.close()
+    decode.close()
+
+
 def test_load_mode_is_checked(model_dir, tmp_path):
     with pytest.raises(ValueError, match="load_mode"):
         Instance(model_dir, {"backend": "memory", "namespace": str(tmp_path),

@@ -57,7 +57,8 @@ class Instance:
 
     def __init__(self, model_dir: str, extra: dict, layout: str = "LBNHC",
                  dtype: torch.dtype = torch.float32, kv_bytes_total: int = 8 << 20,
-                 max_len: int = 1024, kv_dtype: torch.dtype | None = None):
+                 max_len: int = 1024, kv_dtype: torch.dtype | None = None,
+                 kv_role: str = "kv_both"):
         # kv_dtype: the KV cache's dtype, if not the model's (as an fp8 cache would be).
         mc = ModelConfig(model=model_dir, tokenizer=model_dir, skip_tokenizer_init=True,
                          dtype=str(dtype).removeprefix("torch."), max_model_len=max_len, seed=0)
@@ -66,7 +67,7 @@ class Instance:
         cc = CacheConfig(block_size=BS, cache_dtype="auto", enable_prefix_caching=True)
         cc.kv_cache_layout = layout
         kt = KVTransferConfig(kv_connector="GdkvConnector", kv_connector_module_path="gdkv.vllm",
-                              kv_role="kv_both", kv_connector_extra_config=extra,
+                              kv_role=kv_role, kv_connector_extra_config=extra,
                               kv_load_failure_policy="recompute")
         vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc,
                         kv_transfer_config=kt, device_config=DeviceConfig("cpu"))

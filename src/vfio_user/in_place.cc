@@ -127,11 +127,11 @@ void copy_pages(std::byte* dst, const std::byte* src, size_t n) {
   if (n > 0) std::memcpy(dst, src, n);
 }
 
-// Copies the pages of [src, src + n) the kernel holds (present or swapped out, per
-// /proc/self/pagemap) to dst; untouched pages read as zero on both sides and are skipped, so a
-// fresh allocation costs no copy and commits no memory. Without pagemap, copies everything.
-void copy_held_pages(std::byte* dst, const std::byte* src, size_t n, size_t page, bool all) {
-  const size_t pages = n / page;
+// Which of the `pages` pages at src the kernel holds (present or swapped out, per
+// /proc/self/pagemap): untouched pages read as zero on both sides and need no copy, so a fresh
+// allocation costs no copy and commits no memory. Empty when unknown (no pagemap, or `all`):
+// every page is copied.
+std::vector<bool> held_pages(const std::byte* src, size_t pages, size_t page, bool all) {
   std::vector<uint64_t> flags(pages);
   const int fd = all ? -1 : ::open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
   bool known = false;
@@ -141,15 +141,25 @@ void copy_held_pages(std::byte* dst, const std::byte* src, size_t n, size_t page
     known = ::pread(fd, flags.data(), static_cast<size_t>(want), at) == want;
     ::close(fd);
   }
+  if (!known) return {};
   constexpr uint64_t kPresent = 1ull << 63, kSwapped = 1ull << 62;
-  size_t i = 0;
-  while (i < pages) {
-    if (known && !(flags[i] & (kPresent | kSwapped))) {
+  std::vector<bool> held(pages);
+  for (size_t i = 0; i < pages; ++i) held[i] = (flags[i] & (kPresent | kSwapped)) != 0;
+  return held;
+}
+
+// Copies pages [first, last) of src to dst, those `held` names (all of them if it is empty), in
+// runs. Allocates nothing.
+void copy_held_pages(std::byte* dst, const std::byte* src, const std::vector<bool>& held,
+                     size_t first, size_t last, size_t page) {
+  size_t i = first;
+  while (i < last) {
+    if (!held.empty() && !held[i]) {
       ++i;
       continue;
     }
     size_t j = i + 1;
-    while (j < pages && (!known || (flags[j] & (kPresent | kSwapped)))) ++j;
+    while (j < last && (held.empty() || held[j])) ++j;
     copy_pages(dst + i * page, src + i * page, (j - i) * page);
     i = j;
   }
@@ -195,8 +205,19 @@ uint64_t move_to_memfd(uint64_t a, uint64_t n, bool all) {
   if (::fstat(fd.get(), &st) != 0) fail(std::string("share: fstat: ") + std::strerror(errno));
   void* tmp = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
   if (tmp == MAP_FAILED) fail(std::string("share: mmap: ") + std::strerror(errno));
-  copy_held_pages(static_cast<std::byte*>(tmp), reinterpret_cast<const std::byte*>(a), n,
-                  static_cast<size_t>(::sysconf(_SC_PAGESIZE)), all);
+  // The first and last page may hold other allocations and malloc's own headers (a buffer on
+  // the heap), which this thread or another may change until the mremap: whatever is written to
+  // the old pages after their copy is lost. So nothing is allocated or freed from here to the
+  // mremap (a free next to the buffer would be undone: heap corruption), and those two pages
+  // are copied last, leaving a window of two page copies and one system call.
+  const auto page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  const size_t pages = n / page;
+  auto* dst = static_cast<std::byte*>(tmp);
+  const auto* src = reinterpret_cast<const std::byte*>(a);
+  const std::vector<bool> held = held_pages(src, pages, page, all);
+  if (pages > 2) copy_held_pages(dst, src, held, 1, pages - 1, page);
+  copy_held_pages(dst, src, held, 0, 1, page);
+  if (pages > 1) copy_held_pages(dst, src, held, pages - 1, pages, page);
   void* moved = ::mremap(tmp, n, n, MREMAP_MAYMOVE | MREMAP_FIXED, reinterpret_cast<void*>(a));
   if (moved == MAP_FAILED) {
     const int e = errno;

@@ -8,7 +8,10 @@
 // pages in one step. The process then sees the same bytes at the same addresses, and gdkvd maps
 // the same memfd. What it costs the caller:
 //   - writes to the range by other threads while it is being shared are lost (share memory
-//     before it is in use: an engine's KV pool at registration);
+//     before it is in use: an engine's KV pool at registration). Its first and last page may
+//     also hold other allocations (a buffer on the heap): they are copied last, right before
+//     the move, and the sharing thread allocates nothing in between, so only another thread
+//     writing there within that window (two page copies and one mremap) would lose its write;
 //   - a child forked later shares these pages with the parent instead of getting a copy;
 //   - the memory must stay allocated while it is shared (unshare before freeing it).
 //
