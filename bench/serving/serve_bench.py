@@ -41,6 +41,13 @@ Engines: ``--engines N`` (1 or more) engines per system, engine i pinned to the 
 ``--cpus`` (entries separated by ``/``: ``0/1``). Turn t of user u goes to engine (u + t) mod N:
 no affinity, every turn of a user on another engine than the one before.
 
+Prefill/decode disaggregation (``--pd``, two engines): the client acts as the proxy. Each
+request goes first to engine 0, the prefill engine, with ``max_tokens`` 1, then whole to engine
+1, the decode engine, whose TTFT is the request's. With gdkv, engine 0's connector is a
+``kv_producer`` (saves, never loads) and engine 1's a ``kv_consumer`` (loads, never saves), so
+the decode engine loads every full block of the prompt; without (``vllm``), the decode engine
+recomputes the prompt.
+
 Per system: requests/s, output tokens/s, TTFT p50/p90/p99, the TTFT p50 of reused turns (a
 turn after the user's first, or any request after the first that shares the system prompt),
 time per output token, prompt tokens loaded from the store (``vllm:external_prefix_cache_hits``),
@@ -265,13 +272,16 @@ class System:
 def start_servers(model: str, kv: list[Optional[dict]], args: tuple, envs: list[dict],
                   common: dict) -> list[Server]:
     """One engine per ``kv``/``envs`` entry, started at once on threads (each takes about half
-    a minute); every one started is stopped if another fails."""
+    a minute); every one started is stopped if another fails. ``common["kv_roles"]``: each
+    engine's kv_role (default kv_both)."""
     out: list[Optional[Server]] = [None] * len(kv)
     errors: list[BaseException] = []
+    common = dict(common)
+    roles = common.pop("kv_roles", ["kv_both"] * len(kv))
 
     def one(i: int) -> None:
         try:
-            out[i] = Server(model, kv[i], args=args, env=envs[i], **common)
+            out[i] = Server(model, kv[i], args=args, env=envs[i], kv_role=roles[i], **common)
         except BaseException as e:   # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -318,6 +328,8 @@ def system(name: str, a: argparse.Namespace, work: Path,
                 stack.callback(daemons[-1].stop)
             kv = [{"socket_dir": daemons[i % len(daemons)].dir, "load_mode": mode}
                   for i in range(n)]
+            if a.pd:
+                common["kv_roles"] = ["kv_producer", "kv_consumer"]
         elif name == "mooncake":
             env = stack.enter_context(mooncake_master(work))
             for e in envs:
@@ -346,9 +358,11 @@ def run(sys_: System, sessions: list[Session], a: argparse.Namespace, t0: float)
 
     def one(s: Session, t_arrive: float) -> None:
         turn, prompt = s.next, s.prompt()
-        engine = (s.sid + turn) % len(servers)
+        engine = 1 if a.pd else (s.sid + turn) % len(servers)
         t_start = time.perf_counter()
         try:
+            if a.pd:   # the proxy: prefill on engine 0, then the request on engine 1
+                servers[0].complete(prompt, 1)
             r = servers[engine].complete(prompt, a.answer_tokens)
         except Exception as e:   # noqa: BLE001 - counted as a failed request
             with lock:
@@ -517,12 +531,14 @@ ENGINE_PROFILE = {   # the engines' own accounting of where requests spent their
     "decode_s": "vllm:request_decode_time_seconds_sum",
     "prefill_computed_tokens": "vllm:request_prefill_kv_computed_tokens_sum",
     "local_hit_tokens": "vllm:prefix_cache_hits_total",
+    "store_hit_tokens": "vllm:external_prefix_cache_hits_total",
     "preemptions": "vllm:num_preemptions_total",
 }
 
 
-def engine_profile(sys_: System) -> dict[str, float]:
-    return {k: sum(s.metric(m) for s in sys_.servers) for k, m in ENGINE_PROFILE.items()}
+def engine_profile(sys_: System) -> list[dict[str, float]]:
+    """ENGINE_PROFILE per engine."""
+    return [{k: s.metric(m) for k, m in ENGINE_PROFILE.items()} for s in sys_.servers]
 
 
 def connector_profile(work: Path, name: str, engines: int) -> dict[str, float]:
@@ -558,6 +574,8 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second "
                     "(0: a closed loop of --concurrency clients)")
     ap.add_argument("--engines", type=int, default=1, help="engines per system (round robin)")
+    ap.add_argument("--pd", action="store_true",
+                    help="prefill/decode disaggregation: engine 0 prefills, engine 1 decodes")
     ap.add_argument("--kv-blocks", type=int, default=40, help="every engine's KV space")
     ap.add_argument("--limit-blocks", type=int, default=400, help="the limit engine's KV space")
     ap.add_argument("--max-model-len", type=int, default=0,
@@ -591,6 +609,8 @@ def main() -> int:
         ap.error(f"--systems: one of {SYSTEMS}")
     if a.engines < 1:
         ap.error("--engines: at least 1")
+    if a.pd and (a.engines != 2 or "mooncake" in names):
+        ap.error("--pd: --engines 2, and no mooncake system")
     a.cpu_list = (a.cpus or "/".join(str(i) for i in range(a.engines))).split("/")
     a.max_model_len = a.max_model_len or (a.kv_blocks - 1) * 128   # vLLM keeps one block back
     build_engine_model(a.model, max_positions=max(8192, a.max_model_len + 64))
@@ -641,7 +661,11 @@ def serve(a: argparse.Namespace, names: list[str], work: Path,
             r["faults"] = faults
         if far:
             r["far_reads"] = far
-        r["engine"] = engine
+        r["engine"] = {k: sum(e[k] for e in engine) for k in ENGINE_PROFILE}
+        if len(engine) > 1:
+            r["engine_per_engine"] = engine
+        r["prompt_block_tokens"] = [sum((rec["prompt_tokens"] - 1) // 128 * 128 for rec in records
+                                        if rec["engine"] == e) for e in range(len(engine))]
         if name.startswith("gdkv"):
             r["connector"] = connector_profile(work, name, a.engines)
         print(f"{name:<12} {r['wall_s']:6.1f} s  {r['requests_per_s']:.2f} req/s  "
@@ -662,11 +686,12 @@ def serve(a: argparse.Namespace, names: list[str], work: Path,
                                              if back is not None else
                                              "the store did not serve again before the run "
                                              "ended"), flush=True)
-        print(f"{'':<12} engine: queued {engine['queue_s']:.1f} s, prefill "
-              f"{engine['prefill_s']:.1f} s, decode {engine['decode_s']:.1f} s; prefill computed "
-              f"{int(engine['prefill_computed_tokens'])} tokens, its own prefix cache hit "
-              f"{int(engine['local_hit_tokens'])}; {int(engine['preemptions'])} preemptions",
-              flush=True)
+        for i, e in enumerate(engine):
+            print(f"{'':<12} engine {i} time: queued {e['queue_s']:.1f} s, prefill "
+                  f"{e['prefill_s']:.1f} s, decode {e['decode_s']:.1f} s; prefill computed "
+                  f"{int(e['prefill_computed_tokens'])} tokens, its own prefix cache hit "
+                  f"{int(e['local_hit_tokens'])}, the store {int(e['store_hit_tokens'])}; "
+                  f"{int(e['preemptions'])} preemptions", flush=True)
         if far:
             print(f"{'':<12} reads from RADOS (values a host's local tier did not hold), per "
                   f"gdkvd: {', '.join(str(int(x)) for x in far)}", flush=True)

@@ -7,7 +7,8 @@ Turn it on with::
         "kv_connector_extra_config": {"socket_dir": "/run/gdkvd"}}'
 
 ``kv_role``: ``kv_both`` saves and loads; ``kv_producer`` (a prefill engine of a disaggregated
-deployment) saves and never loads; ``kv_consumer`` (a decode engine) loads and never saves.
+deployment) saves and never loads, and its steps wait for their saves, so a request's first
+token comes back once its KV is in gdkv; ``kv_consumer`` (a decode engine) loads and never saves.
 
 Through gdkvd (``socket_dir``) only, in a vLLM server: its scheduler and worker are separate
 processes, so an in-process ``backend`` would be two stores (the connector warns). Environment:
@@ -264,6 +265,10 @@ class _Request:
         self.load: Optional[Transfer] = None      # the load to send with the next metadata
         self.loading: Optional[tuple[int, Transfer]] = None   # (first value, load) in flight
         self.hinted = False        # its values were hinted to gdkv (once per request)
+        # The first value whose load failed: never offered to this request again, so a value
+        # gdkv lists but cannot deliver (a namespace not ready, a far tier cut off) costs one
+        # recompute, not a load-fail-reschedule loop.
+        self.failed_at: Optional[int] = None
 
 
 class _SchedulerSide:
@@ -297,6 +302,8 @@ class _SchedulerSide:
         hashes = [p.value_hash(request, v) for v in range(first, last)]
         keys = [ks.key(h) for h in hashes for ks in self.spaces]
         found = self.store.call(lambda c: self._lookup(c, keys), 0) // len(self.spaces)
+        if st.failed_at is not None:
+            found = min(found, max(0, st.failed_at - first))
         # The values vLLM's prefix cache holds were computed here, and saved then.
         st.lookup = (num_computed, first + found)
         external = (first + found) * p.tokens_per_value - num_computed
@@ -400,6 +407,8 @@ class _SchedulerSide:
             for v, ids in enumerate(load.block_ids):
                 if any(b in bad for b in ids):
                     st.planned = min(st.planned, first + v)
+                    st.failed_at = min(first + v, st.failed_at if st.failed_at is not None
+                                       else first + v)
                     break
         for req_id in out.finished_recving or ():
             st = self.requests.get(req_id)
@@ -480,7 +489,7 @@ class _WorkerSide:
         self.stats = dict(loaded_values=0, failed_values=0, saved_values=0,
                           skipped_present=0, dropped_saves=0, zero_copy_loads=0,
                           dropped_values=0, loaded_bytes=0, load_s=0.0, sync_wait_s=0.0,
-                          gather_s=0.0, save_s=0.0)
+                          gather_s=0.0, save_s=0.0, save_wait_s=0.0)
         self._staging: Optional[tuple[Any, torch.Tensor]] = None   # (client, buffer)
 
     # ---- set-up ----
@@ -694,7 +703,21 @@ class _WorkerSide:
     def start_saves(self, saves: list[Transfer]) -> None:
         """Gathers each save's pages into a buffer now (vLLM may reuse the blocks after this
         step) and puts them on the save thread. The load staging is reserved first; saves past
-        the budget (_save_budget) are dropped, a save's leading values first kept."""
+        the budget (_save_budget) are dropped, a save's leading values first kept. A
+        kv_producer (a prefill engine) waits for its puts: its step, and so the request's first
+        token, ends once the KV is in gdkv, where the decode engine asked next will look."""
+        pending = []
+        t0 = time.perf_counter()
+        try:
+            self._start_saves(saves, pending)
+        finally:
+            if pending and not self.plan.loads:
+                for f in pending:
+                    f.result()
+                with self.lock:
+                    self.stats["save_wait_s"] += time.perf_counter() - t0
+
+    def _start_saves(self, saves: list[Transfer], pending: list) -> None:
         client = self.store.client() if self.store else None
         if client is None or not self.pages or not saves:
             return
@@ -728,7 +751,7 @@ class _WorkerSide:
             event = self._gather(buf, [b for v in t.block_ids for b in v])
             with self.lock:   # on the engine's step: the forward pass waits for it
                 self.stats["gather_s"] += time.perf_counter() - t0
-            self.save_pool.submit(self._save, t, buf, event, size)
+            pending.append(self.save_pool.submit(self._save, t, buf, event, size))
 
     def _save(self, t: Transfer, buf: torch.Tensor, event, size: int) -> None:
         t0 = time.perf_counter()

@@ -57,10 +57,10 @@ def build_engine_model(path: str, **build: Any) -> str:
     return path
 
 
-def connector_config(extra: dict) -> str:
+def connector_config(extra: dict, kv_role: str = "kv_both") -> str:
     """vLLM's --kv-transfer-config for GdkvConnector with ``extra`` as its extra config."""
     return json.dumps({"kv_connector": "GdkvConnector", "kv_connector_module_path": "gdkv.vllm",
-                       "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                       "kv_role": kv_role, "kv_load_failure_policy": "recompute",
                        "kv_connector_extra_config": extra})
 
 
@@ -75,13 +75,14 @@ def free_port() -> int:
 class Server:
     """A ``vllm.entrypoints.openai.api_server`` child process on 127.0.0.1.
 
-    ``kv`` is the connector's extra config (None: no connector). ``args`` are more server flags
-    (``--max-num-batched-tokens 512``...). The server's log is ``self.log_path``."""
+    ``kv`` is the connector's extra config (None: no connector), ``kv_role`` its role. ``args``
+    are more server flags (``--max-num-batched-tokens 512``...). The server's log is
+    ``self.log_path``."""
 
     def __init__(self, model: str, kv: Optional[dict] = None, *, dtype: str = "float32",
                  max_model_len: int = 8192, kv_cache_gib: int = 1, args: tuple = (),
                  env: Optional[dict] = None, log_dir: Optional[str] = None,
-                 start_timeout_s: float = 600):
+                 start_timeout_s: float = 600, kv_role: str = "kv_both"):
         self.model = model
         self.port = free_port()
         log_dir = log_dir or tempfile.mkdtemp(prefix="gdkv-vllm-")
@@ -92,7 +93,7 @@ class Server:
                "--dtype", dtype, "--max-model-len", str(max_model_len), "--enforce-eager",
                "--seed", "0", *args]
         if kv is not None:
-            cmd += ["--kv-transfer-config", connector_config(kv)]
+            cmd += ["--kv-transfer-config", connector_config(kv, kv_role)]
         e = dict(os.environ)
         # vLLM sets this in a process that starts its engine (a test that built one in-process,
         # say) and then sums its counters with every engine given the same directory: each

@@ -1,9 +1,10 @@
 """Short serving runs (bench/serving/serve_bench.py) on the real vLLM engine: vLLM alone against
 gdkv through gdkvd, four users with four turns each on two concurrent streaming clients, and
-gdkvd SIGKILLed and restarted in the middle of gdkv's run; then two engines on two
-network-namespace hosts over one RADOS pool, with an OSD killed and a link cut. Reuse must happen, no request may
-fail, and every request's output tokens must equal vLLM alone's. Figures are benchmarks, recorded
-in docs/serving.md, not judged here."""
+gdkvd SIGKILLed and restarted in the middle of gdkv's run; two engines on two network-namespace
+hosts over one RADOS pool, with an OSD killed and a link cut; prefill/decode disaggregation
+through gdkv on one node and across the two hosts. Reuse must happen, no request may fail, and
+every request's output tokens must equal vLLM alone's. Figures are benchmarks, recorded in
+docs/serving.md, not judged here."""
 
 from __future__ import annotations
 
@@ -66,3 +67,35 @@ def test_two_hosts_over_rados_survive_an_osd_kill_and_a_cut_link(tmp_path):
     # from RADOS, not from its own local tier.
     assert t["connector"]["loaded_values"] > 0
     assert len(t["far_reads"]) == 2 and min(t["far_reads"]) > 0, t["far_reads"]
+
+
+def test_prefill_decode_disaggregation_through_gdkv(tmp_path):
+    """Prefill on one engine (kv_producer), then the request on another (kv_consumer): the
+    decode engine has every full block of each prompt before it computes (from gdkv, or its own
+    prefix cache), through one gdkvd on the local store and across two network-namespace hosts
+    over RADOS; outputs equal a decode engine that recomputed."""
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("ceph-mon") is None:
+        pytest.skip("needs root, iproute2 and Ceph's daemons (scripts/test installs them)")
+    out = subprocess.run(
+        [sys.executable, "-P", str(ROOT / "bench" / "serving" / "serve_bench.py"),
+         "--systems", "vllm,gdkv,gdkv-tiered", "--engines", "2", "--pd", "--users", "4",
+         "--turns", "3", "--doc-tokens", "512", "--answer-tokens", "8", "--kv-blocks", "16",
+         "--netns-prefix", "gdkvsp", "--netns-subnet", "10.80.0",
+         "--model", str(tmp_path / "model"), "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=900)
+    text = out.stdout.decode(errors="replace")
+    assert out.returncode == 0, text[-4000:]
+    r = json.loads(text.strip().splitlines()[-1])["systems"]
+    assert r["vllm"]["requests"] == 12 and r["vllm"]["failed"] == 0
+    for name in ("gdkv", "gdkv-tiered"):
+        s = r[name]
+        assert s["failed"] == 0 and s["identical"] == s["compared"] == 12, name
+        prefill, decode = s["engine_per_engine"]
+        assert prefill["store_hit_tokens"] == 0, name          # a producer never loads
+        assert decode["store_hit_tokens"] > 0, name
+        # Every full block of every prompt (but the last token's) was the decode engine's
+        # before it computed: loaded from gdkv or held by its own prefix cache.
+        need = s["prompt_block_tokens"][1]
+        assert decode["local_hit_tokens"] + decode["store_hit_tokens"] >= need, (name, decode)
+        assert s["connector"]["saved_values"] > 0 and s["connector"]["failed_values"] == 0
+    assert min(r["gdkv-tiered"]["far_reads"]) >= 0 and r["gdkv-tiered"]["far_reads"][1] > 0

@@ -235,6 +235,12 @@ def test_producer_saves_and_never_loads(model_dir, tmp_path):
     assert w["loaded_values"] == 0
     # It saves what gdkv lacks (the 10 shared values were there already).
     assert w["saved_values"] == len(PROMPT_B) // BS - 10 and w["skipped_present"] == 10
+    # Its saves are in gdkv when the step that made them ends (no drain): a decode engine
+    # asked right after the prefill engine answered finds them.
+    w = prefill.worker
+    w.start_saves([Transfer("s", [bytes([i]) * 32 for i in range(4)],
+                            [[200 + i] for i in range(4)])])
+    assert w.stats["saved_values"] == len(PROMPT_B) // BS - 10 + 4 and w.stats["save_wait_s"] > 0
     one.close()
     prefill.close()
 
@@ -490,6 +496,30 @@ def test_one_failing_key_fails_only_its_value(model_dir, tmp_path, monkeypatch):
     assert failed == {two.block_ids("b")[5]}          # not all 10 blocks
     assert two.worker.stats["loaded_values"] == 9
     assert not client.exists(bad) and two.worker.stats["dropped_values"] == 1
+    two.close()
+    one.close()
+
+
+@pytest.mark.parametrize("load_mode", ["async", "sync"])
+def test_a_value_that_failed_to_load_is_not_offered_again(model_dir, tmp_path, monkeypatch,
+                                                         load_mode):
+    """gdkv lists a value it cannot deliver and keeps it (its delete fails too: a namespace not
+    ready after a restart, a far tier cut off). The request recomputes from that value once;
+    the connector never offers it to the request again (before, vLLM rescheduled, the lookup
+    found it, the load failed: 644 times in 3 s in a serving run with a restarted tiered gdkvd)."""
+    cfg, one, two, b = a_stored_b_added(model_dir, tmp_path, load_mode=load_mode)
+    client = two.connector.store.client()
+    # The first value: vLLM then starts the request from token 0 and asks the connector again
+    # (it does not when a later value failed).
+    fail_for(client, monkeypatch, "get_many_into", two.worker.keys.key(b.block_hashes[0]))
+    monkeypatch.setattr(client, "delete", lambda *args, **kw: None)
+    out, failed = two.step()
+    assert failed == {two.block_ids("b")[0]}
+    out, failed = two.step()
+    assert not out.kv_connector_metadata.loads and not failed
+    assert out.num_scheduled_tokens == {"b": len(PROMPT_B)}
+    two.run()
+    assert b.is_finished() and two.worker.stats["failed_values"] == 1
     two.close()
     one.close()
 
