@@ -18,17 +18,30 @@ import pytest
 from conftest import ROOT
 
 
-def test_short_serving_run_reuses_kv_and_survives_a_gdkvd_kill(tmp_path):
+def serve_bench(tmp_path, *args: str, requests: int) -> tuple[dict, str]:
+    """Runs serve_bench.py with ``args`` (small engines: 512-token documents, 8 answer tokens);
+    requires exit 0 and vLLM alone's ``requests`` requests served; returns the systems' results
+    and the output."""
     out = subprocess.run(
         [sys.executable, "-P", str(ROOT / "bench" / "serving" / "serve_bench.py"),
-         "--systems", "vllm,gdkv", "--users", "4", "--turns", "4", "--doc-tokens", "512",
-         "--answer-tokens", "8", "--kv-blocks", "12", "--kill-gdkvd-at", "3",
+         "--doc-tokens", "512", "--answer-tokens", "8", *args,
          "--model", str(tmp_path / "model"), "--json"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=900)
     text = out.stdout.decode(errors="replace")
     assert out.returncode == 0, text[-4000:]
     r = json.loads(text.strip().splitlines()[-1])["systems"]
-    assert r["vllm"]["requests"] == 16 and r["vllm"]["failed"] == 0
+    assert r["vllm"]["requests"] == requests and r["vllm"]["failed"] == 0
+    return r, text
+
+
+def needs_netns_and_ceph() -> None:
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("ceph-mon") is None:
+        pytest.skip("needs root, iproute2 and Ceph's daemons (scripts/test installs them)")
+
+
+def test_short_serving_run_reuses_kv_and_survives_a_gdkvd_kill(tmp_path):
+    r, text = serve_bench(tmp_path, "--systems", "vllm,gdkv", "--users", "4", "--turns", "4",
+                          "--kv-blocks", "12", "--kill-gdkvd-at", "3", requests=16)
     gdkv = r["gdkv"]
     assert gdkv["failed"] == 0
     assert gdkv["identical"] == gdkv["compared"] == 16
@@ -43,20 +56,11 @@ def test_two_hosts_over_rados_survive_an_osd_kill_and_a_cut_link(tmp_path):
     pool, a user's turns alternating between them: the second engine loads what the first
     saved (through RADOS). An OSD is killed and the second host's link cut for 6 s in the
     middle: no request fails and every output equals two engines of vLLM alone."""
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("ceph-mon") is None:
-        pytest.skip("needs root, iproute2 and Ceph's daemons (scripts/test installs them)")
-    out = subprocess.run(
-        [sys.executable, "-P", str(ROOT / "bench" / "serving" / "serve_bench.py"),
-         "--systems", "vllm,gdkv-tiered", "--engines", "2", "--users", "4", "--turns", "4",
-         "--doc-tokens", "512", "--answer-tokens", "8", "--kv-blocks", "12",
-         "--kill-osd-at", "2", "--cut-link-at", "4", "--cut-s", "6",
-         "--netns-prefix", "gdkvst", "--netns-subnet", "10.79.0",
-         "--model", str(tmp_path / "model"), "--json"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=900)
-    text = out.stdout.decode(errors="replace")
-    assert out.returncode == 0, text[-4000:]
-    r = json.loads(text.strip().splitlines()[-1])["systems"]
-    assert r["vllm"]["requests"] == 16 and r["vllm"]["failed"] == 0
+    needs_netns_and_ceph()
+    r, text = serve_bench(tmp_path, "--systems", "vllm,gdkv-tiered", "--engines", "2",
+                          "--users", "4", "--turns", "4", "--kv-blocks", "12",
+                          "--kill-osd-at", "2", "--cut-link-at", "4", "--cut-s", "6",
+                          "--netns-prefix", "gdkvst", "--netns-subnet", "10.79.0", requests=16)
     t = r["gdkv-tiered"]
     assert t["failed"] == 0
     assert t["identical"] == t["compared"] == 16
@@ -74,19 +78,10 @@ def test_prefill_decode_disaggregation_through_gdkv(tmp_path):
     decode engine has every full block of each prompt before it computes (from gdkv, or its own
     prefix cache), through one gdkvd on the local store and across two network-namespace hosts
     over RADOS; outputs equal a decode engine that recomputed."""
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("ceph-mon") is None:
-        pytest.skip("needs root, iproute2 and Ceph's daemons (scripts/test installs them)")
-    out = subprocess.run(
-        [sys.executable, "-P", str(ROOT / "bench" / "serving" / "serve_bench.py"),
-         "--systems", "vllm,gdkv,gdkv-tiered", "--engines", "2", "--pd", "--users", "4",
-         "--turns", "3", "--doc-tokens", "512", "--answer-tokens", "8", "--kv-blocks", "16",
-         "--netns-prefix", "gdkvsp", "--netns-subnet", "10.80.0",
-         "--model", str(tmp_path / "model"), "--json"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=900)
-    text = out.stdout.decode(errors="replace")
-    assert out.returncode == 0, text[-4000:]
-    r = json.loads(text.strip().splitlines()[-1])["systems"]
-    assert r["vllm"]["requests"] == 12 and r["vllm"]["failed"] == 0
+    needs_netns_and_ceph()
+    r, text = serve_bench(tmp_path, "--systems", "vllm,gdkv,gdkv-tiered", "--engines", "2",
+                          "--pd", "--users", "4", "--turns", "3", "--kv-blocks", "16",
+                          "--netns-prefix", "gdkvsp", "--netns-subnet", "10.80.0", requests=12)
     for name in ("gdkv", "gdkv-tiered"):
         s = r[name]
         assert s["failed"] == 0 and s["identical"] == s["compared"] == 12, name
