@@ -64,9 +64,8 @@ How it works:
   ``get_transfer_results``); with ``load_mode`` "sync" the request is scheduled at once and
   ``start_load_kv`` waits for its loads before the forward pass (a failed value is reported in
   the same step and vLLM recomputes from it). Saves have another thread, so a load never waits
-  behind saves. A
-  value is written straight into its blocks' pages (zero copy, one scatter list per value) when
-  the controller reaches vLLM's KV memory: in-process over CPU tensors, and through gdkvd once
+  behind saves. A value is written straight into its blocks' pages (zero copy, one scatter list
+  per value) when the controller reaches vLLM's KV memory: in-process over CPU tensors, and through gdkvd once
   ``register_kv_caches`` has shared the CPU KV tensors with it in place
   (:meth:`gdkv.engine.EngineStore.share`). Otherwise (CUDA KV caches, memory that cannot be
   shared) it lands in a staging buffer gdkv reaches and is copied into the pages (on CUDA with
@@ -407,8 +406,8 @@ class _SchedulerSide:
             for v, ids in enumerate(load.block_ids):
                 if any(b in bad for b in ids):
                     st.planned = min(st.planned, first + v)
-                    st.failed_at = min(first + v, st.failed_at if st.failed_at is not None
-                                       else first + v)
+                    if st.failed_at is None or first + v < st.failed_at:
+                        st.failed_at = first + v
                     break
         for req_id in out.finished_recving or ():
             st = self.requests.get(req_id)
