@@ -432,7 +432,8 @@ def inject(sys_: System, plan: list[tuple[float, str]], cut_s: float, t0: float,
     leaves a record of each: when it began and ended, and the seconds from its end until the
     store served again (``back_to_full_speed_s``): the engines' external prefix-cache hits grew
     (a gdkvd killed), a tiered gdkvd filled its local tier from RADOS again (any host after an
-    OSD kill; the cut host after its link came back)."""
+    OSD kill; the cut host after its link came back). A fault that could not be made, or whose
+    counters could not be read, says so in its record (``error``)."""
     todo = sorted(plan)
     cut: Optional[dict] = None
     waiting: list[dict] = []   # faults over, store not serving again yet
@@ -445,9 +446,12 @@ def inject(sys_: System, plan: list[tuple[float, str]], cut_s: float, t0: float,
 
     def over(f: dict) -> None:
         f["end_s"] = time.perf_counter() - t0
-        f["_base"] = progress(f)
         out.append(f)
-        waiting.append(f)
+        try:
+            f["_base"] = progress(f)
+            waiting.append(f)
+        except Exception as e:   # noqa: BLE001 - reported with the fault
+            f["error"] = f"reading the store's counters: {e}"
 
     try:
         while True:
@@ -455,27 +459,25 @@ def inject(sys_: System, plan: list[tuple[float, str]], cut_s: float, t0: float,
             if todo and now >= todo[0][0]:
                 _, kind = todo.pop(0)
                 f = {"fault": kind, "at_s": now}
-                if kind == "gdkvd-kill":
-                    d = sys_.daemons[0]
-                    d.kill()
-                    d.start()
-                    f["detail"] = "gdkvd SIGKILLed and started again on the same store"
-                    over(f)
-                elif kind == "osd-kill":
-                    sys_.net.ceph("kill-osd", "1")
-                    f["detail"] = "OSD 1 SIGKILLed (started again after the run)"
-                    over(f)
-                else:
-                    f["host"] = len(sys_.servers) - 1
-                    sys_.net.cut(f["host"])
-                    f["detail"] = f"host h{f['host']}'s link cut for {cut_s:.0f} s"
-                    cut = f
+                try:
+                    if make_fault(sys_, f, cut_s):
+                        cut = f
+                    else:
+                        over(f)
+                except Exception as e:   # noqa: BLE001 - a fault that could not be made
+                    f["error"] = str(e)
+                    f["end_s"] = time.perf_counter() - t0
+                    out.append(f)
             if cut is not None and now >= cut["at_s"] + cut_s:
                 sys_.net.restore(cut["host"])
                 over(cut)
                 cut = None
             for f in list(waiting):
-                if progress(f) > f["_base"]:
+                try:
+                    grew = progress(f) > f["_base"]
+                except Exception:   # noqa: BLE001 - asked again at the next turn
+                    grew = False
+                if grew:
                     f["back_to_full_speed_s"] = time.perf_counter() - t0 - f["end_s"]
                     waiting.remove(f)
             if done.wait(0.25):
@@ -486,6 +488,24 @@ def inject(sys_: System, plan: list[tuple[float, str]], cut_s: float, t0: float,
             over(cut)
         for f in out:
             f.pop("_base", None)
+
+
+def make_fault(sys_: System, f: dict, cut_s: float) -> bool:
+    """Makes fault ``f``; True for a link cut, which lasts until the caller restores it."""
+    if f["fault"] == "gdkvd-kill":
+        d = sys_.daemons[0]
+        d.kill()
+        d.start()
+        f["detail"] = "gdkvd SIGKILLed and started again on the same store"
+        return False
+    if f["fault"] == "osd-kill":
+        sys_.net.ceph("kill-osd", "1")
+        f["detail"] = "OSD 1 SIGKILLed (started again after the run)"
+        return False
+    f["host"] = len(sys_.servers) - 1
+    sys_.net.cut(f["host"])
+    f["detail"] = f"host h{f['host']}'s link cut for {cut_s:.0f} s"
+    return True
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -680,6 +700,10 @@ def serve(a: argparse.Namespace, names: list[str], work: Path,
                   f"{pe['ttft_p50_s']:.2f}/{pe['ttft_p90_s']:.2f}/{pe['ttft_p99_s']:.2f} s, "
                   f"reused p50 {pe['reused_ttft_p50_s']:.2f} s", flush=True)
         for f in faults:
+            if "error" in f:
+                print(f"{'':<12} {f['fault']} at {f['at_s']:.1f} s FAILED: {f['error']}",
+                      flush=True)
+                continue
             back = f.get("back_to_full_speed_s")
             print(f"{'':<12} {f['fault']} at {f['at_s']:.1f} s ({f['detail']}), over at "
                   f"{f['end_s']:.1f} s: " + (f"the store served again {back:.1f} s later"
@@ -721,9 +745,10 @@ def serve(a: argparse.Namespace, names: list[str], work: Path,
             print("TTFT p50 of reused turns vs the limit: " + ", ".join(
                 f"{n} {r['reused_ttft_vs_limit']:.2f}" for n, r in results.items()))
     bad = [n for n, r in results.items() if r["failed"] or
-           (r["identical"] is not None and r["identical"] != r["compared"])]
-    print("outputs identical to vLLM alone in every system: " + ("yes" if not bad else
-                                                                 "NO: " + ", ".join(bad)))
+           (r["identical"] is not None and r["identical"] != r["compared"]) or
+           any("error" in f and "counters" not in f["error"] for f in r.get("faults", ()))]
+    print("every request served, every output identical to vLLM alone's and every fault made, "
+          "in every system: " + ("yes" if not bad else "NO: " + ", ".join(bad)))
     if a.json:
         print(json.dumps({"args": vars(a), "systems": results}))
     return 1 if bad else 0
