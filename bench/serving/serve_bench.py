@@ -610,7 +610,8 @@ def main() -> int:
     ap.add_argument("--pool", default="gdkv-rep3")
     ap.add_argument("--ceph-conf", default=os.environ.get("GDKV_CEPH_CONF", ""),
                     help="gdkv-tiered on this cluster, gdkvds in this namespace (default: "
-                    "network-namespace hosts and a cluster the bench brings up)")
+                    "$GDKV_CEPH_CONF, else network-namespace hosts and a cluster the bench "
+                    "brings up)")
     ap.add_argument("--netns-prefix", default="gdkvsb")
     ap.add_argument("--netns-subnet", default="10.78.0")
     ap.add_argument("--kill-gdkvd-at", type=float, default=0.0, metavar="S",
@@ -631,6 +632,9 @@ def main() -> int:
         ap.error("--engines: at least 1")
     if a.pd and (a.engines != 2 or "mooncake" in names):
         ap.error("--pd: --engines 2, and no mooncake system")
+    if a.ceph_conf and (a.kill_osd_at or a.cut_link_at):
+        ap.error("--kill-osd-at and --cut-link-at need the bench's own network-namespace hosts: "
+                 "drop --ceph-conf (and unset $GDKV_CEPH_CONF)")
     a.cpu_list = (a.cpus or "/".join(str(i) for i in range(a.engines))).split("/")
     a.max_model_len = a.max_model_len or (a.kv_blocks - 1) * 128   # vLLM keeps one block back
     build_engine_model(a.model, max_positions=max(8192, a.max_model_len + 64))
