@@ -326,8 +326,8 @@ def system(name: str, a: argparse.Namespace, work: Path,
                 daemons.append(Gdkvd("--backend", "local", "--store", str(work / f"{name}-store"),
                                      *size, prefix="gdkv-serve-"))
                 stack.callback(daemons[-1].stop)
-            kv = [{"socket_dir": daemons[i % len(daemons)].dir, "load_mode": mode}
-                  for i in range(n)]
+            kv = [{"socket_dir": daemons[i % len(daemons)].dir, "load_mode": mode,
+                   **a.gdkv_extra} for i in range(n)]
             if a.pd:
                 common["kv_roles"] = ["kv_producer", "kv_consumer"]
         elif name == "mooncake":
@@ -606,6 +606,9 @@ def main() -> int:
                     "engines (default: 0 for one engine, 0/1/... for several)")
     ap.add_argument("--load-mode", choices=("sync", "async"), default="async",
                     help="the gdkv connector's load_mode for gdkv and gdkv-tiered")
+    ap.add_argument("--gdkv-extra", type=json.loads, default={}, metavar="JSON",
+                    help="more of the gdkv connector's extra config, for every gdkv system "
+                         "(say '{\"heads_per_value\": 4}')")
     ap.add_argument("--store-mib", type=int, default=4096, help="gdkvd's local store capacity")
     ap.add_argument("--pool", default="gdkv-rep3")
     ap.add_argument("--ceph-conf", default=os.environ.get("GDKV_CEPH_CONF", ""),

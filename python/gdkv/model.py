@@ -68,18 +68,21 @@ def build_model(
     vocab=8192,
     max_positions=8192,
     init_std=0.05,
+    sliding_window=0,
 ):
     """Create a Llama model with random weights from `seed` and save it (safetensors) into `path`.
 
     Does nothing if `path` already holds a model built with the same arguments. The weights are
     drawn with std `init_std` (transformers' default is 0.02): with 0.02 the untrained model's
     greedy output falls into a loop of 2 tokens after 3 steps; with 0.05 16 greedy steps after a
-    3072-token prompt give 16 distinct tokens.
+    3072-token prompt give 16 distinct tokens. `sliding_window` > 0 makes every odd layer a
+    sliding-window layer for vLLM (a hybrid model: full and sliding-window attention).
 
         >>> build_model("/tmp/gdkv-model")
         '/tmp/gdkv-model'
     """
-    build = {
+    build = {} if not sliding_window else {"sliding_window": sliding_window}
+    build |= {
         "seed": seed,
         "layers": layers,
         "hidden": hidden,
@@ -105,6 +108,13 @@ def build_model(
         max_position_embeddings=max_positions,
         initializer_range=init_std,
     )
+    if sliding_window:
+        # Every other layer attends to the last `sliding_window` tokens only: vLLM's Llama reads
+        # `layer_types` and `sliding_window` (transformers' own Llama ignores them, so this
+        # module's prefill is full attention in every layer).
+        config.layer_types = ["full_attention" if i % 2 == 0 else "sliding_attention"
+                              for i in range(layers)]
+        config.sliding_window = sliding_window
     # fork_rng keeps the caller's global RNG state as it was.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -145,6 +155,53 @@ def build_tokenizer(path, *, vocab=8192):
     folder.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(folder)
     marker.write_text(json.dumps({"vocab": vocab}) + "\n")
+    return str(folder)
+
+
+def build_lora_adapter(path, model_path, *, seed=1, rank=8, std=0.05,
+                       targets=("q_proj", "k_proj", "v_proj", "o_proj")):
+    """Save a LoRA adapter with random weights for the model in `model_path` into `path`, in
+    PEFT's layout (``adapter_config.json``, ``adapter_model.safetensors``), which vLLM's
+    ``--lora-modules name=PATH`` loads. Both LoRA matrices are drawn with std `std` (PEFT starts
+    B at zero, which would leave the model's outputs, and its KV, unchanged). It adapts the
+    attention projections of every layer, so its KV differs from the base model's from the
+    first layer on. Does nothing if `path` holds an adapter built with the same arguments.
+
+        >>> build_lora_adapter("/tmp/gdkv-lora-1", "/tmp/gdkv-model", seed=1)
+        '/tmp/gdkv-lora-1'
+    """
+    from safetensors.torch import save_file
+
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    out = {"q_proj": config["num_attention_heads"] * head_dim, "o_proj": hidden,
+           "k_proj": config["num_key_value_heads"] * head_dim,
+           "v_proj": config["num_key_value_heads"] * head_dim}
+    inp = {"q_proj": hidden, "k_proj": hidden, "v_proj": hidden,
+           "o_proj": config["num_attention_heads"] * head_dim}
+    build = {"seed": seed, "rank": rank, "std": std, "targets": list(targets),
+             "model": str(model_path), "config": config}
+    folder = Path(path)
+    build_file = folder / _BUILD_FILE
+    if build_file.is_file() and json.loads(build_file.read_text()) == build:
+        return str(folder)
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for i in range(layers):
+        for t in targets:
+            name = f"base_model.model.model.layers.{i}.self_attn.{t}"
+            weights[f"{name}.lora_A.weight"] = torch.randn(rank, inp[t], generator=g) * std
+            weights[f"{name}.lora_B.weight"] = torch.randn(out[t], rank, generator=g) * std
+    folder.mkdir(parents=True, exist_ok=True)
+    build_file.unlink(missing_ok=True)
+    save_file(weights, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(model_path),
+        "r": rank, "lora_alpha": rank, "lora_dropout": 0.0, "target_modules": list(targets),
+        "bias": "none", "fan_in_fan_out": False, "modules_to_save": None, "use_rslora": False,
+        "use_dora": False, "inference_mode": True}, indent=2) + "\n")
+    build_file.write_text(json.dumps(build, indent=2) + "\n")
     return str(folder)
 
 

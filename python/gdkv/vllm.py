@@ -30,15 +30,27 @@ Extra config: gdkv.engine's keys (``socket_dir`` or ``backend``, ``nsid``, ``nam
                        values load and the engine's steps go on; "sync": the request is
                        scheduled in the step that plans its load, which finishes before that
                        step's forward pass (docs/serving.md measures both)
+    heads_per_value    KV heads in one gdkv value (default 1): engines of any tensor-parallel
+                       size share values of the same heads_per_value; it must divide the heads
+                       a rank holds (layouts that keep a head's tokens apart, LBNHC, use a
+                       rank's heads)
 
 How it works:
 
-- Keys: a gdkv value holds ``blocks_per_value`` consecutive vLLM blocks, every layer this worker
-  holds, as ``[block][layer][page bytes]``. Its key is gdkv.engine.KeySpace over vLLM's block
-  hash of the value's last block (a chain hash: it names the whole prefix), salted with the
-  model (its weights included), the model dtype and quantization, the KV dtype, the cache layout
-  and page size, the blocks per value and the worker's rank (each tensor- or pipeline-parallel
-  rank stores its own shard under its own keys).
+- Keys: a gdkv value holds ``blocks_per_value`` consecutive vLLM blocks of one KV cache group's
+  layers (on this pipeline stage) and ``heads_per_value`` KV heads, as ``[block][layer][heads'
+  bytes]``. Its key is gdkv.engine.KeySpace over vLLM's block hash of the value's last block (a
+  chain hash: it names the whole prefix, and carries the request's LoRA adapter and cache salt),
+  salted with the model (its weights included), the model dtype and quantization, the KV dtype,
+  the cache layout, block size and bytes per head, the blocks per value, the pipeline stage, the
+  heads (numbered over the model's KV heads, so any tensor-parallel rank holding them finds
+  them) and the group (its kind, sliding window and layers). Ranks holding copies of a head
+  (fewer KV heads than ranks; MLA) save it once, from the first of them.
+- Hybrid models (vLLM's hybrid KV cache manager, ``SupportsHMA``): one value per group. A
+  lookup's hit is the leading run every full-attention group holds, cut back until each
+  sliding-window group holds the blocks its window needs before the hit's end (vLLM's own rule
+  for its prefix cache); the blocks vLLM left outside the window (its null block) are neither
+  loaded nor saved.
 - Scheduler: for a new request, one ``lookup_prefix`` over the values past vLLM's own prefix
   cache (every rank's keys, interleaved) gives the external tokens (the client asks in rounds of
   16, 32, 64... keys and stops after the round with the first miss). ``get_num_new_matched_tokens``
@@ -105,8 +117,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorMetadata,
                                                                KVConnectorRole,
                                                                KVConnectorTransferResults,
-                                                               KVConnectorWorkerMetadata)
-from vllm.v1.kv_cache_interface import AttentionSpec, group_kernel_blocks
+                                                               KVConnectorWorkerMetadata,
+                                                               SupportsHMA)
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec,
+                                        group_kernel_blocks)
 
 from . import errors
 from .engine import UNAVAILABLE, EngineStore, KeySpace, weights_fingerprint
@@ -127,8 +141,9 @@ log = logging.getLogger("gdkv.vllm")
 @dataclass
 class Transfer:
     """Values of one request to load or save: the vLLM block hash naming each value, and each
-    value's block ids (``blocks_per_value`` of them; -1 marks a block a load skips because
-    vLLM's own prefix cache already holds it)."""
+    value's block ids (``blocks_per_value`` of them in each KV cache group, group by group; -1
+    marks a block not transferred: vLLM's own prefix cache already holds it, or it lies outside a
+    sliding window)."""
 
     req_id: str
     hashes: list[bytes] = field(default_factory=list)
@@ -149,6 +164,11 @@ class GdkvWorkerMeta(KVConnectorWorkerMetadata):
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "GdkvWorkerMeta":
         return GdkvWorkerMeta(self.gdkv_off or bool(getattr(other, "gdkv_off", False)))
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether a tensor's elements are one run of memory (in any order of its axes)."""
+    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) == t.numel()
 
 
 def _per_key(keys: list[bytes], batch: Callable[[list[int]], list]) -> tuple[list, dict]:
@@ -179,6 +199,27 @@ def _per_key(keys: list[bytes], batch: Callable[[list[int]], list]) -> tuple[lis
     return results, failed
 
 
+@dataclass
+class _Group:
+    """One of vLLM's KV cache groups: its layers, and its sliding window (0: full attention)."""
+
+    index: int
+    layer_names: list[str]
+    kind: str
+    window: int
+
+    @property
+    def name(self) -> str:
+        """What the keys say of the group: its index, kind, window and layers."""
+        layers = hashlib.sha256("\0".join(self.layer_names).encode()).hexdigest()[:12]
+        return f"group{self.index}-{self.kind}-w{self.window}-{layers}"
+
+    def window_blocks(self, block_size: int) -> int:
+        """The blocks before a hit's end that a sliding window needs (vLLM's own rule for
+        its prefix cache); 0 for full attention, which needs every block."""
+        return -(-(self.window - 1) // block_size) if self.window else 0
+
+
 class _Plan:
     """What both sides derive from the vLLM config: value geometry and the key salt."""
 
@@ -186,19 +227,36 @@ class _Plan:
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self.extra = extra
         groups = kv_cache_config.kv_cache_groups
-        self.usable = len(groups) == 1 and isinstance(groups[0].kv_cache_spec, AttentionSpec)
+        spec = groups[0].kv_cache_spec if groups else None
+        self.block_size = vllm_config.cache_config.block_size
+        self.hash_block_size = kv_cache_config.hash_block_size or self.block_size
+        self.blocks_per_value = int(extra.get("blocks_per_value", 1))
+        # vLLM's KV cache groups: one of full attention, or with its hybrid allocator one per
+        # attention type (full, sliding window), each with its own block table. A value holds
+        # one group's layers; a sliding-window group's values are loaded only within the window.
+        # (A full-attention spec with a sliding window, as vLLM makes one without its hybrid
+        # allocator, keeps every block: it is a full group here.)
+        self.groups = [_Group(i, list(g.layer_names), type(g.kv_cache_spec).__name__,
+                              g.kv_cache_spec.sliding_window
+                              if type(g.kv_cache_spec) is SlidingWindowSpec else 0)
+                       for i, g in enumerate(groups)]
+        self.usable = bool(groups) and all(
+            type(g.kv_cache_spec) in (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec) and
+            g.kv_cache_spec.block_size == self.block_size and
+            g.kv_cache_spec.page_size_bytes == spec.page_size_bytes and
+            g.kv_cache_spec.num_kv_heads == spec.num_kv_heads for g in groups)
         pc = vllm_config.parallel_config
         if getattr(pc, "decode_context_parallel_size", 1) > 1 or getattr(
                 pc, "prefill_context_parallel_size", 1) > 1:
             self.usable = False
         if not self.usable:
-            log.warning("gdkv: only models with one full-attention KV cache group and no "
-                        "context parallelism are supported; running without gdkv")
-        spec = groups[0].kv_cache_spec if groups else None
-        self.layer_names = list(groups[0].layer_names) if groups else []
-        self.block_size = vllm_config.cache_config.block_size
-        self.hash_block_size = kv_cache_config.hash_block_size or self.block_size
-        self.blocks_per_value = int(extra.get("blocks_per_value", 1))
+            log.warning("gdkv: only full-attention and sliding-window KV cache groups of one "
+                        "page size and block size, without context parallelism, are "
+                        "supported; running without gdkv")
+        if any(g.window for g in self.groups) and self.blocks_per_value != 1:
+            raise ValueError("gdkv: blocks_per_value must be 1 for a model with sliding-window "
+                             "layers (a value is one block of the window)")
+        self.layer_names = [n for g in self.groups for n in g.layer_names]
         # kv_role: a kv_producer (a prefill engine) saves and never loads, a kv_consumer (a
         # decode engine) loads and never saves; kv_both does both.
         ktc = vllm_config.kv_transfer_config
@@ -214,8 +272,11 @@ class _Plan:
         if self.tokens_per_value % self.hash_block_size:
             self.usable = False
         self.page_bytes = spec.page_size_bytes if spec is not None else 0
-        self.world = pc.tensor_parallel_size * pc.pipeline_parallel_size
+        self.layout_name = str(kv_cache_config.kv_cache_layout or "")
+        self.tp = pc.tensor_parallel_size
+        self.pp = pc.pipeline_parallel_size
         mc = vllm_config.model_config
+        self._heads(extra, spec, mc)
         model_id = extra.get("model_id")
         if not model_id:
             # The path names the model only as long as nobody writes other weights there: the
@@ -234,13 +295,60 @@ class _Plan:
         model_dtype = str(mc.dtype).removeprefix("torch.")
         self.dtype = (f"{getattr(spec, 'dtype', '')}/{vllm_config.cache_config.cache_dtype}/"
                       f"model={model_dtype}/quantization={mc.quantization or ''}")
-        self.layout = (f"{type(spec).__name__}/{kv_cache_config.kv_cache_layout}/"
-                       f"bs{self.block_size}/page{self.page_bytes}/g{self.blocks_per_value}")
+        self.layout = (f"{type(spec).__name__}/{self.layout_name}/bs{self.block_size}/"
+                       f"head{self.head_bytes}x{self.heads_per_value}/g{self.blocks_per_value}")
         self.namespace = str(extra.get("namespace", ""))
 
-    def keyspace(self, rank: int) -> KeySpace:
+    def _heads(self, extra: dict, spec, mc) -> None:
+        """Which KV heads a value holds. A value holds ``heads_per_value`` consecutive KV heads
+        of the model (numbered over all its heads, not a rank's), so engines of any tensor-
+        parallel size read the values of the heads they hold. A rank holds ``rank_heads``
+        heads; where there are fewer KV heads than ranks (or one latent KV per token, MLA),
+        ranks hold copies, and only the first rank holding a head saves it."""
+        self.rank_heads = int(getattr(spec, "num_kv_heads", 1) or 1)
+        self.total_heads = 1 if getattr(mc, "use_mla", False) else mc.get_total_num_kv_heads()
+        if self.total_heads >= self.tp and self.rank_heads * self.tp != self.total_heads:
+            self.usable = False
+            log.warning("gdkv: %d KV heads per rank over %d ranks is not the model's %d; "
+                        "running without gdkv", self.rank_heads, self.tp, self.total_heads)
+        self.head_bytes = self.page_bytes // self.rank_heads
+        k = int(extra.get("heads_per_value", 1))
+        if k < 1 or self.rank_heads % k:
+            raise ValueError(f"gdkv: heads_per_value must divide the {self.rank_heads} KV "
+                             f"heads a rank holds, not be {k}")
+        # A value's heads are one run of each block's page only where heads are outside the
+        # tokens in a block (LBHNC, BLHNC); elsewhere a value holds a rank's heads.
+        name = self.layout_name
+        if k < self.rank_heads and not ("H" in name and "N" in name and
+                                        name.index("H") < name.index("N")):
+            log.info("gdkv: cache layout %r keeps a head's tokens apart: a value holds the %d "
+                     "heads of a rank", name, self.rank_heads)
+            k = self.rank_heads
+        self.heads_per_value = k
+
+    def rank_units(self, tp_rank: int) -> tuple[int, list[int], list[bool]]:
+        """The first KV head tensor-parallel rank ``tp_rank`` holds, the value units (groups of
+        heads_per_value heads) it holds, and whether it saves each (it is the first rank
+        holding it)."""
+        if self.total_heads >= self.tp:
+            first, owner = tp_rank * self.rank_heads, True
+        else:
+            copies = self.tp // self.total_heads
+            first, owner = tp_rank // copies, tp_rank % copies == 0
+        k = self.heads_per_value
+        units = list(range(first // k, (first + self.rank_heads) // k))
+        return first, units, [owner] * len(units)
+
+    def keyspace(self, pp_rank: int, unit: int, group: "_Group") -> KeySpace:
+        k = self.heads_per_value
         return KeySpace("vllm", self.model_id, self.dtype,
-                        f"{self.layout}/rank{rank}of{self.world}", self.namespace)
+                        f"{self.layout}/pp{pp_rank}of{self.pp}/heads{unit * k}-"
+                        f"{(unit + 1) * k}of{self.total_heads}/{group.name}", self.namespace)
+
+    def all_keyspaces(self, group: "_Group") -> list[KeySpace]:
+        """A group's value keys in every pipeline stage and head group: what a lookup asks."""
+        units = max(1, self.total_heads // self.heads_per_value)
+        return [self.keyspace(p, u, group) for p in range(self.pp) for u in range(units)]
 
     def value_hash(self, request: "Request", value: int) -> bytes:
         """vLLM's hash of the last block of value ``value``: it names tokens [0, end)."""
@@ -274,7 +382,12 @@ class _SchedulerSide:
     def __init__(self, plan: _Plan, store: Optional[EngineStore]):
         self.plan = plan
         self.store = store
-        self.spaces = [plan.keyspace(r) for r in range(plan.world)]
+        # Each group's key spaces (head groups, pipeline stages): the full-attention groups',
+        # and per sliding-window group the blocks its window needs and its spaces.
+        self.full_spaces = [ks for g in plan.groups if not g.window
+                            for ks in plan.all_keyspaces(g)]
+        self.windows = [(g.window_blocks(plan.block_size), plan.all_keyspaces(g))
+                        for g in plan.groups if g.window]
         self.requests: dict[str, _Request] = {}
         self.manager = None
         self.off = False   # a worker reported it cannot use gdkv (GdkvWorkerMeta)
@@ -298,11 +411,10 @@ class _SchedulerSide:
         first = num_computed // p.tokens_per_value
         if first >= last:
             return 0, False
+        if st.failed_at is not None:   # never offered again: the hit ends before it
+            last = max(first, min(last, st.failed_at))
         hashes = [p.value_hash(request, v) for v in range(first, last)]
-        keys = [ks.key(h) for h in hashes for ks in self.spaces]
-        found = self.store.call(lambda c: self._lookup(c, keys), 0) // len(self.spaces)
-        if st.failed_at is not None:
-            found = min(found, max(0, st.failed_at - first))
+        found = self.store.call(lambda c: self._hit(c, hashes)[0], 0) if hashes else 0
         # The values vLLM's prefix cache holds were computed here, and saved then.
         st.lookup = (num_computed, first + found)
         external = (first + found) * p.tokens_per_value - num_computed
@@ -322,16 +434,42 @@ class _SchedulerSide:
         first = self._local_tokens(request) // p.tokens_per_value
         if first >= last:
             return
-        keys = [ks.key(p.value_hash(request, v)) for v in range(first, last)
-                for ks in self.spaces]
-        world = len(self.spaces)
+        hashes = [p.value_hash(request, v) for v in range(first, last)]
 
         def lookup_and_hint(c) -> None:
-            found = self._lookup(c, keys) // world * world
-            if found:
-                self.store.hint(c, keys[:found])
+            keys = self._hit(c, hashes)[1]
+            if keys:
+                self.store.hint(c, keys)
 
         self.store.call(lookup_and_hint, None, "lookup for a hint")
+
+    def _hit(self, client, hashes: list[bytes]) -> tuple[int, list[bytes]]:
+        """How many leading values of ``hashes`` (those past vLLM's own hit) gdkv can deliver,
+        and the keys a load of them reads: every full-attention group's values from the first
+        on, and of each sliding-window group the values in its window before the hit's end
+        (vLLM keeps no blocks for those further back: it never loads them)."""
+        full = self.full_spaces
+        keys = [ks.key(h) for h in hashes for ks in full]
+        found = self._lookup(client, keys) // len(full) if full else len(hashes)
+        hit = keys[:found * len(full)]
+        if not self.windows or not found:
+            return found, hit
+        present = []
+        for _, spaces in self.windows:
+            wkeys = [ks.key(h) for h in hashes[:found] for ks in spaces]
+            there, errs = _per_key(wkeys, lambda idx: client.exists_many(
+                [wkeys[i] for i in idx]))
+            for e in errs.values():
+                self.store.note(e, "exists")
+            n = len(spaces)
+            present.append([all(there[v * n:(v + 1) * n]) for v in range(found)])
+        while found and not all(all(ok[max(0, found - need):found])
+                                for (need, _), ok in zip(self.windows, present)):
+            found -= 1
+        hit = keys[:found * len(full)]
+        for need, spaces in self.windows:
+            hit += [ks.key(h) for h in hashes[max(0, found - need):found] for ks in spaces]
+        return found, hit
 
     def _local_tokens(self, request: "Request") -> int:
         """The tokens vLLM's own prefix cache holds for ``request`` now: the lookup its
@@ -377,15 +515,14 @@ class _SchedulerSide:
         if external <= 0:
             return
         p = self.plan
-        ids = blocks.get_block_ids()[0]
+        ids = blocks.get_block_ids()
         local_blocks = st.local_tokens // p.block_size
         first = st.local_tokens // p.tokens_per_value
         end = (st.local_tokens + external) // p.tokens_per_value
         load = Transfer(request.request_id)
         for v in range(first, end):
-            blocks_v = range(v * p.blocks_per_value, (v + 1) * p.blocks_per_value)
             load.hashes.append(p.value_hash(request, v))
-            load.block_ids.append([ids[b] if b >= local_blocks else -1 for b in blocks_v])
+            load.block_ids.append(self._blocks(ids, v, local_blocks))
         st.load = load
         st.loading = (first, load)
 
@@ -446,32 +583,64 @@ class _SchedulerSide:
         ready = p.hashed_values(st.request, tokens)
         if ready <= st.planned or self.manager is None:
             return None
-        ids = self.manager.get_blocks(st.request.request_id).get_block_ids()[0]
+        ids = self.manager.get_blocks(st.request.request_id).get_block_ids()
         save = Transfer(st.request.request_id)
         for v in range(st.planned, ready):
             save.hashes.append(p.value_hash(st.request, v))
-            save.block_ids.append(
-                ids[v * p.blocks_per_value:(v + 1) * p.blocks_per_value])
+            save.block_ids.append(self._blocks(ids, v))
         st.planned = ready
         return save
 
+    def _blocks(self, ids: tuple[list[int], ...], v: int, local_blocks: int = 0) -> list[int]:
+        """Value ``v``'s block ids in every group, group by group (``ids``: vLLM's block ids
+        per group). -1 marks a block not to transfer: one below ``local_blocks`` (vLLM's prefix
+        cache holds it), and one a sliding window left behind (vLLM's null block)."""
+        g = self.plan.blocks_per_value
+        pool = getattr(self.manager, "block_pool", None)
+        null = pool.null_block.block_id if pool is not None else None
+        out = []
+        for group in ids:
+            for b in range(v * g, (v + 1) * g):
+                bid = group[b] if b < len(group) else -1
+                out.append(bid if b >= local_blocks and bid != null else -1)
+        return out
+
     def finished(self, request: "Request") -> None:
         self.requests.pop(request.request_id, None)
+
+
+@dataclass
+class _Slot:
+    """One gdkv value of each vLLM value on this rank: one KV cache group's layers, one unit of
+    heads_per_value KV heads."""
+
+    group: int        # index into the plan's groups (and a Transfer's block ids)
+    space: KeySpace
+    offset: int       # the unit's byte offset in a block's page
+    owns: bool        # this rank saves it (the first rank holding its heads)
+    layers: list[int] = field(default_factory=list)   # its layers' indices in pages
+    value_bytes: int = 0                              # [block][layer][unit bytes]
 
 
 class _WorkerSide:
     """Moves values between gdkv and vLLM's paged KV cache: loads on one background thread,
     saves on another."""
 
-    def __init__(self, plan: _Plan, store: Optional[EngineStore], rank: int):
+    def __init__(self, plan: _Plan, store: Optional[EngineStore], pp_rank: int = 0,
+                 tp_rank: int = 0):
         self.plan = plan
         self.store = store
-        self.rank = rank
-        self.keys = plan.keyspace(rank)
+        self.rank = pp_rank * plan.tp + tp_rank
+        first, units, owns = plan.rank_units(tp_rank)
+        self.unit_bytes = plan.heads_per_value * plan.head_bytes
+        self.slots = [_Slot(gi, plan.keyspace(pp_rank, u, g),
+                            (u * plan.heads_per_value - first) * plan.head_bytes, own)
+                      for gi, g in enumerate(plan.groups) for u, own in zip(units, owns)]
+        self.spaces = [sl.space for sl in self.slots]
         self.staging_bytes = int(plan.extra.get("staging_bytes", 256 << 20))
         self.save_queue_bytes = int(plan.extra.get("save_queue_bytes", 1 << 30))
         self.pages: list[torch.Tensor] = []   # per layer: (num_blocks, page_bytes) uint8 views
-        self.value_bytes = 0
+        self.value_bytes = 0    # the largest slot's value
         self.device = torch.device("cpu")
         self.gdkv_off = False   # register found a layout gdkv cannot use
         # Loads and saves on threads of their own: a request waiting for its KV never waits
@@ -501,11 +670,14 @@ class _WorkerSide:
             ref = group_kernel_blocks(kv_caches[name], num_blocks)
             block = ref[0]
             # The block's bytes must be one dense run (its axes may be permuted: LBNHC and
-            # LBHNC are; LHBNC, heads outside blocks, is not).
-            span = 1 + sum((n - 1) * st for n, st in zip(block.shape, block.stride()))
-            if span != block.numel() or block.numel() * block.element_size() > p.page_bytes:
-                log.warning("gdkv: layer %s keeps a block's KV in more than one piece "
-                            "(layout %s); running without gdkv", name, tuple(ref.stride()))
+            # LBHNC are; LHBNC, heads outside blocks, is not), and so must a value's heads.
+            unit = block.narrow(-3, 0, p.heads_per_value) \
+                if p.heads_per_value < p.rank_heads and block.dim() >= 3 else block
+            if not (_dense(block) and _dense(unit)) or \
+                    block.numel() * block.element_size() > p.page_bytes:
+                log.warning("gdkv: layer %s keeps a block's KV, or a head's, in more than one "
+                            "piece (layout %s; heads_per_value %d of %d); running without gdkv",
+                            name, tuple(ref.stride()), p.heads_per_value, p.rank_heads)
                 p.usable = False
                 self.gdkv_off = True   # the scheduler learns it from worker_meta()
                 return
@@ -516,7 +688,11 @@ class _WorkerSide:
             pages.append(view)
         self.pages = pages
         self.np_pages = [pg.numpy() for pg in pages] if pages[0].device.type == "cpu" else []
-        self.value_bytes = p.blocks_per_value * len(pages) * p.page_bytes
+        index = {n: i for i, n in enumerate(p.layer_names)}
+        for sl in self.slots:
+            sl.layers = [index[n] for n in p.groups[sl.group].layer_names]
+            sl.value_bytes = p.blocks_per_value * len(sl.layers) * self.unit_bytes
+        self.value_bytes = max(sl.value_bytes for sl in self.slots)
         self.device = pages[0].device
         if self.device.type == "cpu" and self.store is not None:
             # Through gdkvd, loads then land in the pages where they lie (no staging copy).
@@ -529,6 +705,18 @@ class _WorkerSide:
     def worker_meta(self) -> Optional[GdkvWorkerMeta]:
         # Every step while gdkv is off (it is tiny), so no step's output can lose it.
         return GdkvWorkerMeta(gdkv_off=True) if self.gdkv_off else None
+
+    def _ids(self, t: Transfer, v: int, sl: _Slot) -> list[int]:
+        """Value v's block ids in slot sl's group."""
+        g = self.plan.blocks_per_value
+        return t.block_ids[v][sl.group * g:(sl.group + 1) * g]
+
+    def _items(self, t: Transfer, slots: list[_Slot], by_slot: bool = False) -> list:
+        """(value index, slot) of t's gdkv values in ``slots`` that have a block to transfer,
+        value by value (``by_slot``: slot by slot)."""
+        pairs = ([(v, sl) for sl in slots for v in range(len(t.hashes))] if by_slot else
+                 [(v, sl) for v in range(len(t.hashes)) for sl in slots])
+        return [(v, sl) for v, sl in pairs if any(b >= 0 for b in self._ids(t, v, sl))]
 
     # ---- loads ----
     def start_loads(self, loads: list[Transfer]) -> None:
@@ -558,28 +746,32 @@ class _WorkerSide:
 
     def _load(self, t: Transfer) -> None:
         t0 = time.perf_counter()
-        every = list(range(len(t.hashes)))
-        keys = self.keys.keys(t.hashes)
+        items = self._items(t, self.slots)
+        keys = [sl.space.key(t.hashes[v]) for v, sl in items]
+        every = list(range(len(keys)))
         try:
             # gdkv unavailable or failing (EngineStore.call's rule): every value failed.
-            failed, bad = self.store.call(lambda c: self._load_values(c, t, keys), (every, []),
-                                          f"load of {t.req_id}")
+            failed, bad = self.store.call(lambda c: self._load_values(c, t, items, keys),
+                                          (every, []), f"load of {t.req_id}")
         except Exception:   # never leave vLLM waiting: the request is reported, its blocks fail
             log.exception("gdkv: load of %s failed", t.req_id)
             failed, bad = every, []
+        failed_values = sorted({items[i][0] for i in failed})
         with self.lock:   # the engine-side load time: from the load thread's start to the pages
             self.stats["load_s"] += time.perf_counter() - t0
-            self.stats["loaded_bytes"] += (len(t.hashes) - len(failed)) * self.value_bytes
+            self.stats["loaded_bytes"] += sum(sl.value_bytes for _, sl in items) - sum(
+                items[i][1].value_bytes for i in failed)
         # A value that did not load is no longer one this worker saved (it may have been
         # evicted); one gdkv holds but cannot deliver (of the wrong size, failing) is deleted,
         # so the next save of that prefix puts it again instead of skipping it for ever.
         with self.lock:
-            for v in failed:
-                self.saved.pop(keys[v], None)
+            for i in failed:
+                self.saved.pop(keys[i], None)
         if bad:
-            self.store.call(lambda c: self._drop(c, [keys[v] for v in bad]), None,
+            self.store.call(lambda c: self._drop(c, [keys[i] for i in bad]), None,
                             f"delete of {len(bad)} bad value(s)")
-        self._finish_load(t, failed)
+        self._finish_load(t, failed_values)
+        self.write_stats()
 
     def _drop(self, client, keys: list[bytes]) -> None:
         for k in keys:
@@ -587,18 +779,22 @@ class _WorkerSide:
             with self.lock:
                 self.stats["dropped_values"] += 1
 
-    def _load_values(self, client, t: Transfer, keys: list[bytes]) -> tuple[list[int], list[int]]:
-        """Loads t's values; returns the indices of those that did not arrive whole, and of
-        those among them gdkv holds but could not deliver (of the wrong size, or failing)."""
+    def _load_values(self, client, t: Transfer, items: list,
+                     keys: list[bytes]) -> tuple[list[int], list[int]]:
+        """Loads the gdkv values ``items`` of t (``keys`` theirs); returns the indices of those
+        that did not arrive whole, and of those among them gdkv holds but could not deliver
+        (of the wrong size, or failing)."""
+        ub = self.unit_bytes
+        sizes = [sl.value_bytes for _, sl in items]
         if not self._needs_staging(client):
             # numpy views of the CPU pages: a quarter of the cost of torch views, per page.
-            scratch = np.empty(self.plan.page_bytes, dtype=np.uint8)
-            outs = [[pg[b] if b >= 0 else scratch for b in ids for pg in self.np_pages]
-                    for ids in t.block_ids]
+            scratch = np.empty(ub, dtype=np.uint8)
+            outs = [[self.np_pages[l][b, sl.offset:sl.offset + ub] if b >= 0 else scratch
+                     for b in self._ids(t, v, sl) for l in sl.layers] for v, sl in items]
             got, errs = _per_key(keys, lambda idx: client.get_many_into(
                 [keys[i] for i in idx], [outs[i] for i in idx], partial=True))
             self.stats["zero_copy_loads"] += 1
-            return self._sort(got, errs, 0)
+            return self._sort(got, errs, sizes, 0)
         failed: list[int] = []
         bad: list[int] = []
         stage = self._stage(client)
@@ -607,22 +803,26 @@ class _WorkerSide:
             end = min(start + per_round, len(keys))
             part = keys[start:end]
             got, errs = _per_key(part, lambda idx: client.get_many_into(
-                [part[i] for i in idx], [stage[i] for i in idx], partial=True))
-            f, b = self._sort(got, errs, start)
+                [part[i] for i in idx], [stage[i][:sizes[start + i]] for i in idx],
+                partial=True))
+            f, b = self._sort(got, errs, sizes[start:end], start)
             failed += f
             bad += b
-            ok = [i for i, n in enumerate(got) if n == self.value_bytes]
-            self._scatter(stage, ok, [t.block_ids[start + i] for i in ok])
+            ok = [i for i, n in enumerate(got) if n == sizes[start + i]]
+            self._scatter(stage, ok, [(self._ids(t, *items[start + i]), items[start + i][1])
+                                      for i in ok])
         return failed, bad
 
-    def _sort(self, got: list, errs: dict, base: int) -> tuple[list[int], list[int]]:
+    def _sort(self, got: list, errs: dict, sizes: list[int],
+              base: int) -> tuple[list[int], list[int]]:
         """(failed, bad) indices (plus ``base``) from one _per_key result: failed, every value
-        not read whole; bad, those gdkv holds but could not deliver (not the missing ones)."""
+        not read whole (``sizes``: each one's size); bad, those gdkv holds but could not
+        deliver (not the missing ones)."""
         for e in errs.values():
             self.store.note(e, "load")
-        failed = [base + i for i, n in enumerate(got) if n != self.value_bytes]
+        failed = [base + i for i, n in enumerate(got) if n != sizes[i]]
         bad = [base + i for i, n in enumerate(got)
-               if n != self.value_bytes and (n is not None or i in errs)]
+               if n != sizes[i] and (n is not None or i in errs)]
         return failed, bad
 
     def _needs_staging(self, client) -> bool:
@@ -631,9 +831,10 @@ class _WorkerSide:
                     all(client.reaches(pg[0]) and client.reaches(pg[-1]) for pg in self.np_pages))
 
     def _stage(self, client) -> torch.Tensor:
-        """The load staging of this client: rows of value size in memory gdkv reaches, reserved
-        at the client's first transfer (before any save takes memory shared with gdkvd) and
-        kept while the client lives. Through gdkvd at most half the shared memory."""
+        """The load staging of this client: rows of the largest value's size in memory gdkv
+        reaches, reserved at the client's first transfer (before any save takes memory shared
+        with gdkvd) and kept while the client lives. Through gdkvd at most half the shared
+        memory."""
         with self.stage_lock:
             if self._staging is None or self._staging[0] is not client:
                 budget = self.staging_bytes
@@ -658,42 +859,55 @@ class _WorkerSide:
         shm = self.store.shared_memory_bytes
         return max(0, min(self.save_queue_bytes, shm - staged - shm // 16))
 
-    def _scatter(self, stage: torch.Tensor, rows: list[int], block_ids: list[list[int]]) -> None:
-        """Copies staged values (rows of ``stage``) into their blocks' pages."""
-        g, layers, page = self.plan.blocks_per_value, len(self.pages), self.plan.page_bytes
-        pairs = [(r * g + j, b) for r, ids in zip(rows, block_ids) for j, b in enumerate(ids)
-                 if b >= 0]
-        if not pairs:
-            return
-        src = stage.view(-1, layers, page)
+    def _scatter(self, stage: torch.Tensor, rows: list[int],
+                 targets: list[tuple[list[int], _Slot]]) -> None:
+        """Copies staged values (rows of ``stage``) into their blocks' pages: each row's target
+        is (its block ids, its slot)."""
+        ub = self.unit_bytes
         if self.device.type == "cpu":
             # One numpy copy per page: memcpy speed (torch's uint8 index_copy_ on CPU is an
             # order of magnitude slower).
-            s = src.numpy()
-            for i, b in pairs:
-                for l, dst in enumerate(self.np_pages):
-                    dst[b] = s[i, l]
+            for r, (ids, sl) in zip(rows, targets):
+                src = stage[r][:sl.value_bytes].numpy().reshape(len(ids), len(sl.layers), ub)
+                for j, b in enumerate(ids):
+                    if b >= 0:
+                        for i, l in enumerate(sl.layers):
+                            self.np_pages[l][b, sl.offset:sl.offset + ub] = src[j, i]
             return
         stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(stream):
-            rows_ = src[torch.tensor([i for i, _ in pairs])].to(self.device, non_blocking=True)
-            dst = torch.tensor([b for _, b in pairs], device=self.device)
-            for l, pg in enumerate(self.pages):
-                pg.index_copy_(0, dst, rows_[:, l])
+            for sl in {id(sl): sl for _, sl in targets}.values():
+                mine = [(r, ids) for r, (ids, s) in zip(rows, targets) if s is sl]
+                pairs = [(n * len(ids) + j, b) for n, (_, ids) in enumerate(mine)
+                         for j, b in enumerate(ids) if b >= 0]
+                if not pairs:
+                    continue
+                src = stage[torch.tensor([r for r, _ in mine])][:, :sl.value_bytes]
+                src = src.to(self.device, non_blocking=True).view(-1, len(sl.layers), ub)
+                pick = torch.tensor([i for i, _ in pairs], device=self.device)
+                dst = torch.tensor([b for _, b in pairs], device=self.device)
+                for i, l in enumerate(sl.layers):
+                    self.pages[l][:, sl.offset:sl.offset + ub].index_copy_(0, dst, src[pick, i])
         stream.synchronize()
 
-    def _gather(self, buf: torch.Tensor, block_ids: list[int]):
-        """Copies the blocks' pages into ``buf`` (rows of [layer][page]); on CUDA returns an
-        event that completes when the copy has landed."""
-        rows = buf.view(-1, len(self.pages), self.plan.page_bytes)
+    def _gather(self, t: Transfer, items: list, bufs: list[torch.Tensor]):
+        """Copies the pages of t's gdkv values ``items`` into ``bufs`` (one each, [block][layer]
+        [unit bytes]); on CUDA returns an event that completes when the copies have landed."""
+        ub = self.unit_bytes
+        for (v, sl), buf in zip(items, bufs):
+            ids = self._ids(t, v, sl)
+            if self.device.type == "cpu":
+                r = buf.numpy().reshape(len(ids), len(sl.layers), ub)
+                for j, b in enumerate(ids):
+                    for i, l in enumerate(sl.layers):
+                        r[j, i] = self.np_pages[l][b, sl.offset:sl.offset + ub]
+                continue
+            index = torch.tensor(ids, device=self.device)
+            buf.view(len(ids), len(sl.layers), ub).copy_(torch.stack(
+                [self.pages[l][index, sl.offset:sl.offset + ub] for l in sl.layers], dim=1),
+                non_blocking=True)
         if self.device.type == "cpu":
-            r = rows.numpy()
-            for i, b in enumerate(block_ids):
-                for l, src in enumerate(self.np_pages):
-                    r[i, l] = src[b]
             return None
-        ids = torch.tensor(block_ids, device=self.device)
-        rows.copy_(torch.stack([pg[ids] for pg in self.pages], dim=1), non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         return event
@@ -718,7 +932,8 @@ class _WorkerSide:
 
     def _start_saves(self, saves: list[Transfer], pending: list) -> None:
         client = self.store.client() if self.store else None
-        if client is None or not self.pages or not saves:
+        owned = [sl for sl in self.slots if sl.owns]
+        if client is None or not self.pages or not saves or not owned:
             return
         try:
             budget = self._save_budget(client)
@@ -727,47 +942,56 @@ class _WorkerSide:
             with self.lock:
                 self.stats["dropped_saves"] += sum(len(t.hashes) for t in saves)
             return
+        per_value = sum(sl.value_bytes for sl in owned)
         for t in saves:
             with self.lock:
-                room = max(0, budget - self.queued_save_bytes) // self.value_bytes
+                room = max(0, budget - self.queued_save_bytes) // per_value
                 keep = min(len(t.hashes), room)
                 # The leading values: a later one is of no use without those before it.
                 self.stats["dropped_saves"] += len(t.hashes) - keep
-                size = keep * self.value_bytes
-                self.queued_save_bytes += size
             if keep == 0:
                 continue
             t = Transfer(t.req_id, t.hashes[:keep], t.block_ids[:keep])
+            items = self._items(t, owned, by_slot=True)
+            size = sum(sl.value_bytes for _, sl in items)
+            if not size:
+                continue
+            with self.lock:
+                self.queued_save_bytes += size
             try:
-                buf = client.empty((keep, self.value_bytes), torch.uint8)
+                flat = client.empty((size,), torch.uint8)
             except errors.Error as e:   # shared memory used up: a dropped save is a later miss
                 self.store.note(e, "save staging")
                 with self.lock:
                     self.queued_save_bytes -= size
                     self.stats["dropped_saves"] += keep
                 continue
+            bufs = list(flat.split([sl.value_bytes for _, sl in items]))
             t0 = time.perf_counter()
-            event = self._gather(buf, [b for v in t.block_ids for b in v])
+            event = self._gather(t, items, bufs)
             with self.lock:   # on the engine's step: the forward pass waits for it
                 self.stats["gather_s"] += time.perf_counter() - t0
-            pending.append(self.save_pool.submit(self._save, t, buf, event, size))
+            pending.append(self.save_pool.submit(self._save, t, items, bufs, event, size))
 
-    def _save(self, t: Transfer, buf: torch.Tensor, event, size: int) -> None:
+    def _save(self, t: Transfer, items: list, bufs: list[torch.Tensor], event,
+              size: int) -> None:
         t0 = time.perf_counter()
         try:
             if event is not None:
                 event.synchronize()
             # A dropped save (gdkv unavailable, the store full...) is a later miss.
-            self.store.call(lambda c: self._put(c, t, buf), None, f"save of {t.req_id}")
+            keys = [sl.space.key(t.hashes[v]) for v, sl in items]
+            self.store.call(lambda c: self._put(c, keys, bufs), None, f"save of {t.req_id}")
         finally:
             with self.lock:
                 self.queued_save_bytes -= size
                 self.stats["save_s"] += time.perf_counter() - t0
+            self.write_stats()
 
-    def _put(self, client, t: Transfer, buf: torch.Tensor) -> None:
-        """Puts t's staged values that neither this worker nor gdkv has yet, one key failing at
-        a time (_per_key): a value whose Exist failed is put again (a Store replaces it)."""
-        keys = self.keys.keys(t.hashes)
+    def _put(self, client, keys: list[bytes], bufs: list[torch.Tensor]) -> None:
+        """Puts the values ``bufs`` under ``keys`` that neither this worker nor gdkv has yet,
+        one key failing at a time (_per_key): a value whose Exist failed is put again (a Store
+        replaces it)."""
         with self.lock:
             fresh = [i for i, k in enumerate(keys) if k not in self.saved]
         fresh_keys = [keys[i] for i in fresh]
@@ -776,7 +1000,7 @@ class _WorkerSide:
         for e in errs.values():
             self.store.note(e, "exists")
         todo = [i for i, there in zip(fresh, present) if not there]
-        stored, error = self._put_many(client, [(keys[i], buf[i]) for i in todo])
+        stored, error = self._put_many(client, [(keys[i], bufs[i]) for i in todo])
         with self.lock:
             done = set(keys) - {keys[i] for i, ok in zip(todo, stored) if not ok}
             for k in keys:
@@ -839,30 +1063,41 @@ class _WorkerSide:
     def shutdown(self) -> None:
         self.load_pool.shutdown(wait=True)
         self.save_pool.shutdown(wait=True)
-        # $GDKV_VLLM_STATS: where a worker leaves its counters when the engine stops (the
-        # engine's processes are vLLM's; benchmarks read them here, with the rank in the name).
+        self.write_stats()
+
+    def write_stats(self) -> None:
+        """$GDKV_VLLM_STATS: where a worker leaves its counters (the engine's processes are
+        vLLM's; benchmarks and tests read them there, with the rank in the name). Written after
+        each load and save, since vLLM's multi-process executor may end a worker without
+        shutting its connector down, and at shutdown."""
         path = os.environ.get("GDKV_VLLM_STATS")
-        if path:
-            with self.lock:
-                stats = dict(self.stats, rank=self.rank, value_bytes=self.value_bytes)
-            with open(f"{path}.rank{self.rank}.json", "w") as f:
+        if not path:
+            return
+        with self.lock:
+            stats = dict(self.stats, rank=self.rank, value_bytes=self.value_bytes)
+        final = f"{path}.rank{self.rank}.json"
+        try:
+            with open(f"{final}.tmp", "w") as f:
                 json.dump(stats, f)
+            os.replace(f"{final}.tmp", final)
+        except OSError as e:
+            log.warning("gdkv: cannot write the counters to %s: %s", final, e)
 
 
-def _rank() -> int:
-    """This worker's rank among tensor x pipeline parallel ranks (0 without vLLM's groups)."""
+def _ranks() -> tuple[int, int]:
+    """This worker's pipeline-parallel and tensor-parallel ranks ((0, 0) without vLLM's
+    groups)."""
     try:
-        from vllm.distributed.parallel_state import (get_pp_group,
-                                                     get_tensor_model_parallel_rank,
-                                                     get_tensor_model_parallel_world_size)
-        return (get_pp_group().rank_in_group * get_tensor_model_parallel_world_size() +
-                get_tensor_model_parallel_rank())
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+        return get_pp_group().rank_in_group, get_tensor_model_parallel_rank()
     except (AssertionError, AttributeError, RuntimeError):
-        return 0
+        return 0, 0
 
 
-class GdkvConnector(KVConnectorBase_V1):
-    """vLLM's KV connector for gdkv (module docstring: configuration and behaviour)."""
+class GdkvConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's KV connector for gdkv (module docstring: configuration and behaviour). It
+    supports vLLM's hybrid KV cache manager (SupportsHMA): models with sliding-window layers
+    keep one KV cache group per attention type."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig"):
@@ -889,7 +1124,7 @@ class GdkvConnector(KVConnectorBase_V1):
                             "recompute it instead",
                             self._kv_transfer_config.kv_load_failure_policy)
         else:
-            self.worker = _WorkerSide(self.plan, self.store, _rank())
+            self.worker = _WorkerSide(self.plan, self.store, *_ranks())
 
     # ---- scheduler side ----
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
@@ -920,6 +1155,10 @@ class GdkvConnector(KVConnectorBase_V1):
         # Saves copied their pages out in wait_for_save: the blocks can be freed now.
         self.scheduler.finished(request)
         return False, None
+
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, [])
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -140,12 +140,15 @@ class Server:
         finally:
             conn.close()
 
-    def complete(self, prompt: list[int], max_tokens: int = 16, timeout: float = 600) -> dict:
+    def complete(self, prompt: list[int], max_tokens: int = 16, timeout: float = 600, *,
+                 model: str = "m", **fields: Any) -> dict:
         """A greedy streamed completion of token ids ``prompt``: its time to first token
-        (``ttft_s``) and to the last (``total_s``), the generated token ids and their logprobs."""
-        body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        (``ttft_s``) and to the last (``total_s``), the generated token ids and their logprobs.
+        ``model`` names the served model or a LoRA adapter; ``fields`` are more request fields
+        (``cache_salt="..."``)."""
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True,
-                "stream": True}
+                "stream": True, **fields}
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         tokens: list[int] = []
         logprobs: list[float] = []

@@ -57,7 +57,11 @@ def test_second_instance_loads_the_shared_prefix(model_dir, extra, layout, block
     one.add("a", PROMPT_A)
     one.run()
     tokens_per_value = BS * blocks_per_value
-    saved_a = len(PROMPT_A) // tokens_per_value
+    # saved_values counts gdkv values: one per group of heads_per_value KV heads (the model's
+    # 2 in one value for LBNHC, whose heads lie between a block's tokens; one each for LBHNC).
+    units = {"LBNHC": 1, "LBHNC": 2}[layout]
+    assert len(one.worker.spaces) == units
+    saved_a = len(PROMPT_A) // tokens_per_value * units
     assert one.worker.stats["saved_values"] == saved_a
 
     # A second instance (another node, say): its own prefix cache is empty.
@@ -84,7 +88,7 @@ def test_second_instance_loads_the_shared_prefix(model_dir, extra, layout, block
     assert out.num_scheduled_tokens == {"b": len(PROMPT_B) - external}
     two.run()
     # Saves nothing twice: only B's own values past the shared prefix.
-    saved_b = len(PROMPT_B) // tokens_per_value - external // tokens_per_value
+    saved_b = (len(PROMPT_B) // tokens_per_value - external // tokens_per_value) * units
     assert two.worker.stats["saved_values"] == saved_b
     assert two.worker.stats["skipped_present"] == 0
     assert two.worker.stats["failed_values"] == 0
@@ -234,8 +238,8 @@ def test_consumer_loads_and_never_saves(model_dir, tmp_path):
     assert w["loaded_values"] == 10 and w["saved_values"] == 0 and w["skipped_present"] == 0
     # The consumer's own values past the shared prefix were not put.
     client = decode.connector.store.client()
-    assert all(client.exists(decode.worker.keys.key(h)) for h in b.block_hashes[:10])
-    assert not any(client.exists(decode.worker.keys.key(h)) for h in b.block_hashes[10:])
+    assert all(client.exists(decode.worker.spaces[0].key(h)) for h in b.block_hashes[:10])
+    assert not any(client.exists(decode.worker.spaces[0].key(h)) for h in b.block_hashes[10:])
     prefill.close()
     decode.close()
 
@@ -259,16 +263,96 @@ def test_gdkvd_absent_means_no_hits(model_dir, tmp_path):
 
 def test_keys_differ_by_model_layout_and_rank(model_dir, tmp_path):
     base = {"backend": "memory", "namespace": "k"}
-    a = Instance(model_dir, base).worker.keys
-    b = Instance(model_dir, {**base, "model_id": "other-weights"}).worker.keys
-    c = Instance(model_dir, base, layout="LBHNC").worker.keys
-    d = Instance(model_dir, {**base, "blocks_per_value": 2}).worker.keys
-    e = Instance(model_dir, {**base, "namespace": "k2"}).worker.keys
+    a = Instance(model_dir, base).worker.spaces[0]
+    b = Instance(model_dir, {**base, "model_id": "other-weights"}).worker.spaces[0]
+    c = Instance(model_dir, base, layout="LBHNC").worker.spaces[0]
+    d = Instance(model_dir, {**base, "blocks_per_value": 2}).worker.spaces[0]
+    e = Instance(model_dir, {**base, "namespace": "k2"}).worker.spaces[0]
     h = bytes(32)
     keys = {x.key(h) for x in (a, b, c, d, e)}
     assert len(keys) == 5
     sched = Instance(model_dir, base).scheduler.connector.scheduler
-    assert sched.spaces[0].key(h) == a.key(h)        # scheduler and worker agree
+    assert sched.full_spaces[0].key(h) == a.key(h)   # scheduler and worker agree
+
+
+def test_values_hold_kv_heads_numbered_over_the_model(model_dir):
+    """A value holds heads_per_value KV heads, named by their place among the model's heads (not
+    the rank's), so engines of any tensor-parallel size find the heads they hold; ranks holding
+    copies of a head (fewer KV heads than ranks, or MLA's one latent KV) save it once."""
+    base = {"backend": "memory", "namespace": "heads"}
+    p = Instance(model_dir, base, layout="LBHNC").connector.plan
+    assert (p.total_heads, p.rank_heads, p.heads_per_value) == (2, 2, 1)
+    assert p.rank_units(0) == (0, [0, 1], [True, True])
+    p.tp, p.total_heads, p.rank_heads = 4, 8, 2          # 8 heads over 4 ranks
+    assert p.rank_units(2) == (4, [4, 5], [True, True])
+    p.tp, p.total_heads, p.rank_heads = 8, 2, 1          # 2 heads, each on 4 ranks
+    assert [p.rank_units(r) for r in (3, 4, 5)] == [(0, [0], [False]), (1, [1], [True]),
+                                                    (1, [1], [False])]
+    # Every value whole: 2 heads in one value, or a layout with a head's tokens apart.
+    assert Instance(model_dir, {**base, "heads_per_value": 2}, layout="LBHNC"
+                    ).connector.plan.heads_per_value == 2
+    assert Instance(model_dir, base, layout="LBNHC").connector.plan.heads_per_value == 2
+    with pytest.raises(ValueError, match="heads_per_value must divide"):
+        Instance(model_dir, {**base, "heads_per_value": 3}, layout="LBHNC")
+    # One head's keys do not depend on the rank or on the engine's TP size.
+    one = Instance(model_dir, base, layout="LBHNC").worker.spaces
+    assert len({sp.key(bytes(32)) for sp in one}) == 2
+    assert all("heads" in sp.description and "rank" not in sp.description for sp in one)
+
+
+# ---- hybrid models: a sliding-window group loads only its window ----
+def test_sliding_window_group_loads_only_its_window(model_dir, tmp_path):
+    """Layers 1 and 3 attend to a 40-token window: vLLM's hybrid KV cache manager keeps them
+    in a group of their own, which needs only the 3 blocks before a hit's end (vLLM's rule,
+    cdiv(40 - 1, 16)). B's 10 shared blocks load whole in the full group and as blocks 7-9 in
+    the window group; with a window block gone from gdkv the hit ends where a window is whole."""
+    cfg = {"backend": "memory", "namespace": str(tmp_path)}
+    one = Instance(model_dir, cfg, layout="LBHNC", window=40)
+    assert [g.window for g in one.connector.plan.groups] == [0, 40]
+    one.add("a", PROMPT_A)
+    one.run()
+    units = 2   # one gdkv value per KV head
+    assert one.worker.stats["saved_values"] == 12 * 2 * units   # both groups, every block
+
+    two = Instance(model_dir, cfg, layout="LBHNC", window=40)
+    two.add("b", PROMPT_B)
+    out, failed = two.step()
+    assert not failed
+    full, window = two.block_ids("b", 0), two.block_ids("b", 1)
+    assert window[:7] == [0] * 7 and 0 not in window[7:10]   # vLLM's null blocks
+    for i, pages in enumerate(two.pages):
+        group, layer = two.group_of[i], two.layer_of[i]
+        ids = full if group == 0 else window
+        for p in range(10) if group == 0 else range(7, 10):
+            assert torch.equal(pages[ids[p]], two.expected("b", p, layer)), (p, layer)
+    # (A full layer and a window layer share one tensor, each group's blocks their own.)
+    written = set(full[:10]) | set(window[7:10])
+    others = [b for b in range(two.kcc.num_blocks) if b not in written]
+    for pages in two.pages:
+        assert int(pages[others].count_nonzero()) == 0   # nothing else written
+    assert two.worker.stats["loaded_values"] == 10
+    out, failed = two.step()
+    assert out.num_scheduled_tokens == {"b": len(PROMPT_B) - 160} and not failed
+    two.run()
+
+    # B's 13 blocks are all in gdkv now. Window block 11 (of head 0) gone: a hit of 13 or 12
+    # blocks lacks a block of its window, one of 11 has blocks 8-10.
+    client = two.connector.store.client()
+    window_space = [sl.space for sl in two.worker.slots if sl.group == 1][0]
+    client.delete(window_space.key(two.requests["b"].block_hashes[11]))
+    three = Instance(model_dir, cfg, layout="LBHNC", window=40)
+    three.add("c", PROMPT_B)
+    out, failed = three.step()
+    assert [len(t.hashes) for t in out.kv_connector_metadata.loads] == [11]
+    for i, pages in enumerate(three.pages):
+        if three.group_of[i] == 1:
+            ids = three.block_ids("c", 1)
+            for p in range(8, 11):
+                assert torch.equal(pages[ids[p]], three.expected("c", p, three.layer_of[i]))
+    three.run()
+    assert three.requests["c"].is_finished()
+    for inst in (one, two, three):
+        inst.close()
 
 
 # ---- keys name the weights and the dtype ----
@@ -287,25 +371,25 @@ def test_keys_name_the_weights(tmp_path, monkeypatch):
     path.mkdir()
     cfg = {"backend": "memory", "namespace": "w"}
     weights_dir(path, 1.0)
-    one = Instance(str(path), cfg).worker.keys.salt
+    one = Instance(str(path), cfg).worker.spaces[0].salt
     weights_dir(path, 2.0)                                # other weights, same size and path
     os.utime(path / "model.safetensors", ns=(1, 10 ** 18))
-    two = Instance(str(path), cfg).worker.keys.salt
+    two = Instance(str(path), cfg).worker.spaces[0].salt
     assert two != one
     os.utime(path / "model.safetensors", ns=(1, 2 * 10 ** 18))   # touched, same weights
-    assert Instance(str(path), cfg).worker.keys.salt == two
+    assert Instance(str(path), cfg).worker.spaces[0].salt == two
     weights_dir(path, 1.0)                                # the first weights again
-    assert Instance(str(path), cfg).worker.keys.salt == one
+    assert Instance(str(path), cfg).worker.spaces[0].salt == one
     # model_id names the weights instead: the files are not read.
-    assert Instance(str(path), {**cfg, "model_id": "x"}).worker.keys.salt == \
-        Instance(str(path), {**cfg, "model_id": "x"}).worker.keys.salt
+    assert Instance(str(path), {**cfg, "model_id": "x"}).worker.spaces[0].salt == \
+        Instance(str(path), {**cfg, "model_id": "x"}).worker.spaces[0].salt
 
 
 def test_keys_name_the_model_dtype(model_dir):
     """fp32 and bf16 weights compute different KV even into caches of one dtype."""
     cfg = {"backend": "memory", "namespace": "d"}
-    fp32 = Instance(model_dir, cfg, dtype=torch.float32, kv_dtype=torch.bfloat16).worker.keys
-    bf16 = Instance(model_dir, cfg, dtype=torch.bfloat16, kv_dtype=torch.bfloat16).worker.keys
+    fp32 = Instance(model_dir, cfg, dtype=torch.float32, kv_dtype=torch.bfloat16).worker.spaces[0]
+    bf16 = Instance(model_dir, cfg, dtype=torch.bfloat16, kv_dtype=torch.bfloat16).worker.spaces[0]
     assert fp32.salt != bf16.salt
     assert "model=float32" in fp32.description and "model=bfloat16" in bf16.description
 
@@ -328,7 +412,7 @@ def test_bad_value_is_dropped_and_saved_again(model_dir, tmp_path, load_mode):
     is deleted, and the recompute saves it again. With sync loads the request ran in the step
     that loaded it: vLLM drops that step's output and recomputes from the failed block."""
     cfg, one, two, b = a_stored_b_added(model_dir, tmp_path, load_mode=load_mode)
-    key = two.worker.keys.key(b.block_hashes[3])
+    key = two.worker.spaces[0].key(b.block_hashes[3])
     client = two.connector.store.client()
     client.put(key, b"short")                 # what a torn or corrupted write would leave
     out, failed = two.step()
@@ -466,7 +550,7 @@ def fail_for(client, monkeypatch, method: str, bad: bytes):
 def test_one_failing_key_fails_only_its_value(model_dir, tmp_path, monkeypatch):
     cfg, one, two, b = a_stored_b_added(model_dir, tmp_path)
     client = two.connector.store.client()
-    bad = two.worker.keys.key(b.block_hashes[5])
+    bad = two.worker.spaces[0].key(b.block_hashes[5])
     fail_for(client, monkeypatch, "get_many_into", bad)
     out, failed = two.step()
     assert failed == {two.block_ids("b")[5]}          # not all 10 blocks
@@ -487,7 +571,7 @@ def test_a_value_that_failed_to_load_is_not_offered_again(model_dir, tmp_path, m
     client = two.connector.store.client()
     # The first value: vLLM then starts the request from token 0 and asks the connector again
     # (it does not when a later value failed).
-    fail_for(client, monkeypatch, "get_many_into", two.worker.keys.key(b.block_hashes[0]))
+    fail_for(client, monkeypatch, "get_many_into", two.worker.spaces[0].key(b.block_hashes[0]))
     monkeypatch.setattr(client, "delete", lambda *args, **kw: None)
     out, failed = two.step()
     assert failed == {two.block_ids("b")[0]}
@@ -503,7 +587,7 @@ def test_a_value_that_failed_to_load_is_not_offered_again(model_dir, tmp_path, m
 def test_lookup_stops_before_a_failing_key(model_dir, tmp_path, monkeypatch):
     cfg, one, two, b = a_stored_b_added(model_dir, tmp_path)
     fail_for(two.connector.store.client(), monkeypatch, "lookup_prefix",
-             two.worker.keys.key(b.block_hashes[6]))
+             two.worker.spaces[0].key(b.block_hashes[6]))
     out, failed = two.step()
     assert len(out.kv_connector_metadata.loads[0].hashes) == 6 and not failed
     two.close()
@@ -515,12 +599,12 @@ def test_one_failing_put_stores_the_others(model_dir, tmp_path, monkeypatch):
     inst = Instance(model_dir, cfg)
     a = inst.add("a", PROMPT_A)
     client = inst.connector.store.client()
-    bad = inst.worker.keys.key(a.block_hashes[4])
+    bad = inst.worker.spaces[0].key(a.block_hashes[4])
     fail_for(client, monkeypatch, "put_many", bad)
-    fail_for(client, monkeypatch, "exists_many", inst.worker.keys.key(a.block_hashes[2]))
+    fail_for(client, monkeypatch, "exists_many", inst.worker.spaces[0].key(a.block_hashes[2]))
     inst.run()
     assert inst.worker.stats["saved_values"] == 11
-    keys = inst.worker.keys.keys(a.block_hashes)
+    keys = inst.worker.spaces[0].keys(a.block_hashes)
     assert [client.exists(k) for k in keys] == [k != bad for k in keys]
     assert bad not in inst.worker.saved and keys[0] in inst.worker.saved
     inst.close()
@@ -540,7 +624,7 @@ def test_matched_tokens_changes_no_state(model_dir, tmp_path):
     assert sched.get_num_new_matched_tokens(b, 0) == (160, True)
     assert sched.get_num_new_matched_tokens(b, 0) == (160, True)
     client = two.connector.store.client()
-    for k in one.worker.keys.keys(a.block_hashes):
+    for k in one.worker.spaces[0].keys(a.block_hashes):
         client.delete(k)                                # evicted meanwhile
     out, failed = two.step()
     assert out.num_scheduled_tokens == {"b": len(PROMPT_B)} and not failed
@@ -558,17 +642,19 @@ def test_worker_without_gdkv_turns_the_scheduler_off(model_dir, tmp_path):
     assert not inst.worker.pages
     b = inst.add("b", PROMPT_B)
     p = inst.connector.plan
-    value = bytes(p.blocks_per_value * LAYERS * p.page_bytes)
+    value = bytes(p.blocks_per_value * LAYERS * p.head_bytes * p.heads_per_value)
     client = inst.connector.store.client()
     for h in b.block_hashes[:10]:                       # values a healthy worker had saved
-        client.put(inst.worker.keys.key(h), value)
+        for space in inst.worker.spaces:
+            client.put(space.key(h), value)
     out, failed = inst.step()
     assert len(failed) == 10 and inst.worker.stats["failed_values"] == 10
     inst.run()
     assert b.is_finished()
     c = inst.add("c", list(range(2000, 2200)))
     for h in c.block_hashes[:10]:
-        client.put(inst.worker.keys.key(h), value)
+        for space in inst.worker.spaces:
+            client.put(space.key(h), value)
     out, failed = inst.step()
     assert out.num_scheduled_tokens == {"c": 200} and not failed   # no external tokens
     assert not out.kv_connector_metadata.loads and not out.kv_connector_metadata.saves
@@ -589,7 +675,7 @@ def test_arriving_requests_hint_what_they_will_load(model_dir, monkeypatch):
         assert hinted(d) == 0
         two = Instance(model_dir, cfg)
         sched = two.scheduler.connector.scheduler
-        keys = sched.spaces[0].keys
+        keys = sched.full_spaces[0].keys
         hints = record_hints(sched.store.client(), monkeypatch)
         b = two.add("b", PROMPT_B)              # shares 10 stored values with A, then 3 new
         c = two.add("c", PROMPT_A)              # waits behind b: A's 12 values

@@ -22,7 +22,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import (get_kv_cache_configs, get_request_block_hasher,
                                          init_none_hash)
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
@@ -58,8 +58,10 @@ class Instance:
     def __init__(self, model_dir: str, extra: dict, layout: str = "LBNHC",
                  dtype: torch.dtype = torch.float32, kv_bytes_total: int = 8 << 20,
                  max_len: int = 1024, kv_dtype: torch.dtype | None = None,
-                 kv_role: str = "kv_both"):
+                 kv_role: str = "kv_both", window: int = 0):
         # kv_dtype: the KV cache's dtype, if not the model's (as an fp8 cache would be).
+        # window: every odd layer attends to a sliding window of that many tokens (vLLM's
+        # hybrid KV cache manager then keeps a group of full and one of sliding layers).
         mc = ModelConfig(model=model_dir, tokenizer=model_dir, skip_tokenizer_init=True,
                          dtype=str(dtype).removeprefix("torch."), max_model_len=max_len, seed=0)
         sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_len,
@@ -72,10 +74,11 @@ class Instance:
         vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc,
                         kv_transfer_config=kt, device_config=DeviceConfig("cpu"))
         self.layers = mc.hf_config.num_hidden_layers
+        geometry = dict(block_size=BS, num_kv_heads=mc.hf_config.num_key_value_heads,
+                        head_size=mc.get_head_size(), dtype=kv_dtype or dtype)
         specs = {f"model.layers.{i}.self_attn.attn":
-                 FullAttentionSpec(block_size=BS, num_kv_heads=mc.hf_config.num_key_value_heads,
-                                   head_size=mc.get_head_size(), dtype=kv_dtype or dtype)
-                 for i in range(self.layers)}
+                 SlidingWindowSpec(**geometry, sliding_window=window) if window and i % 2 else
+                 FullAttentionSpec(**geometry) for i in range(self.layers)}
         self.kcc = get_kv_cache_configs(vc, [specs], [kv_bytes_total])[0]
         self.kcc.kv_cache_layout = layout
         vc.cache_config.num_gpu_blocks = self.kcc.num_blocks
@@ -84,8 +87,14 @@ class Instance:
         self.kv = allocate_kv_cache(self.kcc, torch.device("cpu"), KVCacheLayout[layout])
         self.connector.register_kv_caches(self.kv)
         self.worker = self.connector.worker
-        self.pages = self.worker.pages   # per layer (num_blocks, page bytes), over self.kv
+        # Per layer (num_blocks, page bytes), over self.kv, in the connector's order of layers
+        # (group by group); layer_of[i] and group_of[i] name page i's model layer and group.
+        self.pages = self.worker.pages
         self.page = self.pages[0].shape[1] if self.pages else 0
+        names = self.connector.plan.layer_names
+        self.layer_of = [int(n.split(".")[2]) for n in names]
+        self.group_of = [next(g.index for g in self.connector.plan.groups if n in g.layer_names)
+                         for n in names]
         self.requests: dict[str, Request] = {}
 
     def add(self, rid: str, tokens: list[int]) -> Request:
@@ -94,8 +103,8 @@ class Instance:
         self.scheduler.add_request(r)
         return r
 
-    def block_ids(self, rid: str) -> list[int]:
-        return self.scheduler.kv_cache_manager.get_blocks(rid).get_block_ids()[0]
+    def block_ids(self, rid: str, group: int = 0) -> list[int]:
+        return self.scheduler.kv_cache_manager.get_blocks(rid).get_block_ids()[group]
 
     def expected(self, rid: str, position: int, layer: int) -> torch.Tensor:
         return kv_bytes(self.requests[rid].block_hashes[position], layer, self.page)
@@ -135,11 +144,12 @@ class Instance:
         if not self.pages:   # a layout the connector does not use: no bytes to check
             return
         r = self.requests[rid]
-        ids = self.block_ids(rid)
         end = min(computed + out.num_scheduled_tokens[rid], len(r.block_hashes) * BS) // BS
-        for p in range(computed // BS, end):
-            for layer in range(self.layers):
-                self.pages[layer][ids[p]] = self.expected(rid, p, layer)
+        for i, pages in enumerate(self.pages):
+            ids = self.block_ids(rid, self.group_of[i])
+            for p in range(computed // BS, end):
+                if ids[p] != 0:   # vLLM's null block: outside a sliding window
+                    pages[ids[p]] = self.expected(rid, p, self.layer_of[i])
 
     def run(self, limit: int = 12) -> list:
         outs = []
