@@ -126,35 +126,47 @@ def build_model(
     return str(folder)
 
 
-def build_tokenizer(path, *, vocab=8192):
+def build_tokenizer(path, *, vocab=8192, image_token=None, chat_template=None):
     """Save a tokenizer for a model built by `build_model` into `path` (what an engine such as
     vLLM loads beside the weights; nothing is downloaded or trained).
 
     It is a word-level vocabulary: id 0 is ``<unk>``, 1 ``<s>`` and 2 ``</s>`` (LlamaConfig's
     bos and eos), and id ``i`` >= 3 is the word ``t<i>``, so the text ``"t17 t4000"`` encodes to
-    ``[17, 4000]`` and any token ids decode to text and back. Does nothing if `path` already has
-    one of this size.
+    ``[17, 4000]`` and any token ids decode to text and back. With `image_token`, the last id
+    is that special token instead (a vision model's image placeholder). Does nothing if `path`
+    already has one built with the same arguments.
 
         >>> build_tokenizer("/tmp/gdkv-model")
         '/tmp/gdkv-model'
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     folder = Path(path)
     marker = folder / "gdkv-tokenizer.json"
-    if marker.is_file() and json.loads(marker.read_text()) == {"vocab": vocab}:
+    build = {"vocab": vocab}
+    if image_token:
+        build |= {"image_token": image_token, "chat_template": chat_template}
+    if marker.is_file() and json.loads(marker.read_text()) == build:
         return str(folder)
     words = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    words.update({f"t{i}": i for i in range(3, vocab)})
+    words.update({f"t{i}": i for i in range(3, vocab - 1 if image_token else vocab)})
+    if image_token:
+        words[image_token] = vocab - 1
     tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)   # joins words with spaces
+    more = {}
+    if image_token:   # special: "<image><image>..." as a processor writes it splits into ids
+        tok.add_special_tokens([AddedToken(image_token, special=True, normalized=False)])
+        more = {"extra_special_tokens": {"image_token": image_token}}
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                   eos_token="</s>", model_max_length=1 << 20)
+                                   eos_token="</s>", model_max_length=1 << 20, **more)
+    if chat_template:
+        fast.chat_template = chat_template
     folder.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(folder)
-    marker.write_text(json.dumps({"vocab": vocab}) + "\n")
+    marker.write_text(json.dumps(build) + "\n")
     return str(folder)
 
 
@@ -201,6 +213,95 @@ def build_lora_adapter(path, model_path, *, seed=1, rank=8, std=0.05,
         "r": rank, "lora_alpha": rank, "lora_dropout": 0.0, "target_modules": list(targets),
         "bias": "none", "fan_in_fan_out": False, "modules_to_save": None, "use_rslora": False,
         "use_dora": False, "inference_mode": True}, indent=2) + "\n")
+    build_file.write_text(json.dumps(build, indent=2) + "\n")
+    return str(folder)
+
+
+# A vision model's chat template: each message's text and images in order, an image (OpenAI
+# "image_url" parts reach the template as {"type": "image"}) as the image token, which the
+# processor expands into one token per image patch.
+_VISION_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['content'] is string %}{{ message['content'] }} "
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] in ('image', 'image_url') %}<image> "
+    "{% elif part['type'] == 'text' %}{{ part['text'] }} {% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% endfor %}"
+)
+
+
+def build_vision_model(path, *, seed=0, layers=4, hidden=512, heads=8, kv_heads=4,
+                       intermediate=1024, vocab=8192, max_positions=8192, init_std=0.05,
+                       image_size=128, patch=16):
+    """Save a LLaVA (a CLIP vision tower, a projector and a Llama) with random weights from
+    `seed` into `path`, with its tokenizer (build_tokenizer's, the last id the image token
+    ``<image>``), a chat template and its processor: a vision-language model vLLM serves through
+    /v1/chat/completions. An image of any size is resized and cropped to `image_size` pixels
+    square and becomes (image_size / patch)^2 image tokens (64 by default). Every weight but the
+    norms is drawn with std `init_std` (transformers' init leaves the tower's at a scale where
+    two images hardly differ). Does nothing if `path` holds one built with the same arguments.
+
+        >>> build_vision_model("/tmp/gdkv-llava")
+        '/tmp/gdkv-llava'
+    """
+    from safetensors.torch import load_file, save_file
+    from transformers import (AutoTokenizer, CLIPImageProcessor, CLIPVisionConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    build = {"vision": True, "seed": seed, "layers": layers, "hidden": hidden, "heads": heads,
+             "kv_heads": kv_heads, "intermediate": intermediate, "vocab": vocab,
+             "max_positions": max_positions, "init_std": init_std, "image_size": image_size,
+             "patch": patch}
+    folder = Path(path)
+    build_file = folder / _BUILD_FILE
+    if build_file.is_file() and json.loads(build_file.read_text()) == build:
+        return str(folder)
+    text = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                       num_hidden_layers=layers, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+                       initializer_range=init_std, bos_token_id=1, eos_token_id=2,
+                       pad_token_id=0)
+    vision = CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=2, image_size=image_size, patch_size=patch,
+                              projection_dim=64, initializer_range=init_std)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=vocab - 1,
+                         vision_feature_select_strategy="default", vision_feature_layer=-1,
+                         projector_hidden_act="gelu", initializer_range=init_std)
+    config.vocab_size = vocab
+    config.image_seq_length = (image_size // patch) ** 2
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlavaForConditionalGeneration(config)
+        with torch.no_grad():
+            for name, weight in model.named_parameters():
+                if "norm" in name:
+                    continue
+                if name.endswith("bias"):
+                    weight.zero_()
+                else:
+                    weight.normal_(0.0, init_std)
+    folder.mkdir(parents=True, exist_ok=True)
+    build_file.unlink(missing_ok=True)
+    model.save_pretrained(folder)
+    # transformers 5.19 names the CLIP tower's weights "vision_tower.embeddings...", vLLM 0.32's
+    # LLaVA loader (like the published llava-hf checkpoints) "vision_tower.vision_model....".
+    weights_file = folder / "model.safetensors"
+    weights = {("vision_tower.vision_model." + k.removeprefix("vision_tower.")
+                if k.startswith("vision_tower.") and not k.startswith("vision_tower.vision_model.")
+                else k): v for k, v in load_file(str(weights_file)).items()}
+    save_file(weights, str(weights_file), metadata={"format": "pt"})
+    build_tokenizer(folder, vocab=vocab, image_token="<image>",
+                    chat_template=_VISION_CHAT_TEMPLATE)
+    images = CLIPImageProcessor(size={"shortest_edge": image_size},
+                                crop_size={"height": image_size, "width": image_size},
+                                do_center_crop=True, do_resize=True, do_normalize=True,
+                                do_convert_rgb=True)
+    LlavaProcessor(image_processor=images,
+                   tokenizer=AutoTokenizer.from_pretrained(folder, local_files_only=True),
+                   patch_size=patch, vision_feature_select_strategy="default",
+                   num_additional_image_tokens=1, chat_template=_VISION_CHAT_TEMPLATE,
+                   image_token="<image>").save_pretrained(folder)
     build_file.write_text(json.dumps(build, indent=2) + "\n")
     return str(folder)
 

@@ -9,6 +9,8 @@ Turn it on with::
 ``kv_role``: ``kv_both`` saves and loads; ``kv_producer`` (a prefill engine of a disaggregated
 deployment) saves and never loads, and its steps wait for their saves, so a request's first
 token comes back once its KV is in gdkv; ``kv_consumer`` (a decode engine) loads and never saves.
+An engine whose prefix caching is off (vLLM turns it off where its attention cannot compute past
+cached tokens, as for MLA on CPU) saves and never loads.
 
 Through gdkvd (``socket_dir``) only, in a vLLM server: its scheduler and worker are separate
 processes, so an in-process ``backend`` would be two stores (the connector warns). Environment:
@@ -262,6 +264,14 @@ class _Plan:
         ktc = vllm_config.kv_transfer_config
         self.loads = bool(ktc.is_kv_consumer)
         self.saves = bool(ktc.is_kv_producer)
+        if self.loads and not vllm_config.cache_config.enable_prefix_caching:
+            # vLLM turns its prefix caching off where its attention cannot compute past cached
+            # tokens (MLA on a CPU without AMX: "forcing chunked prefill and prefix caching to
+            # be disabled"); KV loaded there is read wrongly (measured: other outputs). Saves
+            # are still right.
+            log.warning("gdkv: vLLM's prefix caching is off, so this engine may not compute "
+                        "past cached KV: it saves to gdkv but loads nothing")
+            self.loads = False
         self.load_async = {"async": True, "sync": False}.get(extra.get("load_mode", "async"))
         if self.load_async is None:
             raise ValueError(f"gdkv: load_mode must be \"async\" or \"sync\", not "

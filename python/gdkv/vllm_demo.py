@@ -181,6 +181,23 @@ class Server:
         return {"ttft_s": ttft, "total_s": time.perf_counter() - t0, "tokens": tokens,
                 "logprobs": logprobs}
 
+    def chat(self, content: list, max_tokens: int = 16, timeout: float = 600,
+             **fields: Any) -> dict:
+        """A greedy chat completion of one user message, ``content`` its OpenAI content parts
+        (``{"type": "text", ...}``, ``{"type": "image_url", ...}``): the generated token ids,
+        their logprobs and the prompt's length in tokens."""
+        body = {"model": "m", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "logprobs": True, "return_tokens_as_token_ids": True,
+                "messages": [{"role": "user", "content": content}], **fields}
+        status, raw = self._request("POST", "/v1/chat/completions", body, timeout)
+        if status != 200:
+            raise RuntimeError(f"chat completion failed ({status}): {raw[:500]!r}")
+        reply = json.loads(raw)
+        parts = reply["choices"][0]["logprobs"]["content"]
+        return {"tokens": [int(p["token"].removeprefix("token_id:")) for p in parts],
+                "logprobs": [float(p["logprob"]) for p in parts],
+                "prompt_tokens": reply["usage"]["prompt_tokens"]}
+
     def reset_prefix_cache(self) -> None:
         """Empties vLLM's own prefix cache (not gdkv): the next request starts cold."""
         status, body = self._request("POST", "/reset_prefix_cache", None, 60)

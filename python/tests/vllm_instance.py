@@ -58,7 +58,7 @@ class Instance:
     def __init__(self, model_dir: str, extra: dict, layout: str = "LBNHC",
                  dtype: torch.dtype = torch.float32, kv_bytes_total: int = 8 << 20,
                  max_len: int = 1024, kv_dtype: torch.dtype | None = None,
-                 kv_role: str = "kv_both", window: int = 0):
+                 kv_role: str = "kv_both", window: int = 0, prefix_caching: bool = True):
         # kv_dtype: the KV cache's dtype, if not the model's (as an fp8 cache would be).
         # window: every odd layer attends to a sliding window of that many tokens (vLLM's
         # hybrid KV cache manager then keeps a group of full and one of sliding layers).
@@ -66,7 +66,7 @@ class Instance:
                          dtype=str(dtype).removeprefix("torch."), max_model_len=max_len, seed=0)
         sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_len,
                              max_model_len=max_len, is_encoder_decoder=False)
-        cc = CacheConfig(block_size=BS, cache_dtype="auto", enable_prefix_caching=True)
+        cc = CacheConfig(block_size=BS, cache_dtype="auto", enable_prefix_caching=prefix_caching)
         cc.kv_cache_layout = layout
         kt = KVTransferConfig(kv_connector="GdkvConnector", kv_connector_module_path="gdkv.vllm",
                               kv_role=kv_role, kv_connector_extra_config=extra,
