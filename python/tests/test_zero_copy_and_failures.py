@@ -157,6 +157,29 @@ def test_close_while_gdkvd_is_frozen(gdkvd):
     gdkvd.signal(signal.SIGCONT)
 
 
+def test_a_read_a_timeout_left_behind_never_writes(gdkvd):
+    """A client that gave up on gdkvd is not written any more: the read it timed out on sat in
+    the frozen gdkvd's queue, and when gdkvd runs again it must not land in the client's memory
+    (in a KV cache shared in place, the engine has put other KV in those pages by then). The
+    client marks its connection revoked in the doorbell page before it raises."""
+    value = bytes([7]) * 65536
+    with gdkv.connect(gdkvd.dir) as w:
+        w.put(b"k", value)
+    c = gdkv.connect(gdkvd.dir, timeout_ms=300)
+    out = c.empty(65536, np.uint8)
+    out[:] = 0
+    gdkvd.signal(signal.SIGSTOP)
+    time.sleep(0.1)
+    with pytest.raises(gdkv.TimeoutError):
+        c.get_into(b"k", out)
+    gdkvd.signal(signal.SIGCONT)
+    time.sleep(1.0)   # gdkvd runs again: its reactor and the connection's teardown
+    assert not out.any(), f"{int(np.count_nonzero(out))} bytes written after the timeout"
+    c.close()
+    with gdkv.connect(gdkvd.dir) as c2:   # gdkvd serves on
+        assert c2.get(b"k") == value
+
+
 def test_close_of_an_idle_client_while_gdkvd_is_frozen(gdkvd):
     """No call failed before: closing still must not wait for ever on the frozen daemon."""
     c = gdkv.connect(gdkvd.dir, timeout_ms=300)

@@ -485,9 +485,13 @@ class Driver final : public VfioUserDevice {
 
   // A Client of this connection failed (gdkvd gone or not answering in time): the connection is
   // closed, so gdkvd finishes its commands and lets go of the memory, and nothing of the shared
-  // memory is handed out again (a late command may still write into it).
+  // memory is handed out again (a command gdkvd had fetched may still write into it).
+  // The revoke word goes first: a command still in a queue (gdkvd frozen, or slow to notice the
+  // closed socket) is then never fetched, so it cannot write into memory handed back to the
+  // caller. A command gdkvd fetched before still completes into it.
   void poison() {
     if (failed_.exchange(true)) return;
+    if (db_ != nullptr) __atomic_store_n(db_ + kRevokedOffset / 4, 1u, __ATOMIC_SEQ_CST);
     alloc_.poison();
     ::shutdown(sock_.get(), SHUT_RDWR);
   }

@@ -676,6 +676,20 @@ TEST_F(Hostile, InterruptDescriptorsMustBeEventfds) {
   expect_good_client_works();
 }
 
+TEST_F(Hostile, RevokedConnectionFetchesNothing) {
+  // A host that gave up on the connection (a client's command timed out) stores the revoke word
+  // (nvme_defs.h): a command it left in a queue is never fetched, so it neither reads nor writes
+  // the host's memory after the host stopped waiting. Other connections are served on.
+  vfio_user::test::RawHost h(dir_.path());
+  h.on_failure = [](const std::string& what) { ADD_FAILURE() << what; };
+  ASSERT_TRUE(h.start());
+  const auto* good = reinterpret_cast<const uint8_t*>("good");
+  EXPECT_EQ(nvme::status_code(h.io(cmd::exist(good, 4)).status), Status::kSuccess);
+  __atomic_store_n(h.doorbell_page() + kRevokedOffset / 4, 1u, __ATOMIC_SEQ_CST);
+  EXPECT_EQ(h.io(cmd::exist(good, 4), 300).status, 0xFFFF);  // no completion: never fetched
+  expect_good_client_works();
+}
+
 TEST_F(Hostile, WakeUpsMisusedByTheHost) {
   // A host that takes the ioeventfd and never signals it, then closes it: its commands still
   // complete (the reactor's sleep timeout), and a full interrupt counter on its I/O vector does

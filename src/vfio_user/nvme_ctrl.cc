@@ -58,6 +58,10 @@ uint32_t* NvmeController::cq_arm_word(uint16_t qid) const {
   return db_ + (2u * qid + 1) * (kDoorbellStride / 4) + kWakeArmOffset / 4;
 }
 
+bool NvmeController::revoked() const {
+  return __atomic_load_n(db_ + kRevokedOffset / 4, __ATOMIC_ACQUIRE) != 0;
+}
+
 void NvmeController::announce_sleep(bool sleeping) {
   // Only for a host that took the ioeventfd: others never see the word change. The reactor
   // fences after announcing and before its last look at the doorbells (tests/handshake_model_test).
@@ -208,6 +212,8 @@ bool NvmeController::poll() {
       shutting_down_ = false;
       busy = true;
     }
+  } else if (revoked()) {
+    stop();  // the host gave up on this connection: nothing of it starts any more
   } else if (!stopping_.load(std::memory_order_acquire) &&
              !(csts_.load(std::memory_order_relaxed) & kCstsShstMask)) {
     busy |= process_deferred();

@@ -139,6 +139,8 @@ class NvmeController final : public Poller {
   uint32_t csts() const { return csts_.load(std::memory_order_acquire); }
   // Fetch nothing more (teardown); in-flight commands still complete.
   void stop() { stopping_.store(true, std::memory_order_release); }
+  // The host stored the revoke word (nvme_defs.h, kRevokedOffset): it gave up on the connection.
+  bool revoked() const;
   uint64_t inflight() const { return inflight_.load(std::memory_order_acquire); }
   // Before `map` is unmapped: the queues living in it (ring or completion queue there) stop
   // fetching, their commands complete, then the reactor drops them; CSTS.CFS is set if the

@@ -21,6 +21,11 @@
 //     (2 + the CPU it runs on) in the word at kWakeWakerCpuOffset before signalling the ioeventfd:
 //     a reactor woken on that CPU sleeps at once after posting the completions that follow, instead
 //     of spinning idle while the host waits queued behind it.
+//   - Revoke: a host that gives up on the connection (a command timed out) stores a nonzero word
+//     at doorbell page offset kRevokedOffset before it closes the socket; from then on gdkvd
+//     fetches no command of that controller, so a command left in a queue never reads or writes
+//     the host's memory after the host stopped waiting for it (a command fetched before still
+//     completes).
 #pragma once
 
 #include <cstddef>
@@ -101,6 +106,8 @@ inline constexpr uint32_t kArmedInterrupts = 1u << 30;
 inline constexpr uint32_t kWakeSleepingOffset = 0x20;
 inline constexpr uint32_t kWakeWakerCpuOffset = 0x24;
 inline constexpr uint32_t kWakeArmOffset = 0x20;
+// The revoke word (doorbell page, the admin SQ tail's stride): see the top of this file.
+inline constexpr uint32_t kRevokedOffset = 0x28;
 
 // The wake-up words that name a CPU (a CQ's arm word, the waker word) hold 2 + the CPU, or 1 for
 // a host thread that does not know its CPU (sched_getcpu failed).
