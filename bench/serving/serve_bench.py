@@ -13,6 +13,10 @@ built model, every engine's compute pinned to the same cores (``gdkv.vllm_demo.S
   (with several engines, one gdkvd they share), the connector's ``load_mode`` ``--load-mode``
   (default async, the connector's own default).
 - ``gdkv-sync``: the same with ``load_mode`` "sync" (a request runs in the step that loads it).
+- ``gdkv-routed``: ``gdkv`` with a KV-aware router (``kv_router.py``) instead of round robin:
+  every engine publishes vLLM's KV events (``--kv-events-config``), the gdkv connector's among
+  them (medium GDKV), and each request goes to the least busy engine whose cache holds the
+  longest prefix of it (a prefix in gdkv counts for every engine).
 - ``gdkv-tiered``: the same through tiered gdkvds (a local store in front of a RADOS pool), one
   per engine. Without ``--ceph-conf`` the bench brings up network-namespace hosts
   (scripts/netns-hosts, its own prefix ``--netns-prefix``) with a Ceph cluster in a namespace of
@@ -89,7 +93,11 @@ ROOT = Path(__file__).resolve().parents[2]
 BUILD = Path(os.environ.get("GDKV_BUILD_DIR", ROOT / "build" / "release"))
 sys.path.insert(0, str(ROOT / "bench" / "python"))
 from gdkvd_proc import Gdkvd  # noqa: E402
-SYSTEMS = ("vllm", "limit", "gdkv", "gdkv-sync", "gdkv-tiered", "mooncake")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kv_router import KvRouter  # noqa: E402
+
+SYSTEMS = ("vllm", "limit", "gdkv", "gdkv-sync", "gdkv-tiered", "gdkv-routed", "mooncake")
 NETNS = ROOT / "scripts" / "netns-hosts"
 VOCAB = 8192
 
@@ -253,8 +261,9 @@ class System:
     one shared, or one per engine) and what its faults need."""
 
     def __init__(self, name: str, servers: list[Server], daemons: list[Gdkvd],
-                 net: Optional[NetnsHosts]):
+                 net: Optional[NetnsHosts], router: Optional[KvRouter] = None):
         self.name, self.servers, self.daemons, self.net = name, servers, daemons, net
+        self.router = router
 
     def tiered(self, name: str) -> list[float]:
         """A tiered gdkvd counter (``tiered_far_reads_total``: reads its local tier could not
@@ -273,15 +282,17 @@ def start_servers(model: str, kv: list[Optional[dict]], args: tuple, envs: list[
                   common: dict) -> list[Server]:
     """One engine per ``kv``/``envs`` entry, started at once on threads (each takes about half
     a minute); every one started is stopped if another fails. ``common["kv_roles"]``: each
-    engine's kv_role (default kv_both)."""
+    engine's kv_role (default kv_both); ``common["engine_args"]``: more flags per engine."""
     out: list[Optional[Server]] = [None] * len(kv)
     errors: list[BaseException] = []
     common = dict(common)
     roles = common.pop("kv_roles", ["kv_both"] * len(kv))
+    more = common.pop("engine_args", [()] * len(kv))
 
     def one(i: int) -> None:
         try:
-            out[i] = Server(model, kv[i], args=args, env=envs[i], kv_role=roles[i], **common)
+            out[i] = Server(model, kv[i], args=(*args, *more[i]), env=envs[i], kv_role=roles[i],
+                            **common)
         except BaseException as e:   # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -310,6 +321,7 @@ def system(name: str, a: argparse.Namespace, work: Path,
     common = dict(max_model_len=a.max_model_len, log_dir=str(work))
     kv: list[Optional[dict]] = [None] * n
     daemons: list[Gdkvd] = []
+    router: Optional[KvRouter] = None
     with contextlib.ExitStack() as stack:
         if name.startswith("gdkv"):
             mode = "sync" if name == "gdkv-sync" else a.load_mode
@@ -330,6 +342,13 @@ def system(name: str, a: argparse.Namespace, work: Path,
                    **a.gdkv_extra} for i in range(n)]
             if a.pd:
                 common["kv_roles"] = ["kv_producer", "kv_consumer"]
+            if name == "gdkv-routed":   # each engine publishes its KV events; the router reads
+                ports = [free_port() for _ in range(n)]
+                common["engine_args"] = [("--kv-events-config", json.dumps(
+                    {"enable_kv_cache_events": True, "publisher": "zmq",
+                     "endpoint": f"tcp://*:{p}", "topic": "kv"})) for p in ports]
+                router = KvRouter([f"tcp://127.0.0.1:{p}" for p in ports], 128)
+                stack.callback(router.close)
         elif name == "mooncake":
             env = stack.enter_context(mooncake_master(work))
             for e in envs:
@@ -340,7 +359,7 @@ def system(name: str, a: argparse.Namespace, work: Path,
         servers = start_servers(a.model, kv, args, envs, common)
         for s in servers:
             stack.callback(s.stop)
-        yield System(name, servers, daemons, net)
+        yield System(name, servers, daemons, net, router)
 
 
 # ---- the run -----------------------------------------------------------------------------------
@@ -358,7 +377,10 @@ def run(sys_: System, sessions: list[Session], a: argparse.Namespace, t0: float)
 
     def one(s: Session, t_arrive: float) -> None:
         turn, prompt = s.next, s.prompt()
-        engine = 1 if a.pd else (s.sid + turn) % len(servers)
+        if sys_.router is not None:
+            engine = sys_.router.route(prompt)
+        else:
+            engine = 1 if a.pd else (s.sid + turn) % len(servers)
         t_start = time.perf_counter()
         try:
             if a.pd:   # the proxy: prefill on engine 0, then the request on engine 1
@@ -368,6 +390,9 @@ def run(sys_: System, sessions: list[Session], a: argparse.Namespace, t0: float)
             with lock:
                 errors.append(f"session {s.sid} turn {turn}: {e}")
             r = {"ttft_s": None, "total_s": None, "tokens": []}
+        finally:
+            if sys_.router is not None:
+                sys_.router.done(engine)
         s.done(prompt, r["tokens"])
         with lock:
             records.append({"session": s.sid, "turn": turn, "engine": engine,
@@ -679,6 +704,8 @@ def serve(a: argparse.Namespace, names: list[str], work: Path,
                     net.ceph("start-osd", "1")
             loaded = sys_.store_hits()
             engine = engine_profile(sys_)
+            routed = dict(sys_.router.decisions, events=sys_.router.events) \
+                if sys_.router is not None else None
             far = sys_.tiered("tiered_far_reads_total") if name == "gdkv-tiered" else []
         if name == "vllm":
             reference = {(r["session"], r["turn"]): r["tokens"] for r in records}
@@ -688,6 +715,8 @@ def serve(a: argparse.Namespace, names: list[str], work: Path,
             r["faults"] = faults
         if far:
             r["far_reads"] = far
+        if routed:
+            r["router"] = routed
         r["engine"] = {k: sum(e[k] for e in engine) for k in ENGINE_PROFILE}
         if len(engine) > 1:
             r["engine_per_engine"] = engine
@@ -726,6 +755,11 @@ def serve(a: argparse.Namespace, names: list[str], work: Path,
         if far:
             print(f"{'':<12} reads from RADOS (values a host's local tier did not hold), per "
                   f"gdkvd: {', '.join(str(int(x)) for x in far)}", flush=True)
+        if routed:
+            print(f"{'':<12} router: {routed['own_cache']} requests to an engine holding the "
+                  f"longest prefix itself, {routed['gdkv']} to one loading it from gdkv, "
+                  f"{routed['none']} with no prefix known ({routed['events']} KV events)",
+                  flush=True)
         c = r.get("connector")
         if c:
             print(f"{'':<12} connector: {int(c.get('loaded_values', 0))} values loaded in "
