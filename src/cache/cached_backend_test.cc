@@ -283,19 +283,28 @@ TEST(Cache, PrefetchIsBoundedAndDemandGoesFirst) {
   o.max_prefetch_inflight = 2;
   o.prefetch_queue = 10;
   auto cache = make_cached_backend(gate, o).value();
+  ASSERT_EQ(test::put(*memory, key("demand"), "now"), Status::kSuccess);
+  // No read completes until the counts are taken (the backend's delay alone did not hold them
+  // on a loaded machine: one prefetch finished and the queue had 9).
+  gate->hold_done(BackendOpKind::kGet, true);
   std::vector<Key> hint;
   for (int i = 0; i < 20; ++i) hint.push_back(block_key(3, i));
   cache->prefetch(1, hint);
   // Two reads in flight, ten queued, eight dropped.
+  ASSERT_TRUE(test::eventually([&] { return gate->held_dones() == 2; }));
   EXPECT_EQ(metric(*cache, "cache_prefetch_inflight"), 2);
   EXPECT_EQ(metric(*cache, "cache_prefetch_queued"), 10);
   EXPECT_EQ(metric(*cache, "cache_prefetch_dropped_total"), 8);
   // A demand read is sent to the backend at once, not behind the queued prefetches.
-  ASSERT_EQ(test::put(*memory, key("demand"), "now"), Status::kSuccess);
   const uint64_t before = gate->count(BackendOpKind::kGet);
   SyncOp d(BackendOpKind::kGet, key("demand"));
   d.submit(*cache);
   EXPECT_EQ(gate->count(BackendOpKind::kGet), before + 1);
+  // The three reads sent while completions were held (two prefetches, the demand) come back;
+  // the queued prefetches go out after, unheld.
+  ASSERT_TRUE(test::eventually([&] { return gate->held_dones() == 3; }));
+  gate->hold_done(BackendOpKind::kGet, false);
+  gate->release_all_dones();
   ASSERT_TRUE(d.wait());
   EXPECT_EQ(d.value(), "now");
   cache->drain();
