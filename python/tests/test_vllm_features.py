@@ -82,15 +82,30 @@ def test_engines_of_different_tensor_parallel_sizes_share_kv(tmp_path_factory, g
             assert two.metric(EXTERNAL) == HIT, two.tail()
             c2 = two.complete(C)                      # TP=2 computes C and saves it
             assert two.metric(EXTERNAL) == HIT
+            # C's 7 full blocks (and E's none: gdkv had them), one gdkv value per KV head. The
+            # puts run on the workers' save threads: wait for them before the engine stops (its
+            # executor ends the workers, and puts still queued are lost).
+            want = [14, 14] if kv_heads == 4 else [7, 0]
+            deadline = time.monotonic() + 60
+            while saved_values(tmp, 2) != want and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert saved_values(tmp, 2) == want
         c1 = one.complete(C)                          # loaded from TP=2's values
         assert one.metric(EXTERNAL) == HIT, one.tail()
     same(e2, e1)
     same(c1, c2)
     same(c1, c1_own)
-    saved = [json.loads((tmp / f"stats.rank{r}.json").read_text())["saved_values"]
-             for r in (0, 1)]
-    # C's 7 full blocks (and E's none: gdkv had them), one gdkv value per KV head.
-    assert saved == ([14, 14] if kv_heads == 4 else [7, 0]), saved
+
+
+def saved_values(tmp, ranks: int) -> list:
+    """Each rank's saved_values from its GDKV_VLLM_STATS file (None before its first write)."""
+    out = []
+    for r in range(ranks):
+        try:
+            out.append(json.loads((tmp / f"stats.rank{r}.json").read_text())["saved_values"])
+        except (OSError, ValueError):
+            out.append(None)
+    return out
 
 
 def mla_model(path: str) -> str:
