@@ -8,7 +8,6 @@ namespace gdkv::vfio_user {
 // ----------------------------------------------------------------------------------
 
 bool NvmeController::fetch_io(Sq& sq) {
-  if (revoked()) return false;  // poll() stops the controller (kRevokedOffset)
   const uint32_t v = load_db(sq_doorbell(sq.id));
   uint32_t pending;
   if (sq.counter) {
