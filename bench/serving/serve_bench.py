@@ -209,14 +209,17 @@ def mooncake_master(work: Path) -> Iterator[dict]:
 
 class NetnsHosts:
     """scripts/netns-hosts under a prefix of the bench's own: ``n`` host namespaces and a Ceph
-    cluster in another, brought up at construction and down by ``down``."""
+    cluster in another, brought up at construction and down by ``down``. The state lives in the
+    script's default directory for the prefix (/tmp/PREFIX-netns), so a run that was killed
+    leaves namespaces the next run recognises as its own and takes down before it starts."""
 
-    def __init__(self, n: int, prefix: str, subnet: str, work: Path):
+    def __init__(self, n: int, prefix: str, subnet: str):
         self.prefix = prefix
-        self.env = {**os.environ, "GDKV_NETNS_PREFIX": prefix, "GDKV_NETNS_SUBNET": subnet,
-                    "GDKV_NETNS_DIR": str(work / "netns")}
-        self.dir = work / "netns"
+        self.env = {**os.environ, "GDKV_NETNS_PREFIX": prefix, "GDKV_NETNS_SUBNET": subnet}
+        self.env.pop("GDKV_NETNS_DIR", None)
+        self.dir = Path(f"/tmp/{prefix}-netns")
         t0 = time.perf_counter()
+        self.down()  # what an interrupted run under this prefix left
         r = self._run("up", str(n))
         if r.returncode != 0:
             self.down()
@@ -669,7 +672,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="gdkv-serving-"))
     net: Optional[NetnsHosts] = None
     if "gdkv-tiered" in names and not a.ceph_conf:
-        net = NetnsHosts(a.engines, a.netns_prefix, a.netns_subnet, work)
+        net = NetnsHosts(a.engines, a.netns_prefix, a.netns_subnet)
     try:
         return serve(a, names, work, net)
     finally:
