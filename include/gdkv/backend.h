@@ -140,6 +140,16 @@ class Backend {
   // keys deleted by other nodes; nullptr unregisters (and waits for a call in progress). Only a
   // shared backend calls it; the others ignore it. One handler per backend.
   virtual void set_invalidation_handler(InvalidationHandler h) { (void)h; }
+  // Whoever reports what the store no longer holds (gdkvd's /removed feed, docs/integrations.md
+  // "KV events") registers here: called once for each key this backend stops holding, deleted
+  // (by a Delete through it or, on a shared backend, notified from another node) or evicted by
+  // its own policy (the local store's reclaim, the memory backend's LRU, the RADOS pool's
+  // eviction by this node); nsid 0 with an empty key: removals may have been missed. Copies that
+  // go while the value stays in the store (the host cache's, a near tier's) are not removals:
+  // decorators forward this to the backend that is the store. Called from the backend's own
+  // threads, sometimes under its locks: it must be quick and must not call back into it.
+  // nullptr unregisters (and waits for a call in progress). One handler per backend.
+  virtual void set_removal_handler(InvalidationHandler h) { (void)h; }
   // A hint (the Prefetch command): the keys of namespace `nsid` will be read soon. The host cache
   // warms them; a backend without a cache has nothing to do (the default), and a decorator
   // passes it on. Never blocks; `keys` is only read during the call.

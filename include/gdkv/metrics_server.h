@@ -1,6 +1,6 @@
 // Metrics out of the process: Prometheus text exposition (format 0.0.4) of a MetricList, the
-// table `gdkv stat` prints, an HTTP server answering GET /metrics, and the copy-engine peak that
-// DMA utilisation is measured against.
+// table `gdkv stat` prints, an HTTP server answering GET /metrics (and /removed, the feed of
+// removed keys), and the copy-engine peak that DMA utilisation is measured against.
 //
 // Exposition: every name gets the `gdkv_` prefix (unless it has it already) and characters
 // Prometheus does not allow become '_'; samples of one name are grouped under one HELP and one
@@ -16,11 +16,15 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 
 #include "gdkv/copy_engine.h"
+#include "gdkv/key.h"
 #include "gdkv/metrics.h"
 #include "gdkv/result.h"
 
@@ -32,13 +36,45 @@ std::string prometheus_text(const MetricList& metrics);
 // A fixed-width table (metric, labels, value), one sample per line, grouped as above.
 std::string metrics_table(const MetricList& metrics);
 
+// The keys the store no longer holds, in the order it reported them (Backend::set_removal_handler),
+// for subscribers that follow them by polling: gdkvd serves it at /removed (docs/integrations.md,
+// "KV events"). Each removal gets the next sequence number (from 1); the newest `capacity` are
+// kept. Thread-safe; add() is a short critical section, callable from a backend's threads.
+class RemovalLog {
+ public:
+  explicit RemovalLog(size_t capacity = 65536);
+  void add(uint32_t nsid, const Key& key);  // nsid 0, empty key: removals may have been missed
+  // The answer to GET /removed[?after=SEQ] as JSON:
+  //   {"boot": B, "last": L, "first": F, "lost": bool, "removed": [[seq, nsid, "hex key"], ...]}
+  // B names this log's life (a new one after a restart: a subscriber's cursor is then void);
+  // L is the newest sequence number given (0: none yet); F the oldest kept (L + 1 when none).
+  // Without `after` (nullopt) no records: a new subscriber starts from L. With it, the records
+  // after `after`, oldest first, at most `max`; "lost" says that some were dropped before the
+  // subscriber read them (F > after + 1) or that `after` is not of this life (after > L).
+  std::string json(std::optional<uint64_t> after, size_t max = 4096) const;
+
+ private:
+  struct Record {
+    uint64_t seq;
+    uint32_t nsid;
+    Key key;
+  };
+  const size_t capacity_;
+  const uint64_t boot_;
+  mutable std::mutex mu_;
+  std::deque<Record> records_;
+  uint64_t last_ = 0;
+};
+
 class MetricsServer {
  public:
   // Listens on bind_address:port (port 0: the kernel picks a free one, see port()) and serves
-  // `source()` at /metrics. An Error (gdkv/result.h) with a clear message when it cannot listen.
+  // `source()` at /metrics, and `removals` (when not null; it must outlive the server) at
+  // /removed. An Error (gdkv/result.h) with a clear message when it cannot listen.
   static Result<std::unique_ptr<MetricsServer>> start(uint16_t port,
                                                       std::function<MetricList()> source,
-                                                      const std::string& bind_address = "0.0.0.0");
+                                                      const std::string& bind_address = "0.0.0.0",
+                                                      const RemovalLog* removals = nullptr);
   ~MetricsServer();  // stops the thread and closes every connection
   MetricsServer(const MetricsServer&) = delete;
   MetricsServer& operator=(const MetricsServer&) = delete;
@@ -46,7 +82,8 @@ class MetricsServer {
   uint16_t port() const;  // the port it listens on
 
  private:
-  MetricsServer(uint16_t port, std::function<MetricList()> source, const std::string& bind_address);
+  MetricsServer(uint16_t port, std::function<MetricList()> source, const std::string& bind_address,
+                const RemovalLog* removals);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -66,6 +66,8 @@ class MemoryBackend final : public Backend {
     return i;
   }
 
+  void set_removal_handler(InvalidationHandler h) override { removals_.set(std::move(h)); }
+
   void collect(MetricList& out) const override {
     out.push_back(Metric{"backend_ops_total",
                          "ops submitted to the backend",
@@ -170,6 +172,7 @@ class MemoryBackend final : public Backend {
             break;
           }
           erase_locked(m, it, gone);
+          removals_(op->nsid, op->key);
           break;
         }
         case BackendOpKind::kExists:
@@ -292,8 +295,11 @@ class MemoryBackend final : public Backend {
     Map& m = spaces_[s.nsid];
     auto it = m.find(s.key);
     const uint64_t bytes = it->second.value.bytes.size();
+    const uint32_t nsid = s.nsid;
+    const Key key = s.key;  // erase_locked drops the slot `s`
     erase_locked(m, it, gone);
     evictions_.fetch_add(1, std::memory_order_relaxed);
+    removals_(nsid, key);
     return bytes;
   }
 
@@ -335,6 +341,7 @@ class MemoryBackend final : public Backend {
   std::atomic<uint64_t> ops_{0};
   std::atomic<uint64_t> copied_{0};
   std::atomic<uint64_t> evictions_{0};
+  InvalidationHook removals_;  // set_removal_handler
   std::atomic<uint64_t> heap_values_{0};
 
   std::mutex timer_mu_;

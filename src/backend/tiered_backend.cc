@@ -54,6 +54,10 @@ class TieredBackend final : public Backend {
   }
 
   void set_invalidation_handler(InvalidationHandler h) override { upstream_.set(std::move(h)); }
+  // Far is the authority: near's reclaim leaves the value in the store.
+  void set_removal_handler(InvalidationHandler h) override {
+    far_->set_removal_handler(std::move(h));
+  }
   void prefetch(uint32_t nsid, std::span<const Key> keys) override { far_->prefetch(nsid, keys); }
 
   void submit(BackendOp* op) override {

@@ -6,12 +6,15 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
 #include <cstdio>
+#include <filesystem>
 #include <mutex>
 #include <set>
 
 #include "backend_params.h"
 #include "cache/cache_test_util.h"
+#include "gdkv/local_backend.h"
 
 namespace gdkv {
 namespace {
@@ -45,6 +48,9 @@ class CorruptingBackend final : public Backend {
     inner_->submit(op);
   }
   BackendInfo info() const override { return inner_->info(); }
+  void set_removal_handler(InvalidationHandler h) override {
+    inner_->set_removal_handler(std::move(h));
+  }
   void corrupt(const Key& k) {
     std::lock_guard lk(mu_);
     bad_.insert(std::string(k.view()));
@@ -217,6 +223,47 @@ TEST(TieredBackend, AnotherNodesDeleteDropsTheNearCopy) {
   EXPECT_EQ(t.get(*t.tiered, k, nullptr), Status::kKeyNotExist);
   EXPECT_EQ(metric(*t.tiered, "tiered_remote_deletes_total"), 1);
   EXPECT_EQ(up, std::vector<std::string>{"block-6"});
+}
+
+// Removals are far's, the store's: a Delete is reported once (not again for the near copy), and
+// near's reclaim, which leaves the values in far, not at all.
+TEST(TieredBackend, RemovalsAreFarsOnly) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("gdkv-tiered-removals-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  LocalBackendOptions lo;
+  lo.path = dir.string();
+  lo.capacity_bytes = 4 << 20;  // 4 segments of 1 MiB
+  lo.segment_bytes = 1 << 20;
+  auto near = make_local_backend(lo).value();
+  auto tiered = make_tiered_backend(near, make_memory_backend()).value();
+  std::vector<std::string> removed;
+  std::mutex mu;
+  tiered->set_removal_handler([&](uint32_t, const Key& k) {
+    std::lock_guard lk(mu);
+    removed.emplace_back(std::string(k.view()));
+  });
+  for (int i = 0; i < 40; ++i) {  // 8 MiB: near reclaims its oldest segments
+    char name[16];
+    std::snprintf(name, sizeof(name), "fill-%d", i);
+    ASSERT_EQ(test::put(*tiered, key(name), value_of(name, 200 << 10)), Status::kSuccess);
+  }
+  SyncOp near_get(BackendOpKind::kGet, key("fill-0"));
+  ASSERT_EQ(near_get.run(*near), Status::kKeyNotExist);  // reclaimed from near
+  SyncOp get(BackendOpKind::kGet, key("fill-0"));
+  EXPECT_EQ(get.run(*tiered), Status::kSuccess);  // still in far
+  SyncOp del(BackendOpKind::kDelete, key("fill-39"));
+  ASSERT_EQ(del.run(*tiered), Status::kSuccess);
+  tiered->drain();
+  tiered->set_removal_handler(nullptr);
+  {
+    std::lock_guard lk(mu);
+    EXPECT_EQ(removed, std::vector<std::string>{"fill-39"});
+  }
+  tiered.reset();
+  near.reset();
+  std::filesystem::remove_all(dir);
 }
 
 // Far lost its notifications for a while: every near key is checked against far, and those far

@@ -112,6 +112,9 @@ class GateBackend final : public Backend {
   void set_invalidation_handler(InvalidationHandler h) override { hook_.set(std::move(h)); }
   void fire(uint32_t nsid, const Key& k) { hook_(nsid, k); }
   bool has_handler() const { return !hook_.empty(); }
+  void set_removal_handler(InvalidationHandler h) override {
+    inner_->set_removal_handler(std::move(h));
+  }
 
   uint64_t count(BackendOpKind k) const { return counts_[static_cast<size_t>(k)].load(); }
   void hold_submit(BackendOpKind k, bool on) {

@@ -107,6 +107,10 @@ class CachedBackend final : public Backend {
   BackendInfo info() const override { return inner_->info(); }
 
   void set_invalidation_handler(InvalidationHandler h) override { upstream_.set(std::move(h)); }
+  // The store is below: a cached copy that goes is not a removal.
+  void set_removal_handler(InvalidationHandler h) override {
+    inner_->set_removal_handler(std::move(h));
+  }
 
   void collect(MetricList& out) const override {
     auto add = [&](const char* name, const char* help, MetricType type, double v,

@@ -1,4 +1,4 @@
-// The /metrics HTTP server and the copy-engine peak measurement.
+// The /metrics HTTP server (and /removed), the removal log and the copy-engine peak measurement.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
@@ -46,6 +47,7 @@ struct MetricsServer::Impl {
   };
 
   std::function<MetricList()> source;
+  const RemovalLog* removals = nullptr;
   int listen_fd = -1;
   int wake_fd = -1;
   uint16_t port = 0;
@@ -174,7 +176,9 @@ struct MetricsServer::Impl {
       return respond(c, "405 Method Not Allowed", "only GET and HEAD\n", head_only, now,
                      "Allow: GET, HEAD\r\n");
     }
-    if (target.substr(0, target.find('?')) != "/metrics") {
+    const std::string_view path = target.substr(0, target.find('?'));
+    if (path == "/removed" && removals != nullptr) return removed(c, target, head_only, now);
+    if (path != "/metrics") {
       return respond(c, "404 Not Found", "not found; try /metrics\n", head_only, now);
     }
     std::string body;
@@ -185,6 +189,27 @@ struct MetricsServer::Impl {
                      std::string("collect failed: ") + e.what() + "\n", head_only, now);
     }
     respond(c, "200 OK", body, head_only, now, "", "text/plain; version=0.0.4; charset=utf-8");
+  }
+
+  // GET /removed[?after=SEQ]: RemovalLog::json. Any other query is 400.
+  void removed(Conn& c, std::string_view target, bool head_only, Clock::time_point now) {
+    std::optional<uint64_t> after;
+    const size_t q = target.find('?');
+    if (q != std::string_view::npos) {
+      const std::string_view query = target.substr(q + 1);
+      constexpr std::string_view kAfter = "after=";
+      uint64_t v = 0;
+      const char* end = query.data() + query.size();
+      const auto [p, ec] = query.starts_with(kAfter)
+                               ? std::from_chars(query.data() + kAfter.size(), end, v)
+                               : std::from_chars_result{query.data(), std::errc::invalid_argument};
+      if (ec != std::errc() || p != end || query.size() == kAfter.size()) {
+        return respond(c, "400 Bad Request", "query: after=SEQ (a decimal number) or none\n",
+                       head_only, now);
+      }
+      after = v;
+    }
+    respond(c, "200 OK", removals->json(after), head_only, now, "", "application/json");
   }
 
   void respond(Conn& c, std::string_view status, std::string_view body, bool head_only,
@@ -231,10 +256,56 @@ struct MetricsServer::Impl {
   }
 };
 
+RemovalLog::RemovalLog(size_t capacity)
+    : capacity_(std::max<size_t>(capacity, 1)),
+      boot_(static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                      std::chrono::system_clock::now().time_since_epoch())
+                                      .count())) {}
+
+void RemovalLog::add(uint32_t nsid, const Key& key) {
+  std::lock_guard lk(mu_);
+  records_.push_back(Record{++last_, nsid, key});
+  if (records_.size() > capacity_) records_.pop_front();
+}
+
+std::string RemovalLog::json(std::optional<uint64_t> after, size_t max) const {
+  std::lock_guard lk(mu_);
+  const uint64_t first = records_.empty() ? last_ + 1 : records_.front().seq;
+  const bool lost = after && (*after > last_ || first > *after + 1);
+  // Appended piece by piece (GCC 12 warns, wrongly, on chains of std::string operator+).
+  std::string out = "{\"boot\": ";
+  out += std::to_string(boot_);
+  out += ", \"last\": ";
+  out += std::to_string(last_);
+  out += ", \"first\": ";
+  out += std::to_string(first);
+  out += ", \"lost\": ";
+  out += lost ? "true" : "false";
+  out += ", \"removed\": [";
+  if (after && *after < last_) {
+    // Records are consecutive: the one after `after` is at index after + 1 - first.
+    size_t i = *after + 1 > first ? static_cast<size_t>(*after + 1 - first) : 0;
+    for (size_t n = 0; i < records_.size() && n < max; ++i, ++n) {
+      const Record& r = records_[i];
+      if (n) out += ", ";
+      out += '[';
+      out += std::to_string(r.seq);
+      out += ", ";
+      out += std::to_string(r.nsid);
+      out += ", \"";
+      out += r.key.hex();
+      out += "\"]";
+    }
+  }
+  out += "]}\n";
+  return out;
+}
+
 MetricsServer::MetricsServer(uint16_t port, std::function<MetricList()> source,
-                             const std::string& bind_address)
+                             const std::string& bind_address, const RemovalLog* removals)
     : impl_(std::make_unique<Impl>()) {
   impl_->source = std::move(source);
+  impl_->removals = removals;
   const std::string where = bind_address + ":" + std::to_string(port);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -265,9 +336,11 @@ MetricsServer::MetricsServer(uint16_t port, std::function<MetricList()> source,
 
 Result<std::unique_ptr<MetricsServer>> MetricsServer::start(uint16_t port,
                                                             std::function<MetricList()> source,
-                                                            const std::string& bind_address) {
+                                                            const std::string& bind_address,
+                                                            const RemovalLog* removals) {
   return catch_error([&] {
-    return std::unique_ptr<MetricsServer>(new MetricsServer(port, std::move(source), bind_address));
+    return std::unique_ptr<MetricsServer>(
+        new MetricsServer(port, std::move(source), bind_address, removals));
   });
 }
 

@@ -354,6 +354,96 @@ TEST_F(MetricsServerTest, SlowAndBrokenClientsDoNotStallIt) {
   scrape(p);
 }
 
+// ---- /removed: the keys the store stopped holding ----
+
+TEST(RemovalLog, CursorsFirstLastAndLost) {
+  RemovalLog log(3);
+  const std::string empty = log.json(std::nullopt);
+  EXPECT_NE(empty.find("\"last\": 0, \"first\": 1, \"lost\": false, \"removed\": []"),
+            std::string::npos)
+      << empty;
+  for (const char* k : {"a", "b", "c", "d"}) log.add(1, *Key::from_string(k));
+  // Without a cursor: positions only. The newest three are kept.
+  EXPECT_NE(log.json(std::nullopt)
+                .find("\"last\": 4, \"first\": 2, \"lost\": false, "
+                      "\"removed\": []"),
+            std::string::npos);
+  const std::string b = Key::from_string("b")->hex(), c = Key::from_string("c")->hex(),
+                    d = Key::from_string("d")->hex();
+  // after=1: nothing was dropped after 1, so 2.. follow, oldest first; `max` cuts.
+  EXPECT_NE(log.json(1).find("\"lost\": false, \"removed\": [[2, 1, \"" + b + "\"], [3, 1, \"" + c +
+                             "\"], [4, 1, \"" + d + "\"]]"),
+            std::string::npos)
+      << log.json(1);
+  EXPECT_NE(log.json(2, 1).find("\"removed\": [[3, 1, \"" + c + "\"]]"), std::string::npos);
+  EXPECT_NE(log.json(4).find("\"lost\": false, \"removed\": []"), std::string::npos);
+  // after=0: record 1 was dropped unread; after=9: a cursor of another life (a restart).
+  EXPECT_NE(log.json(0).find("\"lost\": true, \"removed\": [[2, 1,"), std::string::npos);
+  EXPECT_NE(log.json(9).find("\"lost\": true, \"removed\": []"), std::string::npos);
+  EXPECT_NE(log.json(UINT64_MAX).find("\"lost\": true"), std::string::npos);
+  EXPECT_EQ(log.json(std::nullopt).substr(0, 9), "{\"boot\": ");
+}
+
+// Deletes and the memory backend's evictions reach /removed through the host cache; the cache's
+// own evictions (the value is still stored) do not; bad queries are 400.
+TEST(RemovedFeed, DeletesAndEvictionsOfTheStoreNotOfTheCache) {
+  MemoryBackendOptions mo;
+  mo.capacity_bytes = 64 << 10;
+  CacheOptions co;
+  co.capacity_bytes = 16 << 10;
+  auto backend = make_cached_backend(make_memory_backend(mo), co).value();
+  RemovalLog log;
+  backend->set_removal_handler([&log](uint32_t nsid, const Key& k) { log.add(nsid, k); });
+  auto client = Client::open(backend).value();
+  auto server = MetricsServer::start(
+                    0, [] { return MetricList{}; }, "127.0.0.1", &log)
+                    .value();
+  const uint16_t p = server->port();
+  auto get = [p](const std::string& target) {
+    return request(p, "GET " + target + " HTTP/1.1\r\nHost: x\r\n\r\n");
+  };
+  std::vector<std::byte> v(8 << 10, std::byte{1});
+  auto key = [](int i) {
+    std::string name = std::to_string(i);
+    name.insert(name.begin(), 'k');  // not "k" + ...: GCC 12 warns, wrongly (-Wrestrict)
+    return *Key::from_string(name);
+  };
+  // Four values: 32 KiB, twice what the cache holds, half the store: the cache evicts, the
+  // store does not.
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(client->put(key(i), v).ok());
+  std::string r = get("/removed?after=0");
+  EXPECT_TRUE(r.starts_with("HTTP/1.1 200")) << r;
+  EXPECT_NE(r.find("Content-Type: application/json"), std::string::npos);
+  EXPECT_NE(body_of(r).find("\"last\": 0,"), std::string::npos) << body_of(r);
+  ASSERT_TRUE(client->del(key(1)).ok());
+  EXPECT_FALSE(client->del(key(1)).ok());  // absent: nothing removed
+  r = body_of(get("/removed?after=0"));
+  EXPECT_NE(r.find("\"removed\": [[1, 1, \"" + key(1).hex() + "\"]]"), std::string::npos) << r;
+  // Five more: the store (64 KiB, keys included) evicts its least recently used, k0 first.
+  for (int i = 4; i < 9; ++i) ASSERT_TRUE(client->put(key(i), v).ok());
+  r = body_of(get("/removed?after=1"));
+  EXPECT_NE(r.find("[2, 1, \"" + key(0).hex() + "\"]"), std::string::npos) << r;
+  std::vector<std::byte> buf(v.size());
+  EXPECT_EQ(client->get(key(0), std::span(buf)).status, nvme::Status::kKeyNotExist);
+  // A new subscriber's start: positions only.
+  r = body_of(get("/removed"));
+  EXPECT_NE(r.find("\"removed\": []"), std::string::npos) << r;
+  for (const char* bad :
+       {"/removed?after=", "/removed?after=x", "/removed?after=-1", "/removed?after=1&x=2",
+        "/removed?since=1", "/removed?after=99999999999999999999999"}) {
+    EXPECT_TRUE(get(bad).starts_with("HTTP/1.1 400")) << bad;
+  }
+  backend->set_removal_handler(nullptr);
+}
+
+// Without a log the path is not served.
+TEST(RemovedFeed, NotServedWithoutALog) {
+  auto server = MetricsServer::start(
+                    0, [] { return MetricList{}; }, "127.0.0.1")
+                    .value();
+  EXPECT_TRUE(request(server->port(), "GET /removed HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 404"));
+}
+
 TEST(MetricsServerSetup, PortInUseIsAClearError) {
   auto a = MetricsServer::start(
       0, [] { return MetricList{}; }, "127.0.0.1");

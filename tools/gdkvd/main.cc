@@ -64,6 +64,10 @@ int main(int argc, char** argv) {
   try {
     // Failures to open are reported by main's handler (exit 3): value() throws them there.
     std::shared_ptr<gdkv::Backend> backend = gdkv::open_backend(cfg.backend).value();
+    // The keys the store stops holding, for /removed (subscribers: the connectors' KV events).
+    gdkv::RemovalLog removals;
+    backend->set_removal_handler(
+        [&removals](uint32_t nsid, const gdkv::Key& key) { removals.add(nsid, key); });
     if (cfg.cache_bytes > 0) {
       gdkv::CacheOptions co;
       co.capacity_bytes = cfg.cache_bytes;
@@ -114,10 +118,10 @@ int main(int argc, char** argv) {
                       server.collect(m);
                       return m;
                     },
-                    cfg.metrics_bind)
+                    cfg.metrics_bind, &removals)
                     .value();
       log("metrics on http://" + cfg.metrics_bind + ":" + std::to_string(metrics->port()) +
-          "/metrics");
+          "/metrics, removed keys at /removed");
     }
     log("ready: backend " + cfg.backend.kind + ", " + std::to_string(co.reactors) +
         " reactors, cache " + std::to_string(cfg.cache_bytes) + " bytes, socket " +
@@ -130,6 +134,7 @@ int main(int argc, char** argv) {
     metrics.reset();
     server.stop();  // every client's commands complete; sockets close; the socket file goes
     ctl.stop();     // reactors stop; the backend drains (acknowledged writes are durable)
+    backend->set_removal_handler(nullptr);
     log("stopped cleanly");
     return 0;
   } catch (const std::exception& e) {

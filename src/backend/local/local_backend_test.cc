@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <set>
@@ -449,6 +450,41 @@ TEST_F(LocalStore, FillingPastCapacityReclaimsOldestAndKeepsServing) {
   Backend& r = reopen(o);
   EXPECT_EQ(list(r, Key{}, kKeys), keys);
   EXPECT_EQ(get(r, int_key(kKeys - 1)).data, make_value(kKeys - 1, 1, kLen));
+}
+
+// The removal handler hears of exactly the keys the store stopped holding, once each: those its
+// reclaim dropped and those deleted; not a rewrite, not a Delete of an absent key.
+TEST_F(LocalStore, RemovalsAreTheDeletedAndReclaimedKeysOnce) {
+  Backend& b = open(options(1u << 20, 8u << 20));
+  std::mutex mu;
+  std::vector<Key> removed;
+  b.set_removal_handler([&](uint32_t nsid, const Key& k) {
+    EXPECT_EQ(nsid, 1u);
+    std::lock_guard lk(mu);
+    removed.push_back(k);
+  });
+  constexpr uint32_t kKeys = 300;  // ~18 MiB of 60 KB values: the log wraps twice
+  for (uint32_t k = 0; k < kKeys; ++k) {
+    ASSERT_EQ(put(b, int_key(k), make_value(k, 1, 60000)), Status::kSuccess) << k;
+    if (k == kKeys - 2) {  // a rewrite: no removal
+      ASSERT_EQ(put(b, int_key(k), make_value(k, 2, 60000)), Status::kSuccess);
+    }
+  }
+  ASSERT_EQ(simple(b, BackendOpKind::kDelete, int_key(kKeys - 1)), Status::kSuccess);
+  ASSERT_EQ(simple(b, BackendOpKind::kDelete, skey("absent")), Status::kKeyNotExist);
+  b.set_removal_handler(nullptr);
+  std::set<Key> held;
+  for (const Key& k : list(b, Key{}, kKeys)) held.insert(k);
+  std::set<Key> expected;
+  for (uint32_t k = 0; k < kKeys; ++k) {
+    if (!held.contains(int_key(k))) expected.insert(int_key(k));
+  }
+  ASSERT_GT(expected.size(), 100u);  // reclaim dropped many
+  EXPECT_TRUE(expected.contains(int_key(kKeys - 1)));
+  std::lock_guard lk(mu);
+  EXPECT_EQ(removed.size(), expected.size()) << "a removal reported twice, or a rewrite";
+  EXPECT_EQ(std::set<Key>(removed.begin(), removed.end()), expected);
+  EXPECT_EQ(removed.back(), int_key(kKeys - 1));  // the Delete, once its tombstone is durable
 }
 
 TEST_F(LocalStore, ReclaimNeverResurrectsADeletedKey) {

@@ -171,6 +171,7 @@ class LocalStore final : public Backend {
   BackendInfo info() const override;
   void collect(MetricList& out) const override;
   void drain() override;
+  void set_removal_handler(InvalidationHandler h) override { removals_.set(std::move(h)); }
 
  private:
   // ---- open ----
@@ -358,6 +359,7 @@ class LocalStore final : public Backend {
   std::atomic<uint64_t> ops_[kBackendOpKinds] = {};
   std::atomic<uint64_t> read_bytes_{0}, written_bytes_{0}, log_bytes_{0}, direct_written_{0};
   std::atomic<uint64_t> checksum_failures_{0}, read_errors_{0}, write_errors_{0};
+  InvalidationHook removals_;  // set_removal_handler: deletes and reclaimed keys
   std::atomic<uint64_t> disk_full_{0}, reclaimed_{0}, flushes_{0}, batch_records_{0};
   std::atomic<uint64_t> batch_max_{0};
   std::atomic<uint64_t> keys_{0}, bytes_used_{0}, capacity_{0}, segments_used_{0};

@@ -463,6 +463,7 @@ void LocalStore::commit_batch() {
       value_bytes += op->value.size();
     } else if (index_.erase(op->nsid, op->key, &old)) {
       --segments_[old.segment].live;
+      removals_(op->nsid, op->key);
     }
   }
   const uint64_t new_end = uint64_t{b.stream_start} + b.stream_len;
@@ -559,7 +560,10 @@ void LocalStore::reclaim(uint32_t s) {
     index_.for_each([&](uint32_t nsid, const Key& k, const Location& loc) {
       if (loc.segment == s) victims.push_back(NsKey{nsid, k});
     });
-    for (const NsKey& k : victims) index_.erase(k.nsid, k.key, nullptr);
+    for (const NsKey& k : victims) {
+      index_.erase(k.nsid, k.key, nullptr);
+      removals_(k.nsid, k.key);
+    }
     keys_.store(index_.size());
   }
   bytes_used_.fetch_sub(g.end);

@@ -614,6 +614,7 @@ class RadosBackend final : public Backend {
             break;
           case BackendOpKind::kDelete:
             notify_delete(p->nsid, p->key);  // on its way before the caller hears back
+            removals_(p->nsid, p->key);
             break;
           default:
             break;
@@ -872,6 +873,10 @@ class RadosBackend final : public Backend {
   }
 
  public:
+  // Deletes through this node, deletes other nodes notified (only with an invalidation handler:
+  // it is what watches) and this node's evictions; another node's evictions are its own feed's.
+  void set_removal_handler(InvalidationHandler h) override { removals_.set(std::move(h)); }
+
   void set_invalidation_handler(InvalidationHandler h) override {
     const bool want = static_cast<bool>(h);
     handler_.set(std::move(h));
@@ -901,6 +906,7 @@ class RadosBackend final : public Backend {
     }
     invalidations_received_.fetch_add(1, std::memory_order_relaxed);
     handler_(nsid, key);
+    removals_(nsid, key);
   }
 
   // The watch broke (our session to its OSD was lost for longer than the watch timeout, or
@@ -917,7 +923,10 @@ class RadosBackend final : public Backend {
       w.lost = true;
     }
     maint_cv_.notify_all();
-    if (events) handler_(0, Key{});
+    if (events) {
+      handler_(0, Key{});
+      removals_(0, Key{});
+    }
   }
 
   // REQUIRES: maint_mu_ held. Blocks for up to the op timeout.
@@ -937,7 +946,10 @@ class RadosBackend final : public Backend {
     w.live = true;
     w.lost = false;
     // A watch that had broken is back: what was deleted in between was not notified.
-    if (events && again) handler_(0, Key{});
+    if (events && again) {
+      handler_(0, Key{});
+      removals_(0, Key{});
+    }
   }
 
   // REQUIRES: the maintenance thread has stopped (nothing re-establishes a watch meanwhile).
@@ -1060,6 +1072,21 @@ class RadosBackend final : public Backend {
     int atime_rc = 0;
     uint64_t atime_ms = 0;
   };
+
+  // An evicted object as the key it held (its name is the key's hex; its RADOS namespace
+  // namespace_prefix + nsid).
+  void report_eviction(const Candidate& c) {
+    const std::string& pre = options_.namespace_prefix;
+    const auto k = Key::from_hex(c.oid);
+    if (!k || c.nspace.size() <= pre.size() || c.nspace.compare(0, pre.size(), pre) != 0) return;
+    uint32_t nsid = 0;
+    for (size_t i = pre.size(); i < c.nspace.size(); ++i) {
+      const char ch = c.nspace[i];
+      if (ch < '0' || ch > '9' || nsid > 100000000) return;
+      nsid = nsid * 10 + static_cast<uint32_t>(ch - '0');
+    }
+    if (nsid != 0) removals_(nsid, *k);
+  }
 
   librados::IoCtx& evict_ioctx(const std::string& nspace) {
     auto& io = evict_ns_[nspace];
@@ -1205,6 +1232,7 @@ class RadosBackend final : public Backend {
             if (r == 0) {
               freed += c.size;
               evictions_.fetch_add(1, std::memory_order_relaxed);
+              report_eviction(c);
               evicted_bytes_.fetch_add(c.size, std::memory_order_relaxed);
             } else if (r == -ECANCELED) {
               evict_kept_.fetch_add(1, std::memory_order_relaxed);
@@ -1276,6 +1304,7 @@ class RadosBackend final : public Backend {
 
   // Watches, eviction (the maintenance thread).
   InvalidationHook handler_;
+  InvalidationHook removals_;  // set_removal_handler
   std::mutex maint_mu_;
   std::condition_variable maint_cv_;
   bool stop_maint_ = false;

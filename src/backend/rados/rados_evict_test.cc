@@ -12,6 +12,8 @@
 #include <atomic>
 #include <cstdio>
 #include <filesystem>
+#include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -74,6 +76,17 @@ TEST(RadosNotify, ADeleteOnOneNodeDropsTheOtherNodesCachedCopy) {
   Sync sa(a), sb(b);
   const auto v = make_value(2, 65536);
   std::vector<double> bounds;
+  // Removals (gdkvd's /removed): A's own Deletes on A, the notified ones on B (through its cache).
+  std::mutex mu;
+  std::vector<std::string> removed_a, removed_b;
+  a->set_removal_handler([&](uint32_t nsid, const Key& k) {
+    std::lock_guard lk(mu);
+    if (nsid == 1) removed_a.emplace_back(std::string(k.view()));
+  });
+  b->set_removal_handler([&](uint32_t nsid, const Key& k) {
+    std::lock_guard lk(mu);
+    if (nsid == 1) removed_b.emplace_back(std::string(k.view()));
+  });
   for (int i = 0; i < 5; ++i) {
     const Key k = key_of("notify-" + std::to_string(i));
     ASSERT_EQ(sa.put(k, v).status, Status::kSuccess);
@@ -93,6 +106,17 @@ TEST(RadosNotify, ADeleteOnOneNodeDropsTheOtherNodesCachedCopy) {
   EXPECT_LT(bounds[4], 1000);
   EXPECT_EQ(metric(*b_rados, "rados_remote_deletes_total"), 5);
   EXPECT_EQ(metric(*a, "rados_delete_notifies_total"), 5);
+  a->set_removal_handler(nullptr);
+  b->set_removal_handler(nullptr);
+  {
+    std::lock_guard lk(mu);
+    std::vector<std::string> want;
+    for (int i = 0; i < 5; ++i) {
+      want.push_back(std::string(key_of("notify-" + std::to_string(i)).view()));
+    }
+    EXPECT_EQ(removed_a, want);
+    EXPECT_EQ(removed_b, want);
+  }
   // A backend with another namespace prefix is another view of the pool: not told.
   RadosBackendOptions other = options_for("gdkv-rep3");
   auto c_rados = make_rados_backend(other).value();
@@ -216,6 +240,12 @@ TEST(RadosEvict, ThePoolSettlesBetweenTheWatermarksAndKeepsTheHotSet) {
   auto b = make_rados_backend(o).value();
   Sync sa(a);
   auto sb = std::make_unique<Sync>(b);
+  std::mutex removed_mu;
+  std::vector<std::pair<uint32_t, Key>> removed;  // A's evictions, as /removed reports them
+  a->set_removal_handler([&](uint32_t nsid, const Key& k) {
+    std::lock_guard lk(removed_mu);
+    removed.emplace_back(nsid, k);
+  });
   std::vector<Key> hot;
   for (int i = 0; i < 32; ++i) {  // 2 MiB, read all along
     hot.push_back(key_of("hot-" + std::to_string(i)));
@@ -293,6 +323,23 @@ TEST(RadosEvict, ThePoolSettlesBetweenTheWatermarksAndKeepsTheHotSet) {
       metric(*a, "rados_evict_passes_total"), metric(*a, "rados_evict_kept_total"),
       static_cast<unsigned long long>(whole.load()),
       static_cast<unsigned long long>(absent.load()));
+  a->set_removal_handler(nullptr);
+  {
+    // Every block A evicted was reported once, as the key it held, and is gone.
+    std::lock_guard lk(removed_mu);
+    EXPECT_EQ(static_cast<double>(removed.size()), metric(*a, "rados_evictions_total"));
+    std::set<Key> once;
+    for (int i = 0; i < kOnce; ++i) once.insert(key_of("once-" + std::to_string(i)));
+    std::set<Key> seen;
+    for (const auto& [nsid, k] : removed) {
+      EXPECT_EQ(nsid, 1u);
+      EXPECT_TRUE(once.contains(k)) << k.hex();
+      EXPECT_TRUE(seen.insert(k).second) << "reported twice: " << k.hex();
+    }
+    for (size_t i = 0; i < removed.size() && i < 20; ++i) {
+      EXPECT_EQ(sa.get(removed[i].second).status, Status::kKeyNotExist);
+    }
+  }
   EXPECT_EQ(full, 0u) << "no Store may fail with 81h while eviction keeps up";
   EXPECT_EQ(failed, 0u);
   EXPECT_EQ(torn.load(), 0u);
