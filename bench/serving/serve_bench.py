@@ -15,8 +15,9 @@ built model, every engine's compute pinned to the same cores (``gdkv.vllm_demo.S
 - ``gdkv-sync``: the same with ``load_mode`` "sync" (a request runs in the step that loads it).
 - ``gdkv-routed``: ``gdkv`` with a KV-aware router (``kv_router.py``) instead of round robin:
   every engine publishes vLLM's KV events (``--kv-events-config``), the gdkv connector's among
-  them (medium GDKV), and each request goes to the least busy engine whose cache holds the
-  longest prefix of it (a prefix in gdkv counts for every engine).
+  them (medium GDKV; with gdkvd's removals, ``removals_url``), and each request goes to the
+  least busy engine whose cache holds the longest prefix of it (a prefix in gdkv counts for
+  every engine).
 - ``gdkv-tiered``: the same through tiered gdkvds (a local store in front of a RADOS pool), one
   per engine. Without ``--ceph-conf`` the bench brings up network-namespace hosts
   (scripts/netns-hosts, its own prefix ``--netns-prefix``) with a Ceph cluster in a namespace of
@@ -339,7 +340,8 @@ def system(name: str, a: argparse.Namespace, work: Path,
                     stack.callback(daemons[-1].stop)
             else:   # one gdkvd on the local store, shared by every engine
                 daemons.append(Gdkvd("--backend", "local", "--store", str(work / f"{name}-store"),
-                                     *size, prefix="gdkv-serve-"))
+                                     *size, prefix="gdkv-serve-",
+                                     metrics=name == "gdkv-routed"))
                 stack.callback(daemons[-1].stop)
             kv = [{"socket_dir": daemons[i % len(daemons)].dir, "load_mode": mode,
                    **a.gdkv_extra} for i in range(n)]
@@ -350,6 +352,10 @@ def system(name: str, a: argparse.Namespace, work: Path,
                 common["engine_args"] = [("--kv-events-config", json.dumps(
                     {"enable_kv_cache_events": True, "publisher": "zmq",
                      "endpoint": f"tcp://*:{p}", "topic": "kv"})) for p in ports]
+                # gdkvd's removals (evictions, deletes) reach the router as the connectors'
+                # BlockRemoved.
+                for c in kv:
+                    c["removals_url"] = f"http://127.0.0.1:{daemons[0].metrics_port}/removed"
                 router = KvRouter([f"tcp://127.0.0.1:{p}" for p in ports], 128)
                 stack.callback(router.close)
         elif name == "mooncake":

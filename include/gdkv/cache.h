@@ -16,8 +16,11 @@
 // docs/cache.md compares them.
 //
 // Coherence covers the writes that pass through this cache, and Deletes by other nodes that the
-// backend reports (set_invalidation_handler: RADOS notifications). Rewrites by another node to a
-// shared backend are seen once the cached copy is evicted; run one cache per backend view.
+// backend reports (set_invalidation_handler: RADOS notifications). A key the backend removed
+// (set_removal_handler: its own eviction, a Delete) leaves the cache too, so the cache never
+// serves what the store no longer holds; those removals are passed on to the cache's own removal
+// handler. Rewrites by another node to a shared backend are seen once the cached copy is
+// evicted; run one cache per backend view.
 //
 // Thread safety: as every Backend (see backend.h): submit() and collect() from any thread.
 #pragma once

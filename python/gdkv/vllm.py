@@ -90,7 +90,8 @@ How it works:
   the save thread, skipping values gdkv already has.
 - KV events (vLLM's ``--kv-events-config``): a ``BlockStored`` with medium ``GDKV`` for each
   value once every worker put its part, carrying what vLLM's own event for the block carries, and
-  a ``BlockRemoved`` for an announced value that failed to load (docs/integrations.md).
+  a ``BlockRemoved`` for an announced value that failed to load or, with ``removals_url``,
+  that gdkvd reports removed (its /removed feed; docs/integrations.md).
 - Failure is never wrong KV: a value that is missing, of the wrong size, or not read because
   gdkvd failed is reported through ``get_block_ids_with_load_errors`` and vLLM recomputes it; a
   value that failed to load (wrong size, a per-key error) is deleted from gdkv, so the next save
@@ -111,7 +112,7 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -128,7 +129,7 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, MLAAttentionSpec, Sli
                                         group_kernel_blocks)
 
 from . import errors
-from .engine import UNAVAILABLE, EngineStore, KeySpace, weights_fingerprint
+from .engine import UNAVAILABLE, EngineStore, KeySpace, RemovalFeed, weights_fingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -144,6 +145,8 @@ log = logging.getLogger("gdkv.vllm")
 
 # The medium of the KV events the connector sends (vLLM's own are GPU or CPU).
 MEDIUM = "GDKV"
+# How often gdkvd's removals (removals_url) are read.
+REMOVALS_POLL_S = 0.5
 # How long a planned save's event waits for the workers' reports before it is given up.
 EVENT_WAIT_S = 10.0
 
@@ -421,13 +424,23 @@ class _SchedulerSide:
         self.off = False   # a worker reported it cannot use gdkv (GdkvWorkerMeta)
         # KV events (plan.events): a planned save's BlockStored waits in `unconfirmed` (with its
         # deadline) until every worker reported its part put; then it goes to `events` (for
-        # take_events) and the value to `announced` (its block hashes), whose failed loads are
-        # reported as BlockRemoved.
+        # take_events) and the value to `announced` (its block hashes and gdkv keys). A value
+        # announced is reported as BlockRemoved when it fails to load or, with removals_url,
+        # when gdkvd reports one of its keys removed (`owner`: key -> value hash).
         self.world = plan.tp * plan.pp
         self.unconfirmed: OrderedDict[bytes, tuple[Any, float]] = OrderedDict()
         self.confirmed: dict[bytes, int] = {}
-        self.announced: OrderedDict[bytes, list] = OrderedDict()
+        self.announced: OrderedDict[bytes, tuple[list, list[bytes]]] = OrderedDict()
+        self.owner: dict[bytes, bytes] = {}
         self.events: list = []
+        # gdkvd's removals, read by a thread of their own (an HTTP call has no place on the
+        # scheduler's step); None in the queue: removals were missed.
+        self.removals: deque[Optional[list[bytes]]] = deque()
+        url = plan.extra.get("removals_url")
+        if plan.events and url:
+            feed = RemovalFeed(str(url))
+            threading.Thread(target=self._follow, args=(feed,), name="gdkv-removals",
+                             daemon=True).start()
 
     def state(self, request: "Request") -> _Request:
         st = self.requests.get(request.request_id)
@@ -674,18 +687,44 @@ class _SchedulerSide:
             if planned is None:
                 continue
             self.events.append(planned[0])
-            self.announced[h] = planned[0].block_hashes
+            keys = [ks.key(h) for ks in self.full_spaces]
+            keys += [ks.key(h) for _, spaces in self.windows for ks in spaces]
+            self.announced[h] = (planned[0].block_hashes, keys)
+            self.owner.update((k, h) for k in keys)
             while len(self.announced) > 65536:
-                self.announced.popitem(last=False)
+                _, (_, gone) = self.announced.popitem(last=False)
+                for k in gone:
+                    self.owner.pop(k, None)
 
     def _removed(self, h: bytes) -> None:
-        """A value this engine announced did not load: it is announced removed."""
+        """A value this engine announced did not load, or gdkvd removed one of its keys: it is
+        announced removed."""
         from vllm.distributed.kv_events import BlockRemoved
-        hashes = self.announced.pop(h, None)
-        if hashes is not None:
+        value = self.announced.pop(h, None)
+        if value is not None:
+            hashes, keys = value
+            for k in keys:
+                self.owner.pop(k, None)
             self.events.append(BlockRemoved(block_hashes=hashes, medium=MEDIUM))
 
+    def _follow(self, feed: RemovalFeed) -> None:
+        while True:
+            got = feed.poll()
+            if got is None or got:
+                self.removals.append(got)
+            time.sleep(REMOVALS_POLL_S)
+
     def take_events(self) -> list:
+        while self.removals:
+            keys = self.removals.popleft()
+            if keys is None:   # removals were missed: any announced value may be gone
+                for h in list(self.announced):
+                    self._removed(h)
+                continue
+            for k in keys:
+                h = self.owner.get(k)
+                if h is not None:
+                    self._removed(h)
         out, self.events = self.events, []
         return out
 

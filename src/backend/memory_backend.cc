@@ -146,6 +146,7 @@ class MemoryBackend final : public Backend {
     if (op->kind == BackendOpKind::kPut) {
       s = store(*op, gone);
       gone.clear();
+      report_removed();
       return op->complete(s, len);
     }
     {
@@ -172,7 +173,8 @@ class MemoryBackend final : public Backend {
             break;
           }
           erase_locked(m, it, gone);
-          removals_(op->nsid, op->key);
+          removed_.push_back(NsKey{op->nsid, op->key});
+          has_removed_.store(true, std::memory_order_release);
           break;
         }
         case BackendOpKind::kExists:
@@ -188,7 +190,20 @@ class MemoryBackend final : public Backend {
       }
     }
     gone.clear();
+    report_removed();
     op->complete(s, len);
+  }
+
+  // Outside mu_: the handler may take the locks of whoever keeps copies (the host cache).
+  void report_removed() {
+    if (!has_removed_.load(std::memory_order_acquire)) return;  // no second lock per op
+    std::vector<NsKey> keys;
+    {
+      std::lock_guard lk(mu_);
+      has_removed_.store(false, std::memory_order_relaxed);
+      keys.swap(removed_);
+    }
+    for (const NsKey& k : keys) removals_(k.nsid, k.key);
   }
 
   Status store(const BackendOp& op, std::vector<Value>& gone) {
@@ -299,7 +314,8 @@ class MemoryBackend final : public Backend {
     const Key key = s.key;  // erase_locked drops the slot `s`
     erase_locked(m, it, gone);
     evictions_.fetch_add(1, std::memory_order_relaxed);
-    removals_(nsid, key);
+    removed_.push_back(NsKey{nsid, key});
+    has_removed_.store(true, std::memory_order_release);
     return bytes;
   }
 
@@ -341,7 +357,9 @@ class MemoryBackend final : public Backend {
   std::atomic<uint64_t> ops_{0};
   std::atomic<uint64_t> copied_{0};
   std::atomic<uint64_t> evictions_{0};
-  InvalidationHook removals_;  // set_removal_handler
+  InvalidationHook removals_;   // set_removal_handler
+  std::vector<NsKey> removed_;  // under mu_: deleted and evicted keys, reported after the lock
+  std::atomic<bool> has_removed_{false};  // removed_ is not empty (set under mu_)
   std::atomic<uint64_t> heap_values_{0};
 
   std::mutex timer_mu_;

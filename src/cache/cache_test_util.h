@@ -112,9 +112,12 @@ class GateBackend final : public Backend {
   void set_invalidation_handler(InvalidationHandler h) override { hook_.set(std::move(h)); }
   void fire(uint32_t nsid, const Key& k) { hook_(nsid, k); }
   bool has_handler() const { return !hook_.empty(); }
+  // A decorator: removals are the inner backend's. forward_removals(false) before a cache is
+  // put on top hides them, so deletes behind the cache's back reach it only through fire().
   void set_removal_handler(InvalidationHandler h) override {
-    inner_->set_removal_handler(std::move(h));
+    if (forward_removals_) inner_->set_removal_handler(std::move(h));
   }
+  void forward_removals(bool on) { forward_removals_ = on; }
 
   uint64_t count(BackendOpKind k) const { return counts_[static_cast<size_t>(k)].load(); }
   void hold_submit(BackendOpKind k, bool on) {
@@ -163,6 +166,7 @@ class GateBackend final : public Backend {
   }
 
  private:
+  bool forward_removals_ = true;
   struct Parked {
     BackendOp* op = nullptr;
     void (*done)(BackendOp*, nvme::Status, uint64_t) = nullptr;

@@ -76,10 +76,12 @@ class CachedBackend final : public Backend {
         chain_(o.chain_entries) {
     inner_->set_invalidation_handler(
         [this](uint32_t nsid, const Key& key) { invalidate(nsid, key); });
+    inner_->set_removal_handler([this](uint32_t nsid, const Key& key) { removed(nsid, key); });
   }
 
   ~CachedBackend() override {
     inner_->set_invalidation_handler(nullptr);  // waits for a call in progress
+    inner_->set_removal_handler(nullptr);
     {
       std::lock_guard lk(mu_);
       pending_.clear();
@@ -107,10 +109,9 @@ class CachedBackend final : public Backend {
   BackendInfo info() const override { return inner_->info(); }
 
   void set_invalidation_handler(InvalidationHandler h) override { upstream_.set(std::move(h)); }
-  // The store is below: a cached copy that goes is not a removal.
-  void set_removal_handler(InvalidationHandler h) override {
-    inner_->set_removal_handler(std::move(h));
-  }
+  // The store is below: a cached copy that goes is not a removal; a key the store removed
+  // leaves the cache too (removed()) and is passed on.
+  void set_removal_handler(InvalidationHandler h) override { removals_.set(std::move(h)); }
 
   void collect(MetricList& out) const override {
     auto add = [&](const char* name, const char* help, MetricType type, double v,
@@ -658,6 +659,19 @@ class CachedBackend final : public Backend {
     upstream_(nsid, key);
   }
 
+  // The store no longer holds `key` (deleted, or evicted by its own policy): neither does the
+  // cache, so what gdkvd serves is what the store holds and a removal reported upstream (gdkvd's
+  // /removed) is true. nsid 0 (removals missed) comes with an invalidation that dropped all.
+  void removed(uint32_t nsid, const Key& key) {
+    if (nsid != 0) {
+      std::lock_guard lk(mu_);
+      const NsKey k{nsid, key};
+      detach(k);
+      erase(k);
+    }
+    removals_(nsid, key);
+  }
+
   void detach(const NsKey& key) {
     auto it = flights_.find(key);
     if (it == flights_.end()) return;
@@ -762,6 +776,7 @@ class CachedBackend final : public Backend {
   std::atomic<uint64_t> outstanding_{0};       // flights and writes not finished yet
   std::atomic<uint64_t> write_copy_bytes_{0};  // Store bytes copied into the slab
   InvalidationHook upstream_;
+  InvalidationHook removals_;  // set_removal_handler: the store's removals, passed on
 };
 
 }  // namespace

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <barrier>
+#include <mutex>
 #include <random>
 #include <thread>
 
@@ -81,6 +82,7 @@ TEST(Cache, HitsAreServedWithoutTheBackend) {
 // The cache passes both on to whoever sits above it, and unregisters when it goes.
 TEST(Cache, DeletesByOtherNodesDropCachedCopies) {
   auto gate = std::make_shared<GateBackend>(make_memory_backend());
+  gate->forward_removals(false);  // the deletes below play other nodes': only fire() tells
   std::vector<std::pair<uint32_t, std::string>> seen;
   {
     auto cache = make_cached_backend(gate, {}).value();
@@ -115,6 +117,45 @@ TEST(Cache, DeletesByOtherNodesDropCachedCopies) {
   ASSERT_EQ(seen.size(), 3u);
   EXPECT_EQ(seen[0], (std::pair<uint32_t, std::string>{1, "remote-a"}));
   EXPECT_EQ(seen[2].first, 0u);
+}
+
+// A key the store removed (evicted by its own policy, or deleted behind the cache's back in this
+// process) leaves the cache too, and is passed on to the cache's removal handler: gdkvd serves
+// what the store holds, and its /removed feed is true.
+TEST(Cache, KeysTheStoreRemovedLeaveTheCache) {
+  MemoryBackendOptions mo;
+  mo.capacity_bytes = 64 << 10;
+  CacheOptions co;
+  co.capacity_bytes = 1 << 20;  // the cache holds more than the store
+  Fixture f(co, mo);
+  std::vector<std::string> removed;
+  std::mutex mu;
+  f.cache->set_removal_handler([&](uint32_t, const Key& k) {
+    std::lock_guard lk(mu);
+    removed.emplace_back(std::string(k.view()));
+  });
+  auto name = [](int i) {
+    char n[16];
+    std::snprintf(n, sizeof(n), "store-%02d", i);
+    return std::string(n);
+  };
+  for (int i = 0; i < 16; ++i) {  // 128 KiB: the store evicts the oldest half
+    ASSERT_EQ(test::put(*f.cache, key(name(i).c_str()), block_value(key("v"), 8 << 10)),
+              Status::kSuccess);
+  }
+  Status s;
+  f.get(key(name(0).c_str()), &s);
+  EXPECT_EQ(s, Status::kKeyNotExist) << "the cache served a value the store evicted";
+  EXPECT_EQ(f.get(key(name(15).c_str())), block_value(key("v"), 8 << 10));
+  SyncOp del(BackendOpKind::kDelete, key(name(15).c_str()));
+  ASSERT_EQ(del.run(*f.memory), Status::kSuccess);  // behind the cache's back
+  f.get(key(name(15).c_str()), &s);
+  EXPECT_EQ(s, Status::kKeyNotExist);
+  f.cache->set_removal_handler(nullptr);
+  std::lock_guard lk(mu);
+  ASSERT_GE(removed.size(), 2u);
+  EXPECT_EQ(removed.front(), name(0));
+  EXPECT_EQ(removed.back(), name(15));
 }
 
 TEST(Cache, ViewsOutliveEviction) {

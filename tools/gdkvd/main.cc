@@ -62,18 +62,19 @@ int main(int argc, char** argv) {
   }
 
   try {
+    gdkv::RemovalLog removals;  // outlives the backend, which reports to it
     // Failures to open are reported by main's handler (exit 3): value() throws them there.
     std::shared_ptr<gdkv::Backend> backend = gdkv::open_backend(cfg.backend).value();
-    // The keys the store stops holding, for /removed (subscribers: the connectors' KV events).
-    gdkv::RemovalLog removals;
-    backend->set_removal_handler(
-        [&removals](uint32_t nsid, const gdkv::Key& key) { removals.add(nsid, key); });
     if (cfg.cache_bytes > 0) {
       gdkv::CacheOptions co;
       co.capacity_bytes = cfg.cache_bytes;
       co.policy = cfg.cache_policy;
       backend = gdkv::make_cached_backend(backend, co).value();
     }
+    // The keys the store stops holding, for /removed (subscribers: the connectors' KV events).
+    // On the outermost backend: the host cache registers on the store and passes them on.
+    backend->set_removal_handler(
+        [&removals](uint32_t nsid, const gdkv::Key& key) { removals.add(nsid, key); });
     gdkv::ControllerOptions co;
     co.reactors = cfg.reactors;
     co.max_value_bytes = cfg.max_value_bytes;

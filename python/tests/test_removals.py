@@ -1,0 +1,124 @@
+"""gdkvd's feed of removed keys (/removed) through gdkv.engine.RemovalFeed, against real gdkvd
+processes: deletes and evictions in order, across pages, a restart and records dropped reported as
+missed, an unreachable gdkvd is no error. The connector's use of it (BlockRemoved on the engine's
+KV events) is in test_vllm_features.py; the C++ side in metrics_server_test and each backend's
+tests."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+import gdkv
+from conftest import Gdkvd
+from gdkv.engine import RemovalFeed
+
+
+def key(i: int) -> bytes:
+    return b"removal-%08d" % i
+
+
+def test_deletes_and_evictions_in_order_across_pages():
+    # 64 KiB of memory store: 5,000 values of 1 KiB evict about 4,940, more than a page (4,096).
+    d = Gdkvd("--backend", "memory", "--memory-capacity", str(64 << 10), metrics=True)
+    try:
+        feed = RemovalFeed(d.url("/removed"))
+        assert feed.poll() == []       # the first call takes the position
+        with gdkv.connect(d.dir) as c:
+            for i in range(3):
+                c.put(key(i), b"v" * 1024)
+            c.delete(key(1))
+            with pytest.raises(gdkv.errors.KeyNotFoundError):
+                c.delete(key(1))       # absent: nothing removed
+            assert feed.poll() == [key(1)]
+            assert feed.poll() == []
+            for i in range(3, 5000):
+                c.put(key(i), b"v" * 1024)
+            got = feed.poll()
+            assert got is not None and len(got) > RemovalFeed.PAGE
+            # Least recently used first: 0, 2, 3, ... each once, and none is held any more.
+            assert got[:3] == [key(0), key(2), key(3)]
+            assert len(set(got)) == len(got)
+            assert got == sorted(got)
+            held = set(c.list())
+            assert not held & set(got)
+            assert held | set(got) | {key(1)} == {key(i) for i in range(5000)}
+    finally:
+        d.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_restart_is_reported_as_missed_and_a_down_gdkvd_is_no_error(tmp_path):
+    port = free_port()
+    args = ("--backend", "local", "--store", str(tmp_path / "store"), "--capacity",
+            str(256 << 20))
+    d = Gdkvd(*args, metrics=True, metrics_port=port)
+    feed = RemovalFeed(f"http://127.0.0.1:{port}/removed", timeout_s=1)
+    try:
+        assert feed.poll() == []
+        with gdkv.connect(d.dir) as c:
+            c.put(key(1), b"x" * 100)
+            c.delete(key(1))
+        assert feed.poll() == [key(1)]
+    finally:
+        d.stop()
+    assert feed.poll() == []           # down: nothing known, no error, the cursor kept
+    d = Gdkvd(*args, metrics=True, metrics_port=port)
+    try:
+        assert feed.poll() is None     # another life: what went meanwhile is not known
+        with gdkv.connect(d.dir) as c:
+            c.put(key(2), b"x" * 100)
+            c.delete(key(2))
+        assert feed.poll() == [key(2)]
+    finally:
+        d.stop()
+
+
+class _Canned(BaseHTTPRequestHandler):
+    pages: list = []
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        body = json.dumps(self.pages.pop(0)).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_dropped_records_a_broken_watch_and_other_namespaces():
+    """What gdkvd reports that a real run cannot easily make happen (65,536 records dropped
+    unread; a RADOS watch that broke), served as gdkvd serves it."""
+    server = HTTPServer(("127.0.0.1", 0), _Canned)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    page = lambda last, first, lost, removed: dict(  # noqa: E731
+        boot=7, last=last, first=first, lost=lost, removed=removed)
+    _Canned.pages = [
+        page(10, 1, False, []),
+        page(12, 1, False, [[11, 1, key(1).hex()], [12, 2, key(2).hex()]]),
+        page(99, 50, True, [[50, 1, key(3).hex()]]),
+        page(101, 50, False, [[100, 0, ""], [101, 1, key(4).hex()]]),
+        page(101, 50, False, []),
+    ]
+    try:
+        feed = RemovalFeed(f"http://127.0.0.1:{server.server_port}/removed", nsid=1)
+        assert feed.poll() == [] and feed.cursor == 10
+        assert feed.poll() == [key(1)]          # namespace 2's key is not followed
+        assert feed.poll() is None and feed.cursor == 99   # dropped unread
+        assert feed.poll() is None              # nsid 0: the watch broke
+        assert feed.poll() == [] and feed.cursor == 101
+    finally:
+        server.shutdown()
+    with pytest.raises(ValueError):
+        RemovalFeed("127.0.0.1:9/removed")
