@@ -13,6 +13,9 @@ built model, every engine's compute pinned to the same cores (``gdkv.vllm_demo.S
   (with several engines, one gdkvd they share), the connector's ``load_mode`` ``--load-mode``
   (default async, the connector's own default).
 - ``gdkv-sync``: the same with ``load_mode`` "sync" (a request runs in the step that loads it).
+- ``gdkv-layerwise``: the same with ``load_mode`` "layerwise" (as sync, but the forward pass waits
+  for each layer's KV, not all of it, and saves start layer by layer; with ``--gdkv-extra
+  '{"layers_per_value": N}'`` values of N layers, so the first layers run while later ones load).
 - ``gdkv-routed``: ``gdkv`` with a KV-aware router (``kv_router.py``) instead of round robin:
   every engine publishes vLLM's KV events (``--kv-events-config``), the gdkv connector's among
   them (medium GDKV; with gdkvd's removals, ``removals_url``), and each request goes to the
@@ -98,7 +101,8 @@ from gdkvd_proc import Gdkvd  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kv_router import KvRouter  # noqa: E402
 
-SYSTEMS = ("vllm", "limit", "gdkv", "gdkv-sync", "gdkv-tiered", "gdkv-routed", "mooncake")
+SYSTEMS = ("vllm", "limit", "gdkv", "gdkv-sync", "gdkv-layerwise", "gdkv-tiered", "gdkv-routed",
+           "mooncake")
 NETNS = ROOT / "scripts" / "netns-hosts"
 VOCAB = 8192
 
@@ -328,7 +332,7 @@ def system(name: str, a: argparse.Namespace, work: Path,
     router: Optional[KvRouter] = None
     with contextlib.ExitStack() as stack:
         if name.startswith("gdkv"):
-            mode = "sync" if name == "gdkv-sync" else a.load_mode
+            mode = {"gdkv-sync": "sync", "gdkv-layerwise": "layerwise"}.get(name, a.load_mode)
             size = ["--capacity", str(a.store_mib << 20), "--reactors", "1"]
             if name == "gdkv-tiered":
                 for i in range(n):

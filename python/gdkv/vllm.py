@@ -233,6 +233,12 @@ class _Group:
         layers = hashlib.sha256("\0".join(self.layer_names).encode()).hexdigest()[:12]
         return f"group{self.index}-{self.kind}-w{self.window}-{layers}"
 
+    def chunks(self, per_value: int) -> list[list[str]]:
+        """Its layers, ``per_value`` at a time (0: all in one), in forward order: the layers
+        of one gdkv value."""
+        n = per_value or len(self.layer_names)
+        return [self.layer_names[i:i + n] for i in range(0, len(self.layer_names), n)]
+
     def window_blocks(self, block_size: int) -> int:
         """The blocks before a hit's end that a sliding window needs (vLLM's own rule for
         its prefix cache); 0 for full attention, which needs every block."""
@@ -293,10 +299,23 @@ class _Plan:
             log.warning("gdkv: vLLM's prefix caching is off, so this engine may not compute "
                         "past cached KV: it saves to gdkv but loads nothing")
             self.loads = False
-        self.load_async = {"async": True, "sync": False}.get(extra.get("load_mode", "async"))
+        mode = extra.get("load_mode", "async")
+        self.load_async = {"async": True, "sync": False, "layerwise": False}.get(mode)
         if self.load_async is None:
-            raise ValueError(f"gdkv: load_mode must be \"async\" or \"sync\", not "
-                             f"{extra.get('load_mode')!r}")
+            raise ValueError(f"gdkv: load_mode must be \"async\", \"sync\" or \"layerwise\", "
+                             f"not {mode!r}")
+        # layerwise: as sync (a request runs in the step that loads it), but the step's forward
+        # pass waits layer by layer (wait_for_layer_load), and saves start layer by layer
+        # (save_kv_layer). Values of fewer layers (layers_per_value) let the first layers
+        # compute while the later ones load.
+        self.layerwise = mode == "layerwise"
+        self.layers_per_value = int(extra.get("layers_per_value", 0))
+        if self.layers_per_value < 0:
+            raise ValueError("gdkv: layers_per_value must be 0 (every layer) or more")
+        # Values per block, unit of heads and group: chunks of layers_per_value layers; the
+        # largest group's count (a group with fewer layers has fewer).
+        self.chunks = max((len(g.chunks(self.layers_per_value)) for g in self.groups),
+                          default=1)
         if self.blocks_per_value < 1:
             raise ValueError("gdkv: blocks_per_value must be at least 1")
         self.tokens_per_value = self.blocks_per_value * self.block_size
@@ -370,16 +389,25 @@ class _Plan:
         units = list(range(first // k, (first + self.rank_heads) // k))
         return first, units, [owner] * len(units)
 
-    def keyspace(self, pp_rank: int, unit: int, group: "_Group") -> KeySpace:
+    def keyspace(self, pp_rank: int, unit: int, group: "_Group", chunk: int = 0) -> KeySpace:
         k = self.heads_per_value
+        layers = ""
+        n = len(group.layer_names)
+        if 0 < self.layers_per_value < n:   # values of some of the group's layers
+            a = chunk * self.layers_per_value
+            layers = f"/layers{a}-{min(n, a + self.layers_per_value)}of{n}"
         return KeySpace("vllm", self.model_id, self.dtype,
                         f"{self.layout}/pp{pp_rank}of{self.pp}/heads{unit * k}-"
-                        f"{(unit + 1) * k}of{self.total_heads}/{group.name}", self.namespace)
+                        f"{(unit + 1) * k}of{self.total_heads}/{group.name}{layers}",
+                        self.namespace)
 
     def all_keyspaces(self, group: "_Group") -> list[KeySpace]:
-        """A group's value keys in every pipeline stage and head group: what a lookup asks."""
+        """A group's value keys in every pipeline stage, head group and chunk of layers: what a
+        lookup asks."""
         units = max(1, self.total_heads // self.heads_per_value)
-        return [self.keyspace(p, u, group) for p in range(self.pp) for u in range(units)]
+        chunks = len(group.chunks(self.layers_per_value))
+        return [self.keyspace(p, u, group, c) for p in range(self.pp) for u in range(units)
+                for c in range(chunks)]
 
     def value_hash(self, request: "Request", value: int) -> bytes:
         """vLLM's hash of the last block of value ``value``: it names tokens [0, end)."""
@@ -427,7 +455,7 @@ class _SchedulerSide:
         # take_events) and the value to `announced` (its block hashes and gdkv keys). A value
         # announced is reported as BlockRemoved when it fails to load or, with removals_url,
         # when gdkvd reports one of its keys removed (`owner`: key -> value hash).
-        self.world = plan.tp * plan.pp
+        self.world = plan.tp * plan.pp * plan.chunks   # a report per rank and chunk of layers
         self.unconfirmed: OrderedDict[bytes, tuple[Any, float]] = OrderedDict()
         self.confirmed: dict[bytes, int] = {}
         self.announced: OrderedDict[bytes, tuple[list, list[bytes]]] = OrderedDict()
@@ -758,13 +786,15 @@ class _SchedulerSide:
 
 @dataclass
 class _Slot:
-    """One gdkv value of each vLLM value on this rank: one KV cache group's layers, one unit of
-    heads_per_value KV heads."""
+    """One gdkv value of each vLLM value on this rank: one KV cache group's layers (or a chunk
+    of layers_per_value of them), one unit of heads_per_value KV heads."""
 
     group: int        # index into the plan's groups (and a Transfer's block ids)
     space: KeySpace
     offset: int       # the unit's byte offset in a block's page
     owns: bool        # this rank saves it (the first rank holding its heads)
+    chunk: int = 0    # which layers_per_value layers of the group
+    names: list[str] = field(default_factory=list)    # its layers' names
     layers: list[int] = field(default_factory=list)   # its layers' indices in pages
     value_bytes: int = 0                              # [block][layer][unit bytes]
 
@@ -780,9 +810,11 @@ class _WorkerSide:
         self.rank = pp_rank * plan.tp + tp_rank
         first, units, owns = plan.rank_units(tp_rank)
         self.unit_bytes = plan.heads_per_value * plan.head_bytes
-        self.slots = [_Slot(gi, plan.keyspace(pp_rank, u, g),
-                            (u * plan.heads_per_value - first) * plan.head_bytes, own)
-                      for gi, g in enumerate(plan.groups) for u, own in zip(units, owns)]
+        self.slots = [_Slot(gi, plan.keyspace(pp_rank, u, g, c),
+                            (u * plan.heads_per_value - first) * plan.head_bytes, own, c, names)
+                      for gi, g in enumerate(plan.groups)
+                      for c, names in enumerate(g.chunks(plan.layers_per_value))
+                      for u, own in zip(units, owns)]
         self.spaces = [sl.space for sl in self.slots]
         self.staging_bytes = int(plan.extra.get("staging_bytes", 256 << 20))
         self.save_queue_bytes = int(plan.extra.get("save_queue_bytes", 1 << 30))
@@ -807,6 +839,17 @@ class _WorkerSide:
                           gather_s=0.0, save_s=0.0, save_wait_s=0.0)
         self._staging: Optional[tuple[Any, torch.Tensor]] = None   # (client, buffer)
         self.stored: dict[bytes, int] = {}   # values put since the last report (KV events)
+        # load_mode "layerwise": this step's loads, a future per chunk of layers (and by layer
+        # index), the layers the forward pass waited for, the layers it computed and the
+        # chunks whose saves have started.
+        self.layer_index: dict[str, int] = {}
+        self.step_loads: Optional[tuple[list[Transfer], list, dict[int, Any]]] = None
+        self.waited: set[int] = set()
+        self.layerwise_ok = True   # vLLM waits for every layer (see _join_layers)
+        self.computed: set[int] = set()
+        self.save_chunks: set[int] = set()
+        self.save_pending: list = []
+        self.stats["layer_wait_s"] = 0.0
 
     # ---- set-up ----
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
@@ -837,8 +880,9 @@ class _WorkerSide:
         self.pages = pages
         self.np_pages = [pg.numpy() for pg in pages] if pages[0].device.type == "cpu" else []
         index = {n: i for i, n in enumerate(p.layer_names)}
+        self.layer_index = index
         for sl in self.slots:
-            sl.layers = [index[n] for n in p.groups[sl.group].layer_names]
+            sl.layers = [index[n] for n in sl.names]
             sl.value_bytes = p.blocks_per_value * len(sl.layers) * self.unit_bytes
         self.value_bytes = max(sl.value_bytes for sl in self.slots)
         self.device = pages[0].device
@@ -876,6 +920,9 @@ class _WorkerSide:
         """Starts the step's loads; with load_mode "sync" also waits for them (the forward
         pass that follows reads their pages)."""
         t0 = time.perf_counter()
+        self._join_layers()   # a step that ended without results() (never, in vLLM 0.32)
+        if self.plan.layerwise and self.layerwise_ok and self.pages and loads:
+            return self._start_layers(loads)
         pending = []
         for t in loads:
             if not self.pages:   # gdkv is off here: every value failed, reported this step
@@ -897,9 +944,71 @@ class _WorkerSide:
             if self.plan.load_async:   # vLLM waits for these; a sync load is part of its step
                 self.finished_loads.add(t.req_id)
 
-    def _load(self, t: Transfer) -> None:
+    def _start_layers(self, loads: list[Transfer]) -> None:
+        """load_mode "layerwise": the step's loads, one chunk of layers after the other (every
+        request's values of the first layers first) on the load thread; wait_for_layer_load
+        waits for the chunk holding its layer, and results() for all of them."""
+        futures: list = []
+        by_layer: dict[int, Any] = {}
+        for c in range(self.plan.chunks):
+            slots = [sl for sl in self.slots if sl.chunk == c]
+            if not slots:
+                continue
+            f = self.load_pool.submit(lambda s=slots: [self._load(t, s, finish=False)
+                                                       for t in loads])
+            futures.append(f)
+            by_layer.update((l, f) for sl in slots for l in sl.layers)
+        self.step_loads = (loads, futures, by_layer)
+        self.waited = set()
+
+    def wait_for_layer(self, name: str) -> None:
+        """The forward pass is about to run layer ``name``'s attention: its chunk's loads must
+        have landed."""
+        if self.step_loads is None:
+            return
+        i = self.layer_index.get(name)
+        f = self.step_loads[2].get(i)
+        if f is None:
+            return
+        self.waited.add(i)
+        if not f.done():
+            t0 = time.perf_counter()
+            f.result()
+            with self.lock:
+                self.stats["layer_wait_s"] += time.perf_counter() - t0
+
+    def _join_layers(self) -> None:
+        """The end of a layerwise step: waits for its loads and reports their failures (vLLM
+        then drops the step's output for those requests and recomputes them from the first
+        failed block, as for a failed sync load: KV half loaded is never used). A layer the
+        forward pass did not wait for may have been read before its KV landed: then every
+        value of the step is reported failed, and later steps load as "sync" does."""
+        if self.step_loads is None:
+            return
+        loads, futures, by_layer = self.step_loads
+        self.step_loads = None
+        failed: list[set[int]] = [set() for _ in loads]
+        for f in futures:
+            for i, values in enumerate(f.result()):
+                failed[i].update(values)
+        skipped = set(by_layer) - self.waited
+        if skipped:
+            log.warning("gdkv: vLLM ran %d layer(s) without waiting for their KV "
+                        "(wait_for_layer_load); this step's loads are recomputed and later "
+                        "ones load whole before the forward pass (as load_mode \"sync\")",
+                        len(skipped))
+            self.layerwise_ok = False
+            failed = [set(range(len(t.hashes))) for t in loads]
+        for t, f in zip(loads, failed):
+            self._finish_load(t, sorted(f))
+        self.write_stats()
+
+    def _load(self, t: Transfer, slots: Optional[list[_Slot]] = None,
+              finish: bool = True) -> list[int]:
+        """Loads t's values of ``slots`` (default all); returns the values that failed, and
+        with ``finish`` reports them (a layerwise step reports once every chunk is in)."""
         t0 = time.perf_counter()
-        items = self._items(t, self.slots)
+        items = self._items(t, self.slots if slots is None else slots)
         keys = [sl.space.key(t.hashes[v]) for v, sl in items]
         every = list(range(len(keys)))
         try:
@@ -923,8 +1032,10 @@ class _WorkerSide:
         if bad:
             self.store.call(lambda c: self._drop(c, [keys[i] for i in bad]), None,
                             f"delete of {len(bad)} bad value(s)")
-        self._finish_load(t, failed_values)
-        self.write_stats()
+        if finish:
+            self._finish_load(t, failed_values)
+            self.write_stats()
+        return failed_values
 
     def _drop(self, client, keys: list[bytes]) -> None:
         for k in keys:
@@ -1072,10 +1183,13 @@ class _WorkerSide:
         the budget (_save_budget) are dropped, a save's leading values first kept. A
         kv_producer (a prefill engine) waits for its puts: its step, and so the request's first
         token, ends once the KV is in gdkv, where the decode engine asked next will look."""
-        pending = []
+        # layerwise: the chunks whose saves started in save_kv_layer are done; the rest now.
+        pending, self.save_pending = self.save_pending, []
+        started, self.save_chunks, self.computed = self.save_chunks, set(), set()
         t0 = time.perf_counter()
         try:
-            self._start_saves(saves, pending)
+            self._start_saves(saves, pending, [sl for sl in self.slots
+                                               if sl.chunk not in started])
         finally:
             if pending and not self.plan.loads:
                 for f in pending:
@@ -1083,13 +1197,32 @@ class _WorkerSide:
                 with self.lock:
                     self.stats["save_wait_s"] += time.perf_counter() - t0
 
-    def _start_saves(self, saves: list[Transfer], pending: list) -> None:
+    def save_layer(self, name: str, saves: list[Transfer]) -> None:
+        """load_mode "layerwise": layer ``name`` has been computed in this step. Once every
+        layer of a chunk has, the saves of that chunk's values start (gathered now, put on the
+        save thread while the forward pass goes on)."""
+        if not (self.plan.layerwise and saves and self.pages) or name not in self.layer_index:
+            return
+        self.computed.add(self.layer_index[name])
+        for c in range(self.plan.chunks):
+            slots = [sl for sl in self.slots if sl.chunk == c]
+            if c not in self.save_chunks and slots and \
+                    all(l in self.computed for sl in slots for l in sl.layers):
+                self.save_chunks.add(c)
+                self._start_saves(saves, self.save_pending, slots)
+
+    def _start_saves(self, saves: list[Transfer], pending: list, slots: list[_Slot]) -> None:
+        """Gathers and queues the saves of ``slots``' values."""
+        if not slots:
+            return
         client = self.store.client() if self.store else None
-        owned = [sl for sl in self.slots if sl.owns]
+        owned = [sl for sl in slots if sl.owns]
         if self.plan.events and self.pages and not owned:
+            chunks = len({sl.chunk for sl in slots})
             with self.lock:   # a rank that saves nothing (the first rank holding its heads does)
                 for t in saves:
-                    self.stored.update((h, 1) for h in t.hashes)
+                    for h in t.hashes:
+                        self.stored[h] = self.stored.get(h, 0) + chunks
         if client is None or not self.pages or not saves or not owned:
             return
         try:
@@ -1140,9 +1273,15 @@ class _WorkerSide:
             keys = [sl.space.key(t.hashes[v]) for v, sl in items]
             self.store.call(lambda c: self._put(c, keys, bufs), None, f"save of {t.req_id}")
             if self.plan.events:
-                with self.lock:   # the values whose every part is in gdkv now
+                with self.lock:   # the values whose every part is in gdkv now, per chunk
                     missing = {v for (v, _), k in zip(items, keys) if k not in self.saved}
-                    self.stored.update((t.hashes[v], 1) for v, _ in items if v not in missing)
+                    chunks: dict[int, set[int]] = {}
+                    for v, sl in items:
+                        chunks.setdefault(v, set()).add(sl.chunk)
+                    for v, cs in chunks.items():
+                        if v not in missing:
+                            h = t.hashes[v]
+                            self.stored[h] = self.stored.get(h, 0) + len(cs)
         finally:
             with self.lock:
                 self.queued_save_bytes -= size
@@ -1204,6 +1343,7 @@ class _WorkerSide:
 
     # ---- results ----
     def results(self) -> KVConnectorTransferResults:
+        self._join_layers()
         with self.lock:
             done, self.finished_loads = self.finished_loads, set()
             # Errors of these loads are reported in this same step, as vLLM requires.
@@ -1218,6 +1358,7 @@ class _WorkerSide:
 
     def drain(self) -> None:
         """Waits for every queued load and save (tests; shutdown)."""
+        self._join_layers()
         self.load_pool.submit(lambda: None).result()
         self.save_pool.submit(lambda: None).result()
 
@@ -1343,11 +1484,16 @@ class GdkvConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.start_loads(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return   # loads are asynchronous: requests wait in WAITING_FOR_REMOTE_KVS
+        # async and sync loads wait for nothing here (a request waits in
+        # WAITING_FOR_REMOTE_KVS, or start_load_kv waited); layerwise for this layer's chunk.
+        self.worker.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
-        return   # whole values (every layer) are saved in wait_for_save
+        # layerwise: a chunk's saves start once its layers are computed; otherwise every
+        # layer's are saved in wait_for_save.
+        meta = self._get_connector_metadata()
+        self.worker.save_layer(layer_name, meta.saves)
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()

@@ -460,6 +460,154 @@ def test_bad_value_is_dropped_and_saved_again(model_dir, tmp_path, load_mode):
         inst.close()
 
 
+# ---- layerwise: values of some layers, loads the forward pass waits for layer by layer ----
+def layerwise_pair(model_dir, tmp_path, per_value: int):
+    """Instance one saved PROMPT_A in values of ``per_value`` layers; instance two loads them
+    layer by layer and has PROMPT_B added."""
+    cfg = {"backend": "memory", "namespace": str(tmp_path), "layers_per_value": per_value}
+    one = Instance(model_dir, cfg)
+    one.add("a", PROMPT_A)
+    one.run()
+    assert one.worker.stats["saved_values"] == 12 * (LAYERS // per_value)
+    two = Instance(model_dir, {**cfg, "load_mode": "layerwise"})
+    return one, two, two.add("b", PROMPT_B)
+
+
+def test_layerwise_loads_let_the_first_layers_run_while_the_last_load(model_dir, tmp_path,
+                                                                       monkeypatch):
+    """Values of one layer each: the step that loads B runs layer 0's attention while layer 3's
+    values are still loading (held here until layer 2 has run); every layer's KV is in its pages
+    when its attention runs."""
+    one, two, b = layerwise_pair(model_dir, tmp_path, 1)
+    release = threading.Event()
+    real = two.worker._load
+
+    def load(t, slots=None, finish=True):
+        if slots and slots[0].chunk == LAYERS - 1:
+            assert release.wait(10)
+        return real(t, slots, finish)
+
+    monkeypatch.setattr(two.worker, "_load", load)
+    last = two.layer_of.index(LAYERS - 1)
+    seen = []
+
+    def on_layer(i):
+        ids = two.block_ids("b")
+        for p in range(10):
+            assert torch.equal(two.pages[i][ids[p]], two.expected("b", p, two.layer_of[i]))
+        seen.append((two.layer_of[i], two.worker.step_loads[2][last].done()))
+        if two.layer_of[i] == LAYERS - 2:
+            release.set()
+
+    two.on_layer = on_layer
+    out, failed = two.step()
+    assert not failed and b.status == RequestStatus.RUNNING
+    assert out.num_scheduled_tokens == {"b": len(PROMPT_B) - 10 * BS}
+    assert seen == [(0, False), (1, False), (2, False), (3, True)]
+    w = two.worker.stats
+    assert w["loaded_values"] == 10 and w["failed_values"] == 0 and w["layer_wait_s"] > 0
+    two.on_layer = None
+    two.run()
+    assert b.is_finished() and w["saved_values"] == (len(PROMPT_B) // BS - 10) * LAYERS
+    one.close()
+    two.close()
+
+
+def test_a_layerwise_load_failing_in_its_last_layers_is_recomputed(model_dir, tmp_path):
+    """Block 3's value of layers 2-3 is torn: its first layers load, the step runs, and vLLM is
+    told block 3 failed, drops the step's output for B and recomputes from block 3 (KV half
+    loaded is never used); the torn value is dropped and saved again."""
+    one, two, b = layerwise_pair(model_dir, tmp_path, 2)
+    later = next(sl for sl in two.worker.slots if sl.chunk == 1)
+    key = later.space.key(b.block_hashes[3])
+    client = two.connector.store.client()
+    client.put(key, b"short")
+    out, failed = two.step()
+    assert failed == {two.block_ids("b")[3]}
+    assert two.worker.stats["dropped_values"] == 1 and not client.exists(key)
+    out, _ = two.step()
+    assert out.num_scheduled_tokens == {"b": len(PROMPT_B) - 3 * BS}
+    for i in range(LAYERS):
+        assert torch.equal(two.pages[i][two.block_ids("b")[3]],
+                           two.expected("b", 3, two.layer_of[i]))
+    two.run()
+    assert client.exists(key)
+    one.close()
+    two.close()
+
+
+def test_a_layer_run_without_waiting_fails_the_steps_loads(model_dir, tmp_path, caplog):
+    """A layer vLLM runs without wait_for_layer_load may have read its pages before the KV
+    landed: every value of the step is reported failed (recomputed), and later loads finish
+    before the forward pass, as sync loads do."""
+    one, two, b = layerwise_pair(model_dir, tmp_path, 1)
+    two.skip_wait = {two.layer_of.index(2)}
+    with caplog.at_level(logging.WARNING, logger="gdkv.vllm"):
+        out, failed = two.step()
+    assert failed == set(two.block_ids("b")[:10])
+    assert not two.worker.layerwise_ok and "without waiting" in caplog.text
+    two.run()
+    assert b.is_finished()
+    c = two.add("c", PROMPT_A)
+    two.scheduler.kv_cache_manager.reset_prefix_cache()
+    out, failed = two.step()
+    assert not failed and c.status == RequestStatus.RUNNING
+    for p in range(11):
+        for i in range(LAYERS):
+            assert torch.equal(two.pages[i][two.block_ids("c")[p]],
+                               two.expected("c", p, two.layer_of[i]))
+    one.close()
+    two.close()
+
+
+def test_layerwise_saves_start_once_their_layers_are_computed(model_dir, tmp_path):
+    """Values of two layers: the save of layers 0-1 starts before layer 2's attention; each
+    value's KV events count one report per chunk (the scheduler waits for both)."""
+    inst = Instance(model_dir, {"backend": "memory", "namespace": str(tmp_path),
+                                "layers_per_value": 2, "load_mode": "layerwise"})
+    inst.worker.plan.events = True
+    sched = inst.scheduler.connector.scheduler
+    sched.plan.events = True
+    taken: list = []   # what vLLM's scheduler takes from the connector (to publish)
+    take = sched.take_events
+    sched.take_events = lambda: (lambda evs: taken.extend(evs) or evs)(take())
+    inst.add("a", PROMPT_A)
+    seen = []
+    inst.on_layer = lambda i: seen.append((inst.layer_of[i], set(inst.worker.save_chunks)))
+    inst.step()
+    assert seen == [(0, set()), (1, set()), (2, {0}), (3, {0})]
+    assert inst.worker.stats["saved_values"] == 12 * 2
+    # The worker reported each value twice (a chunk at a time); the scheduler, which waits for
+    # 2 reports (one rank, two chunks), announced all 12.
+    assert sched.world == 2 and not sched.confirmed
+    stored = [e for e in taken if type(e).__name__ == "BlockStored"]
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    assert [e.block_hashes for e in stored] == [
+        [maybe_convert_block_hash(h)] for h in inst.requests["a"].block_hashes[:12]]
+    inst.close()
+
+
+def test_values_of_fewer_layers_have_keys_of_their_own(model_dir, tmp_path):
+    """layers_per_value names the layers in the key: whole-value engines and those of two
+    layers share nothing, and a lookup needs every chunk of a block."""
+    cfg = {"backend": "memory", "namespace": str(tmp_path)}
+    one = Instance(model_dir, {**cfg, "layers_per_value": 2})
+    one.add("a", PROMPT_A)
+    one.run()
+    whole = Instance(model_dir, cfg)
+    whole.add("b", PROMPT_B)
+    out, _ = whole.step()
+    assert not out.kv_connector_metadata.loads   # nothing of A under whole-value keys
+    two = Instance(model_dir, {**cfg, "layers_per_value": 2})
+    b = two.add("b", PROMPT_B)
+    second = next(sl for sl in two.worker.slots if sl.chunk == 1)
+    two.connector.store.client().delete(second.space.key(b.block_hashes[5]))
+    out, _ = two.step()
+    assert [len(t.hashes) for t in out.kv_connector_metadata.loads] == [5]
+    for inst in (one, whole, two):
+        inst.close()
+
+
 # ---- loads never wait behind saves ----
 def blocking_put_many(client, monkeypatch):
     """Makes client.put_many wait for the returned Event (a gdkvd slow to store)."""

@@ -193,6 +193,45 @@ def test_adapters_and_cache_salts_never_share_kv(model, gdkvd, tmp_path_factory)
             same(again, first[name])
 
 
+# ---- layerwise loads: the forward pass waits layer by layer ----
+def test_layerwise_loads_and_a_load_failing_in_its_last_layer(model, tmp_path):
+    """load_mode "layerwise" with values of 3 layers (the model's 4 as layers 0-2 and 3): a
+    prompt gdkv holds loads layer by layer (vLLM waits for each layer's KV before its attention)
+    and gives the output of the engine that computed it. Then every value of layer 3 is torn:
+    layers 0-2 load, layer 3 fails, and vLLM recomputes the prompt (the step that half loaded
+    it is dropped): the output is again the computed one."""
+    d = Gdkvd("--backend", "memory")   # its own: the sizes below are of this test's values
+    stats = tmp_path / "stats"
+    try:
+        cfg = {**kv(d, "layerwise"), "load_mode": "layerwise", "layers_per_value": 3}
+        with engine(model, cfg, env={"GDKV_VLLM_STATS": str(stats)}) as s:
+            computed = s.complete(C)
+            deadline = time.monotonic() + 60
+            with gdkv.connect(d.dir) as c:   # 7 blocks x 4 heads x 2 chunks of layers
+                while len(c.list()) < 56 and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                sizes = {k: len(c.get(k)) for k in c.list()}
+            assert len(sizes) == 56 and sorted(set(sizes.values()))[1] == \
+                3 * sorted(set(sizes.values()))[0], sizes
+            s.reset_prefix_cache()
+            same(s.complete(C), computed)
+            assert s.metric(EXTERNAL) == HIT
+            got = json.loads((tmp_path / "stats.rank0.json").read_text())
+            assert got["loaded_values"] == 7 and got["failed_values"] == 0, got
+            assert got["zero_copy_loads"] > 0, got
+            small = min(sizes.values())
+            with gdkv.connect(d.dir) as c:
+                for k, n in sizes.items():
+                    if n == small:
+                        c.put(k, b"torn")
+            s.reset_prefix_cache()
+            same(s.complete(C), computed)
+            got = json.loads((tmp_path / "stats.rank0.json").read_text())
+            assert got["failed_values"] == 7 and got["dropped_values"] == 28, got
+    finally:
+        d.stop()
+
+
 # ---- hybrid models: full and sliding-window layers ----
 def test_a_hybrid_model_reuses_its_kv(gdkvd, tmp_path_factory):
     """A Llama whose odd layers attend to a 200-token window, served with vLLM's hybrid KV cache

@@ -96,6 +96,10 @@ class Instance:
         self.group_of = [next(g.index for g in self.connector.plan.groups if n in g.layer_names)
                          for n in names]
         self.requests: dict[str, Request] = {}
+        # The forward pass (step): on_layer(i) runs after page i's wait_for_layer_load, before
+        # its attention; a layer in skip_wait plays one vLLM runs without waiting for its KV.
+        self.on_layer = None
+        self.skip_wait: set[int] = set()
 
     def add(self, rid: str, tokens: list[int]) -> Request:
         r = Request(rid, tokens, SamplingParams(max_tokens=3), None, block_hasher=HASHER)
@@ -119,12 +123,21 @@ class Instance:
         if check_load is not None:
             check_load(out)
         c.start_load_kv(None)
-        # The forward pass: every full block this step computes gets its KV.
-        for new in out.scheduled_new_reqs:
-            self._compute(new.req_id, new.num_computed_tokens, out)
+        # The forward pass: every full block this step computes gets its KV, layer by layer in
+        # the model's order, each layer's attention after wait_for_layer_load and followed by
+        # save_kv_layer (vLLM's maybe_transfer_kv_layer), unless the layer is in skip_wait.
+        reqs = [(new.req_id, new.num_computed_tokens) for new in out.scheduled_new_reqs]
         cached = out.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            self._compute(rid, cached.num_computed_tokens[i], out)
+        reqs += [(rid, cached.num_computed_tokens[i]) for i, rid in enumerate(cached.req_ids)]
+        names = c.plan.layer_names
+        for i in sorted(range(len(names)), key=lambda i: self.layer_of[i]):
+            if i not in self.skip_wait:
+                c.wait_for_layer_load(names[i])
+            if self.on_layer is not None:
+                self.on_layer(i)
+            for rid, computed in reqs:
+                self._compute(rid, computed, out, i)
+            c.save_kv_layer(names[i], None, None)
         c.wait_for_save()
         self.worker.drain()   # deterministic tests: the background transfers finish here
         res = c.get_transfer_results(out.finished_req_ids)
@@ -140,16 +153,16 @@ class Instance:
         self.scheduler.update_from_output(out, mro)
         return out, failed
 
-    def _compute(self, rid: str, computed: int, out) -> None:
+    def _compute(self, rid: str, computed: int, out, i: int) -> None:
+        """Page i's KV of the full blocks this step computes for ``rid``."""
         if not self.pages:   # a layout the connector does not use: no bytes to check
             return
         r = self.requests[rid]
         end = min(computed + out.num_scheduled_tokens[rid], len(r.block_hashes) * BS) // BS
-        for i, pages in enumerate(self.pages):
-            ids = self.block_ids(rid, self.group_of[i])
-            for p in range(computed // BS, end):
-                if ids[p] != 0:   # vLLM's null block: outside a sliding window
-                    pages[ids[p]] = self.expected(rid, p, self.layer_of[i])
+        ids = self.block_ids(rid, self.group_of[i])
+        for p in range(computed // BS, end):
+            if ids[p] != 0:   # vLLM's null block: outside a sliding window
+                self.pages[i][ids[p]] = self.expected(rid, p, self.layer_of[i])
 
     def run(self, limit: int = 12) -> list:
         outs = []
