@@ -14,8 +14,9 @@ built model, every engine's compute pinned to the same cores (``gdkv.vllm_demo.S
   (default async, the connector's own default).
 - ``gdkv-sync``: the same with ``load_mode`` "sync" (a request runs in the step that loads it).
 - ``gdkv-layerwise``: the same with ``load_mode`` "layerwise" (as sync, but the forward pass waits
-  for each layer's KV, not all of it, and saves start layer by layer; with ``--gdkv-extra
-  '{"layers_per_value": N}'`` values of N layers, so the first layers run while later ones load).
+  for each layer's KV, not all of it, and saves start layer by layer) and values of one layer
+  each (``layers_per_value`` 1, unless ``--gdkv-extra`` sets it), so the first layers run while
+  later ones load.
 - ``gdkv-routed``: ``gdkv`` with a KV-aware router (``kv_router.py``) instead of round robin:
   every engine publishes vLLM's KV events (``--kv-events-config``), the gdkv connector's among
   them (medium GDKV; with gdkvd's removals, ``removals_url``), and each request goes to the
@@ -347,7 +348,9 @@ def system(name: str, a: argparse.Namespace, work: Path,
                                      *size, prefix="gdkv-serve-",
                                      metrics=name == "gdkv-routed"))
                 stack.callback(daemons[-1].stop)
-            kv = [{"socket_dir": daemons[i % len(daemons)].dir, "load_mode": mode,
+            # gdkv-layerwise: values of one layer unless --gdkv-extra says otherwise.
+            lpv = {"layers_per_value": 1} if name == "gdkv-layerwise" else {}
+            kv = [{"socket_dir": daemons[i % len(daemons)].dir, "load_mode": mode, **lpv,
                    **a.gdkv_extra} for i in range(n)]
             if a.pd:
                 common["kv_roles"] = ["kv_producer", "kv_consumer"]
@@ -776,7 +779,7 @@ def serve(a: argparse.Namespace, names: list[str], work: Path,
         c = r.get("connector")
         if c:
             print(f"{'':<12} connector: {int(c.get('loaded_values', 0))} values loaded in "
-                  f"{c.get('load_s', 0):.2f} s (steps waited {c.get('sync_wait_s', 0):.2f} s), "
+                  f"{c.get('load_s', 0):.2f} s (steps waited {c.get('sync_wait_s', 0) + c.get('layer_wait_s', 0):.2f} s), "
                   f"{int(c.get('saved_values', 0))} saved ({c.get('gather_s', 0):.2f} s gathering "
                   f"on the step, {c.get('save_s', 0):.2f} s putting), "
                   f"{int(c.get('failed_values', 0))} failed", flush=True)

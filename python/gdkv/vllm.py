@@ -31,7 +31,14 @@ Extra config: gdkv.engine's keys (``socket_dir`` or ``backend``, ``nsid``, ``nam
     load_mode          "async" (default): a request waits in WAITING_FOR_REMOTE_KVS while its
                        values load and the engine's steps go on; "sync": the request is
                        scheduled in the step that plans its load, which finishes before that
-                       step's forward pass (docs/serving.md measures both)
+                       step's forward pass (docs/serving.md measures both); "layerwise": as
+                       sync, but each layer's attention waits only for its own values
+                       (wait_for_layer_load) and saves start layer by layer (save_kv_layer)
+    layers_per_value   layers in one gdkv value (default 0: all of a group's): with fewer,
+                       a layerwise step runs the first layers while later ones load; engines
+                       share values only of the same layers_per_value
+    removals_url       gdkvd's /removed (http://HOST:PORT/removed): KV events also report the
+                       announced values gdkvd then removed
     heads_per_value    KV heads in one gdkv value (default 1): engines of any tensor-parallel
                        size share values of the same heads_per_value; it must divide the heads
                        a rank holds (layouts that keep a head's tokens apart, LBNHC, use a
@@ -40,8 +47,8 @@ Extra config: gdkv.engine's keys (``socket_dir`` or ``backend``, ``nsid``, ``nam
 How it works:
 
 - Keys: a gdkv value holds ``blocks_per_value`` consecutive vLLM blocks of one KV cache group's
-  layers (on this pipeline stage) and ``heads_per_value`` KV heads, as ``[block][layer][heads'
-  bytes]``. Its key is gdkv.engine.KeySpace over vLLM's block hash of the value's last block (a
+  layers (on this pipeline stage; ``layers_per_value`` of them, when set) and ``heads_per_value``
+  KV heads, as ``[block][layer][heads' bytes]``. Its key is gdkv.engine.KeySpace over vLLM's block hash of the value's last block (a
   chain hash: it names the whole prefix, and carries the request's LoRA adapter and cache salt),
   salted with the model (its weights included), the model dtype and quantization, the KV dtype,
   the cache layout, block size and bytes per head, the blocks per value, the pipeline stage, the
@@ -77,7 +84,10 @@ How it works:
   request waits in vLLM's WAITING_FOR_REMOTE_KVS and comes back through
   ``get_transfer_results``); with ``load_mode`` "sync" the request is scheduled at once and
   ``start_load_kv`` waits for its loads before the forward pass (a failed value is reported in
-  the same step and vLLM recomputes from it). Saves have another thread, so a load never waits
+  the same step and vLLM recomputes from it). With "layerwise" the step's loads go one chunk of
+  layers after the other on the load thread; ``wait_for_layer_load`` waits for its layer's
+  chunk, and failures are reported once all are in (vLLM drops the step's output for those
+  requests: KV half loaded is never used). Saves have another thread, so a load never waits
   behind saves. A value is written straight into its blocks' pages (zero copy, one scatter list
   per value) when the controller reaches vLLM's KV memory: in-process over CPU tensors, and through gdkvd once
   ``register_kv_caches`` has shared the CPU KV tensors with it in place
