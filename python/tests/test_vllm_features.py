@@ -304,6 +304,18 @@ def test_requests_with_other_images_never_share_kv(gdkvd, tmp_path_factory):
 
 
 # ---- KV events: what gdkv holds, for KV-aware routers ----
+def subscriber():
+    """An engine's --kv-events-config (ZMQ on a free port, topic kv) and a SUB socket on it."""
+    import zmq
+    port = free_port()
+    config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                         "endpoint": f"tcp://*:{port}", "topic": "kv"})
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    return config, sub
+
+
 def received(sub, done, timeout: float = 60) -> list:
     """The KV events a ZMQ subscriber got until ``done(events)`` (or the timeout)."""
     import msgspec
@@ -325,15 +337,9 @@ def test_kv_events_name_what_gdkv_holds(gdkvd, model):
     BlockStored with medium GDKV for each block once every worker has put it into gdkv (the
     same block hashes and tokens as vLLM's own BlockStored for it), and a BlockRemoved with
     medium GDKV for a block it announced and then could not load."""
-    import zmq
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-    port = free_port()
-    config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                         "endpoint": f"tcp://*:{port}", "topic": "kv"})
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
-    sub.connect(f"tcp://127.0.0.1:{port}")
+    config, sub = subscriber()
     d = Gdkvd("--backend", "memory")   # its own: every value in it is this test's
     try:
         with engine(model, kv(d, "events"), ("--kv-events-config", config)) as s:
@@ -368,15 +374,9 @@ def test_kv_events_name_what_gdkv_holds(gdkvd, model):
 def test_kv_events_report_what_gdkvd_evicted(model):
     """With removals_url (gdkvd's /removed), blocks the engine announced in gdkv and gdkvd then
     evicted are reported as BlockRemoved with medium GDKV, at the engine's next step."""
-    import zmq
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-    port = free_port()
-    config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                         "endpoint": f"tcp://*:{port}", "topic": "kv"})
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
-    sub.connect(f"tcp://127.0.0.1:{port}")
+    config, sub = subscriber()
     # A store of 32 MiB that evicts least recently used first.
     d = Gdkvd("--backend", "memory", "--memory-capacity", str(32 << 20), metrics=True)
     try:
