@@ -1,6 +1,6 @@
 // The device API: GPU threads issue NVMe-KV commands to a gdkv controller.
 //
-// A kernel gets a QueueRef (queue.h) by value, made by the GPU runtime (src/gpu/runtime.h) so that
+// A kernel gets a QueueRef (queue.h) by value, made by the GPU runtime (gdkv/gpu_runtime.h) so that
 // every pointer in it is a device-side pointer, and calls the functions below. They build one SQE
 // per request and run it through queue.h's requester protocol, the same code CPU threads run:
 // credits and command ids, SQ tickets, publish + doorbell, reaping completions by polling. Nothing

@@ -1484,8 +1484,10 @@ class GdkvConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- worker side ----
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        # Only views of the pages: nothing is registered with gdkv (CUDA pages are reached
-        # through pinned staging, see the module docstring), so nothing here can fail on gdkv.
+        # Views of the pages, and CPU pages shared with gdkvd in place (EngineStore.share:
+        # memory that cannot be shared, or a gdkvd that refuses it, leaves those transfers
+        # staged). CUDA pages are reached through pinned staging (the module docstring). Nothing
+        # here fails on gdkv.
         self.worker.register(kv_caches, self._kv_cache_config.num_blocks)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:

@@ -233,7 +233,7 @@ struct OpenOptions {
   std::string ceph_conf, ceph_client = "client.admin", ceph_keyring;
   uint32_t ceph_timeout_ms = 5000;
   uint64_t cache_bytes = 0;
-  std::string cache_policy = "prefix";
+  std::string cache_policy = "adaptive";  // CacheOptions' default, as gdkv.open's
   uint32_t prefetch_depth = 8;
   uint32_t reactors = 1;
   uint32_t namespaces = 1;
