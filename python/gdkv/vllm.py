@@ -826,6 +826,8 @@ class _WorkerSide:
                       for c, names in enumerate(g.chunks(plan.layers_per_value))
                       for u, own in zip(units, owns)]
         self.spaces = [sl.space for sl in self.slots]
+        self.chunk_slots = [[sl for sl in self.slots if sl.chunk == c]
+                            for c in range(plan.chunks)]
         self.staging_bytes = int(plan.extra.get("staging_bytes", 256 << 20))
         self.save_queue_bytes = int(plan.extra.get("save_queue_bytes", 1 << 30))
         self.pages: list[torch.Tensor] = []   # per layer: (num_blocks, page_bytes) uint8 views
@@ -960,8 +962,7 @@ class _WorkerSide:
         waits for the chunk holding its layer, and results() for all of them."""
         futures: list = []
         by_layer: dict[int, Any] = {}
-        for c in range(self.plan.chunks):
-            slots = [sl for sl in self.slots if sl.chunk == c]
+        for slots in self.chunk_slots:
             if not slots:
                 continue
             f = self.load_pool.submit(lambda s=slots: [self._load(t, s, finish=False)
@@ -1214,8 +1215,7 @@ class _WorkerSide:
         if not (self.plan.layerwise and saves and self.pages) or name not in self.layer_index:
             return
         self.computed.add(self.layer_index[name])
-        for c in range(self.plan.chunks):
-            slots = [sl for sl in self.slots if sl.chunk == c]
+        for c, slots in enumerate(self.chunk_slots):
             if c not in self.save_chunks and slots and \
                     all(l in self.computed for sl in slots for l in sl.layers):
                 self.save_chunks.add(c)
@@ -1503,9 +1503,9 @@ class GdkvConnector(KVConnectorBase_V1, SupportsHMA):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
         # layerwise: a chunk's saves start once its layers are computed; otherwise every
-        # layer's are saved in wait_for_save.
-        meta = self._get_connector_metadata()
-        self.worker.save_layer(layer_name, meta.saves)
+        # layer's are saved in wait_for_save (and nothing is done here, on every layer).
+        if self.plan.layerwise:
+            self.worker.save_layer(layer_name, self._get_connector_metadata().saves)
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
