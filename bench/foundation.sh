@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Foundation benchmarks (issue 2): cached 4 KiB Retrieve through the queue against memcpy and
+# Foundation benchmarks: cached 4 KiB Retrieve through the queue against memcpy and
 # against redis-benchmark on loopback, and 2 MiB Retrieve bandwidth against memcpy. Every figure is
 # a ratio to a reference measured in this same run.
 #   bench/foundation.sh [build dir, default build/release] [seconds per run, default 5]

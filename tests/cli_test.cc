@@ -11,6 +11,9 @@
 #include <sstream>
 #include <string>
 
+#include "gdkv/settings.h"
+#include "setting_samples.h"
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -110,6 +113,34 @@ TEST_F(Cli, UsageErrorsExitTwo) {
     EXPECT_EQ(r.code, 0) << sub;
     EXPECT_NE(r.out.find("Usage"), std::string::npos) << sub;
   }
+}
+
+// Every setting of the table (gdkv/settings.h) is a flag of the CLI: listed in the help, taking a
+// valid value, refusing a bad one with exit 2.
+TEST_F(Cli, EverySettingIsAFlag) {
+  const std::string help = gdkv("--help").out;
+  const gdkv::StoreSettings defaults;
+  for (const gdkv::Setting& x : gdkv::store_settings()) {
+    EXPECT_TRUE(help.find(std::string(x.flag) + " ") != std::string::npos ||
+                help.find(std::string(x.flag) + ",") != std::string::npos)
+        << x.flag;
+    const gdkv::SettingValue v = gdkv::testing::other_value(x, defaults);
+    std::string flag = x.flag;
+    if (x.type == gdkv::Setting::Type::kBool) {
+      if (!std::get<bool>(v)) flag = "--no-" + flag.substr(2);
+    } else {
+      flag += " '" + gdkv::testing::as_argument(v) + "'";
+    }
+    const std::string memory = std::string(x.name) == "backend" ? "" : "--backend memory ";
+    CliRun r = gdkv(memory + flag + " stat");
+    EXPECT_EQ(r.code, 0) << flag << ": " << r.err;
+    if (x.type == gdkv::Setting::Type::kU32 || x.type == gdkv::Setting::Type::kU64) {
+      r = gdkv("--backend memory " + std::string(x.flag) + " x stat");
+      EXPECT_EQ(r.code, 2) << x.flag;
+    }
+  }
+  EXPECT_EQ(gdkv("--reactors 257 stat").code, 2);
+  EXPECT_EQ(gdkv("--cache-policy mru stat").code, 2);
 }
 
 TEST_F(Cli, HexKeysAndListing) {

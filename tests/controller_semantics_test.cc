@@ -380,7 +380,7 @@ INSTANTIATE_TEST_SUITE_P(Backends, Semantics, ::testing::ValuesIn(test::backend_
 
 // Memory-backend only: a Store larger than the whole capacity gets 81h and changes nothing; a
 // Store that fits but would pass capacity evicts the least recently used value (the backend
-// evicts like a cache since issue 38, where this Store used to get 81h).
+// evicts like a cache; before, this Store got 81h).
 TEST(MemoryBackend, CapacityExceededAndEviction) {
   MemoryBackendOptions mo;
   mo.capacity_bytes = 10000;
@@ -509,7 +509,7 @@ TEST(Controller, PendingBackendWorkDoesNotBlockTheReactor) {
   EXPECT_EQ(client->wait(*again).status, Status::kKeyNotExist);
 }
 
-// ---- staged batches (issue 25): the client's copies overlap the controller's work ----
+// ---- staged batches: the client's copies overlap the controller's work ----
 
 // Stages into `slots` fixed stand-ins of `slot_bytes` each (no waiting: a full stager returns 0).
 // Before handing out the stand-in of the k-th buffer sent to the controller (k >= 1) it waits for
@@ -692,7 +692,7 @@ TEST(StagedBatch, MoreItemsThanStagingMemory) {
   ctl.stop();
 }
 
-// ---- whole values in one command (issue 38) ----
+// ---- whole values in one command ----
 
 // Retrieve commands the controller completed, over its reactors.
 double retrieves(const Controller& ctl) {

@@ -16,7 +16,7 @@
 // Every interleaving of instructions and buffer drains is explored. ThreadSanitizer cannot check
 // this (it does not model fences, and a lost wake-up is not a data race).
 //
-// The wake-ups of remote clients (issue 25, docs/vfio-user.md "Wake-ups") are the same pattern
+// The wake-ups of remote clients (docs/vfio-user.md "Wake-ups") are the same pattern
 // twice over shared memory: the reactor announces its sleep in the connection's doorbell page as
 // well (NvmeController::announce_sleep) before its fence and last look, and the client looks at
 // that word after ringing (queue::publish); and, the other way, a waiting client arms its CQ

@@ -414,7 +414,7 @@ int main(int argc, char** argv) {
     for (const Named& n : traces) json(n.trace, sizes, policies, default_policy, hints);
     return 0;
   }
-  // The classic policies the default must not lose to (issue 26: by more than 0.5 points).
+  // The classic policies the default must not lose to (by more than 0.5 points).
   std::vector<size_t> classic;
   for (const char* name : {"lru", "lru-k", "arc", "s3-fifo"}) {
     const auto at = std::find(policies.begin(), policies.end(), name);
@@ -496,7 +496,7 @@ int main(int argc, char** argv) {
   } else {
     std::printf("largest shortfall %.2f points (%s)\n", 100 * worst_gap, worst_at.c_str());
   }
-  // Issue 26's rule for the default: never more than 0.5 points below the best classic policy.
+  // The rule for the default: never more than 0.5 points below the best classic policy.
   std::printf("within 0.50 points of the best at every point: %s\n",
               worst_gap <= 0.005 ? "yes" : "NO");
   return 0;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Local store benchmarks (issue 3), each figure a ratio to fio run in this same script on the same
+# Local store benchmarks, each figure a ratio to fio run in this same script on the same
 # file system with the same sizes, depth and flush policy:
 #   - cold random Retrieve, 4 KiB and 2 MiB values, QD 1 and 32, against
 #     fio --ioengine=io_uring --direct=1 --rw=randread (same bs, same iodepth) reading the written

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 15's benchmarks across a real veth link: gdkvd nodes in network namespaces
+"""Benchmarks across a real veth link: gdkvd nodes in network namespaces
 (scripts/netns-hosts up 2: h0, h1 and the Ceph cluster in a namespace of its own), driven with the
 harness of python/tests/test_multihost.py (Net, Host.start/metric/client/spawn), imported as it is.
 
@@ -71,7 +71,7 @@ keys = [bytes.fromhex(k) for k in ARGS["keys"]]
 if ARGS["open"]:  # an in-process controller: gdkv.open(**ARGS["open"])
     c = gdkv.open(**ARGS["open"])
     if ARGS["open"]["backend"] == "memory":
-        c.put_many([(k, value_for(k, size)) for k in keys])
+        gdkv.raise_first(c.put_many([(k, value_for(k, size)) for k in keys]))
         for k in keys:
             expect_match(c, k, size)
 else:

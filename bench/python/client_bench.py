@@ -12,7 +12,7 @@ memory, the CLI into its shared buffers).
 Usage: client_bench.py [--gdkv build/release/tools/gdkv/gdkv] [--seconds 2] [--rounds 3] [--gdkvd]
 Prints one line per figure and a JSON object at the end.
 
-With --ratios (issue 25's write and staging goals): put and get GB/s of 4 KiB and 2 MiB values,
+With --ratios (the write and staging goals): put and get GB/s of 4 KiB and 2 MiB values,
 one call per value (batch 1) and put_many/get_many_into of 64 (batch 64), from shared memory
 (client.empty()), from a numpy pool shared in place (client.register, as an engine's KV pool)
 and from plain numpy buffers (staged), each as a ratio of a memcpy of the same
@@ -59,7 +59,7 @@ def client(sock: str | None) -> gdkv.Client:
 def py_ops(size: int, seconds: float, sock: str | None) -> float:
     with client(sock) as c:
         keys = [f"k{i}".encode() for i in range(64)]
-        c.put_many((k, np.full(size, i, np.uint8)) for i, k in enumerate(keys))
+        gdkv.raise_first(c.put_many((k, np.full(size, i, np.uint8)) for i, k in enumerate(keys)))
         out = c.empty(size, np.uint8)  # shared memory through gdkvd: zero copy
         get_into = c.get_into
         n, end = 0, time.perf_counter() + seconds
@@ -77,11 +77,12 @@ def batch_ratio(size: int, sock: str | None, rounds: int = 200) -> tuple[float, 
     """Seconds per 64-block get_many_into and per 64 get_into calls."""
     with client(sock) as c:
         keys = gdkv.chain_keys(range(64 * 16), 16, "bench")
-        c.put_many((k, np.full(size, i % 251, np.uint8)) for i, k in enumerate(keys))
+        gdkv.raise_first(c.put_many((k, np.full(size, i % 251, np.uint8))
+                                    for i, k in enumerate(keys)))
         outs = [c.empty(size, np.uint8) for _ in keys]
         t0 = time.perf_counter()
         for _ in range(rounds):
-            c.get_many_into(keys, outs)
+            gdkv.raise_first(c.get_many_into(keys, outs))
         batch = (time.perf_counter() - t0) / rounds
         t0 = time.perf_counter()
         for _ in range(rounds):
@@ -154,14 +155,14 @@ def _ratio_case(c: gdkv.Client, size: int, batch: int, mem: str, seconds: float,
             for k, v in zip(keys, srcs):
                 c.put(k, v)
         else:
-            c.put_many(zip(keys, srcs))
+            gdkv.raise_first(c.put_many(zip(keys, srcs)))
 
     def get(rnd: int) -> None:
         if batch == 1:
             for k, o in zip(keys, outs):
                 c.get_into(k, o)
         else:
-            c.get_many_into(keys, outs)
+            gdkv.raise_first(c.get_many_into(keys, outs))
 
     # Best of `repeat` each (the machine is shared), against the best of the memcpys run between
     # them: a figure and its reference are taken within seconds of each other.

@@ -1,5 +1,6 @@
-"""A gdkvd child process for the Python benchmarks: on a fresh socket directory, waited for
-until it says "ready:", stopped when the block ends.
+"""A gdkvd child process for the Python benchmarks and tests (python/tests/conftest.py's Gdkvd
+is this one): on a fresh socket directory, waited for until it says "ready:", stopped when the
+block ends.
 
     with gdkvd("--backend", "memory") as sock:
         c = gdkv.connect(sock)
@@ -29,17 +30,27 @@ GDKVD = Path(os.environ.get("GDKV_BUILD_DIR", ROOT / "build" / "release")) / "to
 
 class Gdkvd:
     """``gdkvd --socket-dir DIR --metrics-port P [--config DIR/gdkvd.toml] ARGS...``, started at
-    once; ``config`` is the TOML text of a config file, ``metrics`` serves /metrics on a port the
-    kernel picks. ``dir`` is the socket directory, ``pid`` the running daemon's. ``wrap`` comes
+    once; ``config`` is the TOML text of a config file, ``metrics`` serves /metrics (and
+    /removed) on ``metrics_port`` (0: one the kernel picks). ``dir`` is the socket directory,
+    ``pid`` the running daemon's; start() starts it again there after kill(). ``wrap`` comes
     before the command and must exec it (``ip netns exec NS``: gdkvd in another network
-    namespace, its socket still in this file system)."""
+    namespace, its socket still in this file system). ``socket_dir``: that directory instead of
+    a new temporary one (a host's, kept across daemons). gdkvd reads no GDKVD_* variable of the
+    caller's environment: what it runs with is ARGS and ``config``. A daemon that does not start
+    raises RuntimeError with its log."""
 
     def __init__(self, *args: str, binary: str | Path = GDKVD, config: Optional[str] = None,
-                 metrics: bool = False, prefix: str = "gdkvd-bench-", wrap: tuple | list = ()):
-        self.dir = tempfile.mkdtemp(prefix=prefix)
+                 metrics: bool = False, metrics_port: int = 0, prefix: str = "gdkvd-bench-",
+                 wrap: tuple | list = (), socket_dir: str | Path | None = None):
+        if not Path(binary).exists():
+            raise RuntimeError(f"{binary} is missing: build the C++ tree first (scripts/test "
+                               "does)")
+        if socket_dir is not None:
+            Path(socket_dir).mkdir(parents=True, exist_ok=True)
+        self.dir = str(socket_dir) if socket_dir is not None else tempfile.mkdtemp(prefix=prefix)
         self.wrap = list(wrap)
         self.cmd = [*wrap, str(binary), "--socket-dir", self.dir, "--metrics-port",
-                    "0" if metrics else "-1"]
+                    str(metrics_port) if metrics else "-1"]
         if config is not None:
             (Path(self.dir) / "gdkvd.toml").write_text(config)
             self.cmd += ["--config", str(Path(self.dir) / "gdkvd.toml")]
@@ -61,7 +72,9 @@ class Gdkvd:
         with open(self.log_path, "ab") as log:
             log.write(marker.encode())
             log.flush()
+            env = {k: v for k, v in os.environ.items() if not k.startswith("GDKVD_")}
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=env,
                                          start_new_session=True)
         deadline = time.monotonic() + 30
         while True:
@@ -71,15 +84,25 @@ class Gdkvd:
                 break
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise SystemExit("gdkvd did not start: " + this[-3000:])
+                raise RuntimeError("gdkvd did not start: " + this[-3000:])
             time.sleep(0.02)
         m = re.search(r"metrics on http://[0-9.]+:(\d+)/metrics", this)
         self.metrics_port = int(m.group(1)) if m else 0
         self.starts += 1
 
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def url(self, path: str) -> str:
+        """http://127.0.0.1:PORT/PATH on the metrics server (started with metrics=True)."""
+        assert self.metrics_port, "gdkvd serves no /metrics: " + self.log()
+        return f"http://127.0.0.1:{self.metrics_port}{path}"
+
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Sends ``sig`` and waits for the daemon to exit."""
+        """Sends ``sig`` and waits for the daemon to exit (one stopped by SIGSTOP is continued
+        first, so that it can)."""
         if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
             self.proc.send_signal(sig)
             try:
                 self.proc.wait(30)
@@ -91,7 +114,7 @@ class Gdkvd:
         """/metrics (started with metrics=True): {'name{labels}': value}; {} without."""
         if not self.metrics_port:
             return {}
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        url = self.url("/metrics")
         if self.wrap:   # another network namespace: fetched from inside it
             fetch = ("import sys, urllib.request; sys.stdout.write(urllib.request.urlopen("
                      f"{url!r}, timeout=5).read().decode())")
@@ -104,6 +127,11 @@ class Gdkvd:
 
     def stop(self) -> None:
         self.kill(signal.SIGTERM)
+
+    # (Last: in the class body, a method named signal hides the module in later defaults.)
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
 
 
 @contextlib.contextmanager

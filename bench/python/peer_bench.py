@@ -176,7 +176,7 @@ def gdkv_figures(c: gdkv.Client, size: int, batch: int, seconds: float,
     outs = [c.empty(size, np.uint8) for _ in range(batch)]
     for s, v in zip(shared, vals):
         s[:] = v
-    c.put_many(zip(keys, vals))
+    gdkv.raise_first(c.put_many(zip(keys, vals)))
     group = groups(batch)
     names = PutKeys(f"p{size:x}", batch, rewrite)
 
@@ -184,10 +184,11 @@ def gdkv_figures(c: gdkv.Client, size: int, batch: int, seconds: float,
         def once() -> tuple[int, float]:
             ks, old = names.next()
             if old:
-                c.delete_many([k.encode() for k in old], missing_ok=True)
+                gdkv.raise_first(c.delete_many([k.encode() for k in old], missing_ok=True))
             items = [(k.encode(), src) for k, src in zip(ks, sources)]
             with timed() as t:
-                c.put_many(items) if batch > 1 else c.put(*items[0])
+                res = c.put_many(items) if batch > 1 else [c.put(*items[0])]
+            gdkv.raise_first(res)
             return size * batch, t.s
         return once
 
@@ -231,7 +232,7 @@ def gdkv_figures(c: gdkv.Client, size: int, batch: int, seconds: float,
     out["get_plain"] = rate(get_plain, seconds)
     out["get_zero_copy"] = rate(get_zero_copy, seconds)
     out["get_view"] = rate(get_view, seconds)
-    c.delete_many(keys + [k.encode() for k in names.written()], missing_ok=True)
+    gdkv.raise_first(c.delete_many(keys + [k.encode() for k in names.written()], missing_ok=True))
     return out
 
 

@@ -189,7 +189,7 @@ int main(int argc, char** argv) {
   app.add_option("--seconds", seconds, "seconds per phase")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  app.add_option("--op-timeout-ms", o.op_timeout_ms, "backend op timeout")->capture_default_str();
+  app.add_option("--ceph-timeout-ms", o.ceph_timeout_ms, "backend op timeout")->capture_default_str();
   bool reference = false;
   app.add_flag("--reference", reference,
                "also read the same objects through raw librados (raw-read, raw-read+hdr)");

@@ -100,6 +100,10 @@ def start_gdkvd(a: argparse.Namespace, work: Path) -> Gdkvd:
 
 
 # ---- the workload ------------------------------------------------------------------------------
+class WrongKV(Exception):
+    """A value read back is not the one stored under its key (the user stops; the soak fails)."""
+
+
 class Counters:
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -153,11 +157,26 @@ class User(threading.Thread):
                 time.sleep(0.05)   # restarting: not listening yet
         raise InterruptedError
 
+    def reconnect(self) -> None:
+        """A new connection and its buffers. The old buffers go first: memory from empty()
+        keeps its connection open until it is freed, so holding them while connecting would
+        make gdkvd hold two connections (and their shared memory) for a while."""
+        self.outs = None
+        if self.c is not None:
+            try:
+                self.c.close()
+            except gdkv.Error:
+                pass
+            self.c = None
+        self.c = self.connect()
+        self.outs = self.c.empty((self.args.max_blocks, self.args.block_bytes), "uint8")
+
     def run(self) -> None:
         a, tpb = self.args, self.args.tokens_per_block
+        self.c: Optional[gdkv.Client] = None
+        self.outs = None
         try:
-            c = self.connect()
-            outs = c.empty((a.max_blocks, a.block_bytes), "uint8")
+            self.reconnect()
             conversation = turns = 0
             while not self.stop_event.is_set():
                 # A conversation: a new document, a few turns over its growing history.
@@ -169,65 +188,57 @@ class User(threading.Thread):
                         break
                     history += list(self.rng.integers(0, 32000, a.question_tokens))
                     keys = gdkv.chain_keys(history, tpb, salt=salt)[:a.max_blocks]
-                    c, outs = self.turn(c, outs, keys)
+                    self.turn(keys)
                     history += list(self.rng.integers(0, 32000, a.answer_tokens))
                     self.stop_event.wait(a.think_ms / 1e3)
                     turns += 1
                     if turns % a.reconnect_every == 0:
-                        c.close()
-                        c = self.connect()
-                        outs = c.empty((a.max_blocks, a.block_bytes), "uint8")
-            c.close()
+                        self.reconnect()
+            self.outs = None
+            self.c.close()
         except InterruptedError:
             pass
         except Exception as e:   # noqa: BLE001 - reported by the main thread
             self.error = f"{type(e).__name__}: {e}"
             self.stop_event.set()
 
-    def turn(self, c: gdkv.Client, outs, keys: list[bytes]):
+    def turn(self, keys: list[bytes]) -> None:
         """One request, retried on a new connection while gdkvd restarts."""
         for attempt in range(1000):
             try:
                 t0 = time.perf_counter()
-                self.serve(c, outs, keys)
+                self.serve(self.c, self.outs, keys)
                 self.counters.add(turns=1, retried=attempt > 0)
                 self.counters.latency(time.perf_counter() - t0)
-                return c, outs
+                return
             except (gdkv.ConnectionError, gdkv.TimeoutError, gdkv.ClosedError) as e:
                 # gdkvd went away (killed for the soak): a new connection once it is back.
-                try:
-                    c.close()
-                except gdkv.Error:
-                    pass
                 if self.stop_event.is_set():
                     raise InterruptedError from e
-                c = self.connect()
-                outs = c.empty((self.args.max_blocks, self.args.block_bytes), "uint8")
+                self.reconnect()
         self.counters.add(failed=1)
-        return c, outs
 
     def serve(self, c: gdkv.Client, outs, keys: list[bytes]) -> None:
         bb = self.args.block_bytes
         n = c.lookup_prefix(keys)
         loaded = n
         if n:
-            try:
-                c.get_many_into(keys[:n], list(outs[:n]))
-            except KeyError:
+            got = c.get_many_into(keys[:n], list(outs[:n]))
+            loaded = next((i for i, g in enumerate(got) if g != bb), n)
+            if loaded < n:
+                miss = got[loaded]
+                if isinstance(miss, int):
+                    self.counters.add(wrong=1)
+                    raise WrongKV(f"{miss} bytes under key {keys[loaded].hex()}")
+                if not isinstance(miss, gdkv.KeyNotFoundError):
+                    raise miss
                 # Evicted between the lookup and the read: the run still held is what counts.
-                loaded = 0
-                for k, out in zip(keys[:n], outs[:n]):
-                    try:
-                        c.get_into(k, out)
-                    except KeyError:
-                        break
-                    loaded += 1
                 self.counters.add(raced=1)
             for k, out in zip(keys[:loaded], outs[:loaded]):
                 if not np.array_equal(out, value_of(k, bb)):
                     self.counters.add(wrong=1)
-                    raise SystemExit(f"soak: WRONG KV under key {k.hex()}")
-        c.put_many((k, value_of(k, bb)) for k in keys[loaded:])
+                    raise WrongKV(f"the value under key {k.hex()}")
+        gdkv.raise_first(c.put_many((k, value_of(k, bb)) for k in keys[loaded:]))
         self.counters.add(blocks_loaded=loaded, blocks_stored=len(keys) - loaded)
 
 
@@ -237,8 +248,9 @@ def med(xs: list[float]) -> float:
 
 
 def growth(samples: list[dict], key: str) -> tuple[float, float]:
-    """(median of the first fifth, median of the last fifth) of the samples' `key`."""
-    k = max(1, len(samples) // 5)
+    """(median of the first fifth, median of the last fifth) of the samples' `key`; a fifth is
+    at least three samples, so one sample taken mid-reconnect is not growth."""
+    k = max(3, len(samples) // 5)
     return med([s[key] for s in samples[:k]]), med([s[key] for s in samples[-k:]])
 
 

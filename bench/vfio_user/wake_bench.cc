@@ -1,4 +1,4 @@
-// Wake-ups and contention over vfio-user (issue 25): the same calls with gdkvd's wake-ups
+// Wake-ups and contention over vfio-user: the same calls with gdkvd's wake-ups
 // (doorbell ioeventfd, completion interrupts) and without them (the behaviour before: the reactor
 // notices a remote doorbell within its 5 ms sleep timeout, a waiting client yields in a loop).
 //

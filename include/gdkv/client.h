@@ -223,6 +223,29 @@ class Client {
   void execute_batch(std::span<BatchItem> items,
                      const std::function<void(size_t)>& completed = nullptr);
 
+  // ---- batches: one result per key, as RocksDB's MultiGet returns a status per key ----
+  // Each runs its commands as one execute_batch (one submission round where the queue allows)
+  // and returns every key's result in key order: a failed key fails only itself. On a failed
+  // Client every result is 07h (failure() says why).
+  std::vector<CmdResult> exists_many(std::span<const Key> keys, uint32_t nsid = 1);
+  std::vector<CmdResult> del_many(std::span<const Key> keys, uint32_t nsid = 1);
+  // values[i] is stored under keys[i] (the spans must be as many as the keys: else every result
+  // is 02h, invalid field, and nothing is sent).
+  std::vector<CmdResult> put_many(std::span<const Key> keys,
+                                  std::span<const std::span<const std::byte>> values,
+                                  uint8_t options = 0, uint32_t nsid = 1);
+  // Each key's value into its pieces, laid out in order: one piece is a Retrieve into it, more a
+  // Scatter Retrieve. dw0 of a result is the value's full length; min(length, the pieces' total)
+  // bytes land. outs must be as many as the keys (else every result is 02h).
+  std::vector<CmdResult> get_many_into(std::span<const Key> keys,
+                                       std::span<const std::span<const nvme::ScatterEntry>> outs,
+                                       uint32_t nsid = 1);
+  // How many leading keys exist: Exists in rounds of 16, 32, 64... keys, stopping after the
+  // round that found one missing, so a short run costs one small round and a long one a few
+  // large ones. *stop (when given) gets the result of the key that ended the run (87h for a
+  // missing key, or its error); ok when every key exists.
+  size_t lookup_prefix(std::span<const Key> keys, uint32_t nsid = 1, CmdResult* stop = nullptr);
+
   // ---- asynchronous ----
   // Submits; nullopt when the queue is full (back-pressure).
   std::optional<uint16_t> try_start(nvme::Sqe sqe);

@@ -27,13 +27,13 @@ struct RadosBackendOptions {
   // kNamespaceNotReady (82h). Must be > 0. Also bounds librados' own OSD and monitor op timeouts
   // (rounded up to seconds) and, when the configuration is slower, makes librados notice a laggy
   // OSD within a third of it, so an OSD failure costs seconds, not the whole budget.
-  uint32_t op_timeout_ms = 5000;
+  uint32_t ceph_timeout_ms = 5000;
   uint32_t connect_timeout_ms = 10000;  // milliseconds, default 10000: construction gives up then
   // Objects without the "gdkv.hdr" xattr (stored by `rados put` or another tool) are returned as
   // they are, unverified and counted; false: they read as unrecovered errors (88h). Default true.
   bool allow_raw_objects = true;
 
-  // ---- The shared pool as a cache (docs/rados.md, "Eviction") ----
+  // ---- The shared pool as a cache (docs/rados.md, "The pool as a cache") ----
   // Every Store stamps its object with an access time (xattr gdkv.atime, milliseconds since the
   // epoch); a Retrieve refreshes it when it is older than this many milliseconds (default 60000).
   // So recency costs one small RADOS write per block per interval per node at most, none per hit.

@@ -17,20 +17,21 @@ Entry points: :func:`open`, :func:`connect`, :class:`Client`, :func:`chain_keys`
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from . import _core, errors
 from .client import Client
 from .errors import (CapacityError, ClosedError, ConnectionError, Error, InvalidKeyError,
-                     KeyExistsError, KeyNotFoundError, NotReadyError, TimeoutError, ValueSizeError)
+                     KeyExistsError, KeyNotFoundError, NotReadyError, TimeoutError, ValueSizeError,
+                     raise_first)
 
 _core._set_error_factory(errors._make)
 
 # gdkv.TimeoutError and gdkv.ConnectionError are left out, so `from gdkv import *` does not
 # shadow the builtins (they subclass them: `except TimeoutError` still catches gdkv's).
 __all__ = [
-    "open", "connect", "Client", "chain_keys", "hash128", "backends", "cuda_build", "features",
-    "prepare_shared_memory",
+    "open", "connect", "settings", "Client", "chain_keys", "hash128", "backends", "cuda_build",
+    "features", "prepare_shared_memory", "raise_first",
     "Error", "KeyNotFoundError", "KeyExistsError", "InvalidKeyError", "ValueSizeError",
     "CapacityError", "NotReadyError", "ClosedError",
 ]
@@ -46,40 +47,44 @@ def backends() -> list[str]:
     return _core.backends()
 
 
-def open(backend: str = "local", *, store: Optional[str] = None, capacity: int = 0,
-         memory_capacity: int = 0, pool: str = "gdkv-rep3", ceph_conf: str = "",
-         ceph_client: str = "client.admin", ceph_keyring: str = "", ceph_timeout_ms: int = 5000,
-         cache_bytes: int = 0, cache_policy: str = "adaptive", prefetch_depth: int = 8,
-         reactors: int = 1, nsid: int = 1, max_value_bytes: int = 64 << 20, queue_depth: int = 1024,
-         cuda_device: Optional[int] = None) -> Client:
-    """A client with a controller in this process, over ``backend`` (the CLI's options).
+def settings() -> list[dict[str, Any]]:
+    """The store's settings, declared once in C++ (``include/gdkv/settings.h``), in the order the
+    docs list them. Each is a dict: ``name`` (gdkv.open's keyword, a connector's key), ``type``
+    (``"int"``, ``"bool"`` or ``"str"``), ``default``, ``unit``, ``help``, gdkvd's TOML key
+    (``toml``) and flag (``flag``), and ``min``/``max`` (int) or ``choices`` (str, empty: any).
+
+    >>> {s["name"]: s["default"] for s in gdkv.settings()}["ceph_timeout_ms"]
+    5000
+    """
+    return _core.settings()
+
+
+def open(backend: str = "local", *, nsid: int = 1, queue_depth: int = 1024,
+         cuda_device: Optional[int] = None, **settings: Any) -> Client:
+    """A client with a controller in this process, over ``backend``.
 
     - ``"local"``: the embedded local store in directory ``store`` (default ``$GDKV_STORE``,
-      else ``~/.local/share/gdkv``), ``capacity`` bytes (0: 8 GiB). One process at a time.
-    - ``"memory"``: values in this process's memory, ``memory_capacity`` bytes (0: 1 GiB); once
-      full it evicts the least recently used values.
+      else ``~/.local/share/gdkv``) of ``capacity`` bytes. One process at a time.
+    - ``"memory"``: values in this process's memory, ``memory_capacity`` bytes; once full it
+      evicts the least recently used values.
     - ``"rados"``: the Ceph pool ``pool`` (``ceph_conf``, ``ceph_client``, ``ceph_keyring``;
       a dead cluster fails calls with NotReadyError after ``ceph_timeout_ms``).
     - ``"tiered"``: the local store (``store``, ``capacity``) in front of the RADOS pool (the
-      rados options): misses are read from RADOS and kept locally, Stores written through.
+      rados settings): misses are read from RADOS and kept locally, Stores written through.
 
-    ``cache_bytes`` > 0 puts a host cache in front (``cache_policy``, ``prefetch_depth``).
-    ``cuda_device``: CUDA copy engines for CUDA tensors (CUDA builds). Raises gdkv.Error with the
-    reason when the backend cannot be opened.
+    ``settings`` are the store's settings by name (:func:`settings` lists each with its type,
+    default and range; docs/python.md too): ``cache_bytes`` > 0 puts a host cache in front
+    (``cache_policy``, ``prefetch_depth``), ``reactors``, ``max_value_bytes`` and the backend's.
+    A setting given as None keeps its default. An unknown name or a value of the wrong type
+    raises TypeError, a value out of range ValueError. ``cuda_device``: CUDA copy engines for
+    CUDA tensors (CUDA builds). Raises gdkv.Error with the reason when the backend cannot be
+    opened.
 
-    >>> c = gdkv.open("memory")
+    >>> c = gdkv.open("memory", cache_bytes=1 << 30)
     """
-    o = _core.OpenOptions()
-    settings = dict(backend=backend, store=store or "", capacity=capacity,
-                    memory_capacity=memory_capacity, pool=pool,
-                    ceph_conf=ceph_conf, ceph_client=ceph_client, ceph_keyring=ceph_keyring,
-                    ceph_timeout_ms=ceph_timeout_ms, cache_bytes=cache_bytes,
-                    cache_policy=cache_policy, prefetch_depth=prefetch_depth, reactors=reactors,
-                    namespaces=nsid, max_value_bytes=max_value_bytes, queue_depth=queue_depth,
-                    cuda_device=-1 if cuda_device is None else cuda_device)
-    for name, value in settings.items():
-        setattr(o, name, value)
-    return Client(_core.open(o, nsid))
+    settings["backend"] = backend
+    cuda = -1 if cuda_device is None else cuda_device
+    return Client(_core.open(settings, nsid, queue_depth, cuda))
 
 
 def connect(socket_dir: str, *, nsid: int = 1, queue_depth: int = 1024,

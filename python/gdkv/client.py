@@ -28,6 +28,7 @@ import math
 from typing import Any, Iterable, Optional, Sequence
 
 from . import _core
+from .errors import Error
 
 Key = bytes | bytearray | str
 #: A buffer: anything with the buffer protocol (bytes, bytearray, memoryview, numpy) or DLPack
@@ -135,17 +136,34 @@ class Client:
         """Every key (of this namespace) in byte order, or those starting with ``prefix``."""
         return self._core.list(prefix)
 
-    # ---- batches: one submission round ----
-    def exists_many(self, keys: Iterable[Key]) -> list[bool]:
+    # ---- batches: one submission round, one result per key ----
+    # A key whose command failed gets its gdkv.Error in its place and fails only itself (as
+    # RocksDB's MultiGet returns a status per key); gdkv.raise_first(results) raises the first.
+    # A client that failed (TimeoutError, ConnectionError) or was closed raises.
+    def exists_many(self, keys: Iterable[Key]) -> list[bool | Error]:
+        """Whether each key exists; a key whose Exist failed (not missing: failed) is its
+        error, which is not a bool: test ``r is True``."""
         return self._core.exists_many(list(keys))
 
+    def lookup(self, keys: Iterable[Key]) -> tuple[int, Optional[Error]]:
+        """How many leading keys exist, and why the run ended: None at a missing key (or the
+        end), else the error of the key whose Exist failed. Asks in rounds of 16, 32, 64...
+        keys and stops after the round that ended the run.
+
+        >>> c.lookup(gdkv.chain_keys(tokens, 16, salt))   # (12, None): blocks 0..11 are stored
+        """
+        return self._core.lookup(list(keys))
+
     def lookup_prefix(self, keys: Iterable[Key]) -> int:
-        """How many leading keys exist: the reusable prefix of a prompt's chain keys. Asks in
-        rounds of 16, 32, 64... keys and stops after the round with the first missing key.
+        """How many leading keys exist: the reusable prefix of a prompt's chain keys (lookup's
+        count). A run ended by a key whose Exist failed raises that error.
 
         >>> c.lookup_prefix(gdkv.chain_keys(tokens, 16, salt))   # 12: blocks 0..11 are stored
         """
-        return self._core.lookup_prefix(list(keys))
+        n, error = self.lookup(keys)
+        if error is not None:
+            raise error
+        return n
 
     def hint(self, keys: Iterable[Key]) -> None:
         """Tells gdkv these keys will be read soon, in this order (a scheduler hint: the
@@ -162,20 +180,25 @@ class Client:
             raise ValueError("hint: no keys")
         self._core.hint(keys)
 
-    def delete_many(self, keys: Iterable[Key], *, missing_ok: bool = False) -> list[bool]:
-        """Deletes every key in one round: whether each existed. A missing key raises KeyError
-        unless ``missing_ok``; the first failure raises after the round (the others are deleted)."""
+    def delete_many(self, keys: Iterable[Key], *,
+                    missing_ok: bool = False) -> list[Optional[Error]]:
+        """Deletes every key in one round: None for each deleted (or missing, if
+        ``missing_ok``), else its error (KeyNotFoundError for a missing key)."""
         return self._core.delete_many(list(keys), missing_ok)
 
-    def put_many(self, items: Iterable[tuple[Key, Buffer]]) -> None:
-        """Stores every (key, value); raises for the first that failed (others may be stored)."""
+    def put_many(self, items: Iterable[tuple[Key, Buffer]]) -> list[Optional[Error]]:
+        """Stores every (key, value): None for each stored, else its error (a full store's
+        CapacityError, say); the others are stored all the same.
+
+        >>> gdkv.raise_first(c.put_many(zip(keys, blocks)))   # raises if any failed
+        """
         pairs = list(items)
         values = [v for _, v in pairs]
         _cuda_sync(*values)
-        self._core.put_many([k for k, _ in pairs], values)
+        return self._core.put_many([k for k, _ in pairs], values)
 
     def get_many(self, keys: Iterable[Key], *, size_hint: int = 65536) -> list[Optional[bytes]]:
-        """Each key's value, None where it does not exist.
+        """Each key's value, None where it does not exist; raises for the first that failed.
 
         One Retrieve per key in rounds of as many keys as the shared memory has room for at
         once, each into a buffer as long as the longest value of the client's last get (KV
@@ -193,8 +216,10 @@ class Client:
         return self._core.get_many_view(list(keys))
 
     def get_many_into(self, keys: Iterable[Key], outs: Iterable[Buffer | Sequence[Buffer]], *,
-                      partial: bool = False) -> list[Optional[int]]:
-        """Writes each key's value into its out (as get_into); its length, None where missing."""
+                      partial: bool = False) -> list[int | Error]:
+        """Writes each key's value into its out (as get_into): its full length, or its error
+        (KeyNotFoundError for a missing key; ValueSizeError for a value longer than its out,
+        unless ``partial``, which takes its first bytes and returns its full length)."""
         outs = list(outs)
         _cuda_sync(*outs)
         return self._core.get_many_into(list(keys), outs, partial)
@@ -300,7 +325,7 @@ class Client:
     async def adelete(self, key: Key, **kw) -> bool:
         return await self._run(self.delete, key, **kw)
 
-    async def aput_many(self, items: Iterable[tuple[Key, Buffer]]) -> None:
+    async def aput_many(self, items: Iterable[tuple[Key, Buffer]]) -> list[Optional[Error]]:
         return await self._run(self.put_many, list(items))
 
     async def aget_many(self, keys: Iterable[Key], **kw) -> list[Optional[bytes]]:

@@ -135,7 +135,7 @@ def _store(a):
     keys = gdkv.chain_keys(prompt_a, B, _salt(model, layout, B))
     kv = m.layer_kv(cache)
     with _client(a) as c:
-        todo = [i for i, have in enumerate(c.exists_many(keys)) if not have]
+        todo = [i for i, have in enumerate(gdkv.raise_first(c.exists_many(keys))) if not have]
         t0 = time.perf_counter()
         if todo:
             # One block = [layer][K|V][kv head][token][dim]: gathered from the cache once into
@@ -145,7 +145,7 @@ def _store(a):
                 for layer, (k, v) in enumerate(kv):
                     blocks[j, layer, 0].copy_(k[0, :, i * B:(i + 1) * B])
                     blocks[j, layer, 1].copy_(v[0, :, i * B:(i + 1) * B])
-            c.put_many((keys[i], blocks[j]) for j, i in enumerate(todo))
+            gdkv.raise_first(c.put_many((keys[i], blocks[j]) for j, i in enumerate(todo)))
             if a.device == "cuda":
                 c.unregister(blocks)
         store_s = time.perf_counter() - t0
@@ -191,8 +191,8 @@ def _reuse(a):
             outs = [[kv[layer, j, 0, h, i * B:(i + 1) * B] for layer in range(L)
                      for j in range(2) for h in range(H)] for i in range(n)]
             lens = c.get_many_into(keys[:n], outs)
-            # A block deleted since the lookup (None) or shorter than a block ends the prefix
-            # (other errors raise); the model recomputes from there.
+            # A block deleted since the lookup, or one that failed or is not a block long, ends
+            # the prefix; the model recomputes from there.
             while loaded < n and lens[loaded] == block_bytes:
                 loaded += 1
         P = loaded * B

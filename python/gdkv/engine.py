@@ -7,6 +7,7 @@
 - :func:`weights_fingerprint`: a cheap digest of a model folder's weight files (names, sizes,
   content, sampled in large files), cached per file by its stat; connectors put it in the model
   they name in the salt, so two checkpoints at one path never share KV.
+- :class:`Stats`: a connector's counters, one convention for all three.
 - :class:`EngineStore`: one gdkv client opened from an engine's config, with the failure rule
   every connector follows: a gdkvd that is down, frozen or unreachable means "no hits" and
   "nothing saved", never an error for the user. The client is dropped at the first failure (and
@@ -26,6 +27,9 @@ Config (each engine passes its own extra-config dict; keys are the same everywhe
     timeout_ms            a command gdkvd does not complete in time fails (default 5000);
                           in-process, the RADOS backend's op timeout (ceph_timeout_ms)
     shared_memory_bytes   memory shared with gdkvd for transfers (default 1 GiB, used on demand)
+    staging_bytes         the most memory one batch is copied through where gdkv does not reach
+                          the engine's memory in place (default 64 MiB; through gdkvd at most
+                          half of shared_memory_bytes; at least one value)
     retry_interval_s      after a failure, how long to wait before connecting again (default 5)
 
 Environment: ``GDKV_CACHE_DIR`` (default ``~/.cache/gdkv``) holds weights_fingerprint's cache,
@@ -40,9 +44,9 @@ import logging
 import os
 import tempfile
 import threading
-from typing import Any, Callable, Mapping, Optional, TypeVar
+from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar
 
-from . import connect, errors, hash128, prepare_shared_memory
+from . import _core, connect, errors, hash128, prepare_shared_memory
 from . import open as open_client
 from .client import Client
 
@@ -57,9 +61,32 @@ HINT_BATCH = 2048
 UNAVAILABLE = (errors.ConnectionError, errors.TimeoutError, errors.ClosedError,
                errors.NotReadyError)
 
-_OPEN_OPTIONS = ("store", "capacity", "memory_capacity", "pool", "ceph_conf", "ceph_client",
-                 "ceph_keyring", "ceph_timeout_ms", "cache_bytes", "cache_policy", "prefetch_depth",
-                 "reactors", "max_value_bytes", "queue_depth", "cuda_device")
+_TYPES = {"int": int, "bool": bool, "str": str}
+#: gdkv.open's options (an in-process backend), with their types: the store's settings
+#: (gdkv.settings(), declared once in C++) and gdkv.open's own.
+OPEN_SETTINGS: dict[str, type] = {
+    **{s["name"]: _TYPES[s["type"]] for s in _core.settings() if s["name"] != "backend"},
+    "queue_depth": int, "cuda_device": int,
+}
+#: Every key EngineStore reads from a connector's config, with its type: the one list each
+#: connector's config is checked against (check_keys), the LMCache URL's options included.
+STORE_SETTINGS: dict[str, type] = {
+    "socket_dir": str, "backend": str, "nsid": int, "namespace": str, "timeout_ms": int,
+    "shared_memory_bytes": int, "staging_bytes": int, "retry_interval_s": float,
+    **OPEN_SETTINGS,
+}
+
+
+def check_keys(config: Mapping[str, Any], own: Iterable[str], where: str) -> None:
+    """Raises ValueError naming every key of ``config`` that neither EngineStore
+    (:data:`STORE_SETTINGS`) nor the connector (``own``) reads: a misspelt setting must not
+    fall back to its default in silence."""
+    known = set(STORE_SETTINGS) | set(own)
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ValueError(f"gdkv: unknown key{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(map(repr, unknown))} in {where} (known: "
+                         f"{', '.join(sorted(known))})")
 
 
 def _as_bytes(h: Any) -> bytes:
@@ -288,6 +315,44 @@ def weights_fingerprint(model: str) -> str:
     return h.hexdigest()
 
 
+class Stats:
+    """A connector's counters (counts, bytes, seconds), safe across its threads: ``add()``,
+    ``stats[name]`` (0 for one never added), :meth:`snapshot`, and :meth:`write` to a JSON file
+    (where benchmarks and tests read an engine's counters: its processes are the engine's)."""
+
+    def __init__(self, **start: float):
+        self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._values: dict[str, float] = dict(start)
+
+    def add(self, **counts: float) -> dict[str, float]:
+        """Adds each count to its counter; the counters' new values."""
+        with self._lock:
+            for k, v in counts.items():
+                self._values[k] = self._values.get(k, 0) + v
+            return {k: self._values[k] for k in counts}
+
+    def __getitem__(self, name: str) -> float:
+        with self._lock:
+            return self._values.get(name, 0)
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._values)
+
+    def write(self, path: str, **extra: Any) -> None:
+        """The counters (and ``extra``) as JSON at ``path``, replaced whole; a failure to write
+        is logged. Writes from several threads are one at a time, each of the counters as they
+        are when it starts: the last one written is the latest."""
+        with self._write_lock:
+            try:
+                with open(f"{path}.tmp", "w") as f:
+                    json.dump({**self.snapshot(), **extra}, f)
+                os.replace(f"{path}.tmp", path)
+            except OSError as e:
+                log.warning("gdkv: cannot write the counters to %s: %s", path, e)
+
+
 def _close_quietly(client: Client) -> None:
     try:
         client.close()
@@ -305,8 +370,9 @@ class EngineStore:
         self.nsid = int(config.get("nsid", 1))
         self.timeout_ms = int(config.get("timeout_ms", 5000))
         self.shared_memory_bytes = int(config.get("shared_memory_bytes", 1 << 30))
+        self.staging_bytes = int(config.get("staging_bytes", 64 << 20))
         self.retry_interval_s = float(config.get("retry_interval_s", 5.0))
-        self.open_options = {k: config[k] for k in _OPEN_OPTIONS if k in config}
+        self.open_options = {k: config[k] for k in OPEN_SETTINGS if k in config}
         if self.backend in ("rados", "tiered"):
             # In-process calls wait for the backend; RADOS ops fail after ceph_timeout_ms with
             # NotReadyError (gdkv unavailable). The local store and memory backends do not time
@@ -479,6 +545,82 @@ class EngineStore:
         except errors.Error as e:
             self.note(e, what)
             return default
+
+    # ---- transfers: the batch calls every connector makes, with one failure rule ----
+    # A key whose command failed fails only itself: it is noted (logged once per kind) and
+    # counts as not stored, so it is recomputed, and put again. gdkv unavailable raises (call()
+    # drops the client).
+    def _noted(self, results: list, what: str) -> list:
+        """Notes the first error of each kind in a batch's results (a missing key is none)."""
+        kinds = set()
+        for r in results:
+            if isinstance(r, errors.Error) and not isinstance(r, errors.KeyNotFoundError):
+                kind = (type(r), r.status)
+                if kind not in kinds:
+                    kinds.add(kind)
+                    self.note(r, what)
+        return results
+
+    def leading(self, client: Client, keys: list[bytes], hint: bool = False) -> int:
+        """How many leading ``keys`` are stored (:meth:`Client.lookup`): the run ends at a
+        missing key or at one whose Exist failed. ``hint``: the run is hinted to gdkv, in order
+        (a load of it follows)."""
+        n, error = client.lookup(keys)
+        if error is not None:
+            self.note(error, "lookup")
+        if hint and n:
+            self.hint(client, keys[:n])
+        return n
+
+    def present(self, client: Client, keys: list[bytes]) -> list[bool]:
+        """Whether each key is stored; one whose Exist failed counts as not."""
+        return [r is True for r in self._noted(client.exists_many(keys), "exists")]
+
+    def load(self, client: Client, keys: list[bytes], outs: list,
+             sizes: list[int]) -> tuple[list[bool], list[int]]:
+        """Each value into its out (a buffer, or the buffers it is laid out across), in one
+        batch. Returns (whole, held): whole[i] when value i arrived exactly ``sizes[i]`` bytes
+        long; held, the indices of values gdkv holds but did not deliver (their command failed,
+        or they have another length: not this engine's layout, never used). A missing value is
+        neither."""
+        got = self._noted(client.get_many_into(keys, outs, partial=True), "load")
+        whole = [n == size for n, size in zip(got, sizes)]
+        held = [i for i, n in enumerate(got) if not whole[i] and
+                not isinstance(n, errors.KeyNotFoundError)]
+        for i in held:
+            if isinstance(got[i], int):
+                self.note(errors.ValueSizeError(
+                    f"the value of {keys[i].hex()} has {got[i]} bytes, not {sizes[i]}: a miss",
+                    0x85, keys[i]), "load")
+        return whole, held
+
+    def put(self, client: Client, keys: list[bytes], value: Callable[[int], Any]) -> list[bool]:
+        """Stores ``value(i)`` under ``keys[i]`` in one batch; whether each was stored. (Callers
+        ask :meth:`present` first, per value or per page, and put only what is missing.)"""
+        if not keys:
+            return []
+        res = self._noted(client.put_many([(k, value(i)) for i, k in enumerate(keys)]), "put")
+        return [r is None for r in res]
+
+    def reaches(self, client: Client, buffers: Iterable[Any]) -> bool:
+        """Whether the controller reads and writes every one of ``buffers`` where it lies (no
+        staging copy): host memory in-process, memory shared with gdkvd (:meth:`share`)
+        through it; CUDA memory only where the controller has the GPU's copy engines."""
+        return all(client.reaches(b) for b in buffers)
+
+    def staging_rows(self, client: Client, row_bytes: int) -> int:
+        """How many values of ``row_bytes`` one batch copies through, where gdkv does not reach
+        the engine's memory: ``staging_bytes``, and through gdkvd at most half the shared
+        memory (the rest is for the values gdkv reaches in place); at least one."""
+        budget = self.staging_bytes
+        if client.remote:
+            budget = min(budget, self.shared_memory_bytes // 2)
+        return max(1, budget // max(1, row_bytes))
+
+    def delete(self, client: Client, keys: list[bytes]) -> int:
+        """Deletes ``keys`` (missing ones are fine); how many could not be deleted."""
+        res = self._noted(client.delete_many(keys, missing_ok=True), "delete")
+        return sum(r is not None for r in res)
 
     def hint(self, client: Client, keys: list[bytes]) -> None:
         """Tells gdkv ``keys`` will be read next, in order (:meth:`Client.hint`), in commands of

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import builtins
 
+from . import _core
+
 
 class Error(Exception):
     """Base class of gdkv's errors."""
@@ -75,8 +77,10 @@ _BY_STATUS = {
 }
 
 
-# Why a call failed besides its status (the extension's FailureKind, python/src/core.cc).
-_TIMED_OUT, _PEER_GONE, _CLOSED, _OPEN_FAILED, _CONNECT_FAILED = 1, 2, 3, 4, 5
+# Why a call failed besides its status: the extension's FailureKind (python/src/core.cc).
+_K = _core.failure_kinds
+_TIMED_OUT, _PEER_GONE, _CLOSED = _K["timed_out"], _K["peer_gone"], _K["closed"]
+_CONNECT_FAILED = _K["connect_failed"]
 
 
 def _make(op: str, key: bytes | None, status: int, failure: int, message: str) -> Error:
@@ -91,3 +95,12 @@ def _make(op: str, key: bytes | None, status: int, failure: int, message: str) -
         cls = _BY_STATUS.get(status, Error)
     where = f"{op} {key!r}" if key is not None else op
     return cls(f"{where}: {message}", status, key)
+
+
+def raise_first(results: list) -> list:
+    """Raises the first gdkv.Error in a batch call's results (put_many, delete_many,
+    get_many_into, exists_many); else returns them."""
+    for r in results:
+        if isinstance(r, Error):
+            raise r
+    return results

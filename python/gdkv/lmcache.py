@@ -20,57 +20,17 @@ Config (LMCache's YAML, ``LMCACHE_CONFIG_FILE``). The plugin form, which LMCache
       remote_storage_plugin.gdkv.class_name: GdkvConnectorAdapter
       remote_storage_plugin.gdkv.url: "gdkv:///run/gdkvd?namespace=prod"
 
-or with ``remote_url: "gdkv:///run/gdkvd"`` and the same three plugin lines minus ``.url`` (LMCache
-loads an adapter only for a name in ``remote_storage_plugins``, and it also creates a RemoteBackend
-for that name: without a url of its own that one stays idle, :class:`GdkvConnector` "dormant",
-and the remote_url backend does the work).
+The URL's path is gdkvd's socket directory (``gdkv://?backend=memory`` opens an in-process
+controller); options, as query parameters or ``remote_storage_plugin.<name>.<option>`` keys (the
+URL wins), are :class:`gdkv.engine.EngineStore`'s and ``threads`` (default 4).
 
-The URL: ``gdkv://<socket dir>?option=value&...``: gdkvd's socket directory is the URL's path
-(three slashes for an absolute path); ``gdkv://?backend=memory`` (or local, rados) opens an
-in-process controller instead. Options, as query parameters or as extra_config keys
-``remote_storage_plugin.<name>.<option>`` (the URL wins): those of :class:`gdkv.engine.EngineStore`
-(``nsid``, ``namespace``, ``timeout_ms``, ``shared_memory_bytes``, ``retry_interval_s``,
-``backend`` and gdkv.open's options: ``store``, ``capacity``...) and ``threads`` (the connector's
-worker threads, default 4).
-
-Values: a chunk's bytes exactly as LMCache's MemoryObj holds them, with no header. LMCache's
-remote connectors can store the chunk's shape, dtype and format with it (``save_chunk_meta``);
-here they are fixed by the engine (LMCache's metadata: full-chunk shapes, dtypes, memory format)
-and part of the key's salt (:class:`gdkv.engine.KeySpace`), so one key space only ever holds one
-layout, and a stored value whose length is not exactly one full chunk is a miss (a truncated,
-padded or foreign value never reaches the model). The cost: only full chunks are stored (with
-``save_unfull_chunk: true`` the last, partial chunk of a prompt stays in LMCache's local
-backends), ``remote_serde`` must be ``naive`` and ``use_layerwise`` false (the connector refuses
-other configs when it is created).
-
-Copies: ``put`` reads the MemoryObj's bytes in place and ``get`` writes into a MemoryObj from
-LMCache's own allocator (LocalCPUBackend) in place. In-process (``backend=...``) that is zero copy,
-and through gdkvd too: the connector shares the allocator's buffer with gdkvd in place when it is
-created (:meth:`gdkv.engine.EngineStore.share`; LMCache creates its remote connector at start-up,
-after the allocator and before any chunk is stored; a connector LMCache creates again later maps
-the same memory without copying it). An allocator without one CPU buffer, or memory that cannot
-be shared, is staged through shared memory: one copy per chunk each way, in ``client.copies()``.
-
-Keys: LMCache's chunk hashes must be the same in every process sharing the store: set
-``pre_caching_hash_algorithm: sha256_cbor`` (LMCache's default ``builtin`` is Python's hash(),
-which differs between processes unless PYTHONHASHSEED is set; the connector warns).
-
-Scheduler hints: LMCache looks a prompt's chunks up (``LMCacheEngine.lookup``: its local
-backends first, then ``batched_contains`` / ``batched_async_contains`` here for the chunks they
-lack) and then retrieves the chunks found. So the lookup hints those chunks to gdkv, in order
-(:meth:`gdkv.Client.hint`): gdkv keeps the cached ones from eviction and brings the others up
-from its lower tier before the retrieve reads them. LMCache shows a remote connector the chunk
-keys of one lookup, no request and no queue: inside vLLM, LMCache's lookup runs when vLLM's
-scheduler admits the request (``LMCacheConnectorV1.get_num_new_matched_tokens``), so the hint
-leads the retrieve by about one engine step, not the request's time in the waiting queue. A
-retrieve whose chunks LMCache maps to backends again (``get_block_mapping``) asks
-``batched_contains`` once more, which hints the same chunks again just before it reads them. A
-hint is advisory: one that fails is logged at debug level and changes no lookup's answer.
-
-Failures: a gdkvd that is down, dies or freezes means misses and dropped puts, never an exception
-to LMCache and never wrong bytes (:meth:`gdkv.engine.EngineStore.call`; a new gdkvd is picked up
-``retry_interval_s`` after a failure). The connector does not implement LMCache's ``ping``: with
-LMCache's default health policy a failing ping would stop its local CPU cache too.
+Contract: a value is a chunk's bytes exactly, and one that is not exactly one full chunk of the
+engine's layout is a miss, so a truncated, padded or foreign value never reaches the model (only
+full chunks are stored; ``remote_serde`` must be ``naive`` and ``use_layerwise`` false). A gdkvd
+that is down, dies or freezes means misses and dropped puts, never an exception to LMCache and
+never wrong bytes. Set ``pre_caching_hash_algorithm: sha256_cbor`` so that chunk hashes agree
+across processes. Transfers go through :class:`gdkv.engine.EngineStore`'s calls. URL options,
+keys, copies, hints and what is not implemented (``ping``): docs/integrations.md ("LMCache").
 """
 
 from __future__ import annotations
@@ -93,7 +53,7 @@ from lmcache.v1.storage_backend.connector import (ConnectorAdapter, ConnectorCon
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from .client import Client
-from .engine import EngineStore, KeySpace
+from .engine import STORE_SETTINGS, EngineStore, KeySpace, Stats
 
 __all__ = ["GdkvConnectorAdapter", "GdkvConnector", "parse_url", "PLUGIN_TYPE"]
 
@@ -105,12 +65,11 @@ PLUGIN_TYPE = "gdkv"
 SCHEME = "gdkv://"
 
 # Options a URL or the plugin's extra config may set, by type (URL query values are strings).
-_INT_OPTIONS = {"nsid", "timeout_ms", "shared_memory_bytes", "threads", "capacity",
-                "memory_capacity", "ceph_timeout_ms", "cache_bytes", "prefetch_depth", "reactors", "max_value_bytes",
-                "queue_depth", "cuda_device"}
-_FLOAT_OPTIONS = {"retry_interval_s"}
-_STR_OPTIONS = {"socket_dir", "backend", "namespace", "store", "pool", "ceph_conf", "ceph_client",
-                "ceph_keyring", "cache_policy"}
+# The URL's options: EngineStore's (engine.STORE_SETTINGS) and the connector's threads.
+_INT_OPTIONS = {k for k, t in STORE_SETTINGS.items() if t is int} | {"threads"}
+_FLOAT_OPTIONS = {k for k, t in STORE_SETTINGS.items() if t is float}
+_STR_OPTIONS = {k for k, t in STORE_SETTINGS.items() if t is str}
+_BOOL_OPTIONS = {k for k, t in STORE_SETTINGS.items() if t is bool}
 # extra_config keys of a plugin that LMCache (module_path, class_name) or we (url) read.
 _PLUGIN_KEYS = {"module_path", "class_name", "url"}
 
@@ -143,15 +102,26 @@ def parse_url(url: str) -> dict[str, Any]:
     return _typed(options, url)
 
 
+def _boolean(value: Any) -> bool:
+    """A flag from a URL query ("true", "1", ...) or a YAML config (a bool)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).lower()
+    if text not in ("true", "false", "1", "0"):
+        raise ValueError("not true or false")
+    return text in ("true", "1")
+
+
 def _typed(options: dict[str, Any], where: str) -> dict[str, Any]:
     """``options`` checked against the known names and converted to their types."""
-    known = _INT_OPTIONS | _FLOAT_OPTIONS | _STR_OPTIONS
+    known = _INT_OPTIONS | _FLOAT_OPTIONS | _STR_OPTIONS | _BOOL_OPTIONS
     out: dict[str, Any] = {}
     for name, value in options.items():
         if name not in known:
             raise ValueError(f"gdkv: unknown option {name!r} in {where} (known: "
                              f"{', '.join(sorted(known))})")
-        convert = int if name in _INT_OPTIONS else float if name in _FLOAT_OPTIONS else str
+        convert = (int if name in _INT_OPTIONS else float if name in _FLOAT_OPTIONS
+                   else _boolean if name in _BOOL_OPTIONS else str)
         try:
             out[name] = convert(value)
         except (TypeError, ValueError) as e:
@@ -289,10 +259,10 @@ class GdkvConnector(RemoteConnector):
         self._pool = concurrent.futures.ThreadPoolExecutor(
             int((settings or {}).get("threads", 4)), thread_name_prefix="gdkv-lmcache")
         self._closed = False
-        #: Chunks put() did not store (partial chunks, other layouts): counted, logged once.
-        self.skipped_puts = 0
-        #: Stored values of the wrong length that get() turned into misses.
-        self.rejected_values = 0
+        #: skipped_puts: chunks put() did not store (partial chunks, other layouts), logged
+        #: once; rejected_values: values gdkv held that get() turned into misses (of the wrong
+        #: length, or whose read failed).
+        self.stats = Stats(skipped_puts=0, rejected_values=0)
         log.info("gdkv: LMCache connector %r, key space %s", self, self.keyspace.description)
 
     def __repr__(self) -> str:
@@ -352,8 +322,7 @@ class GdkvConnector(RemoteConnector):
         return view if isinstance(view, memoryview) else memoryview(view)
 
     def _skip(self, memory_obj: MemoryObj) -> None:
-        self.skipped_puts += 1
-        if self.skipped_puts == 1:
+        if self.stats.add(skipped_puts=1)["skipped_puts"] == 1:
             log.warning("gdkv: not storing a chunk of %d bytes, format %s (only full chunks of "
                         "%d bytes, %s, are stored remotely); counted in skipped_puts",
                         memory_obj.get_size(), memory_obj.get_memory_format().name,
@@ -379,7 +348,9 @@ class GdkvConnector(RemoteConnector):
                 else:
                     items.append((self._key(key), value))
             if items:
-                self._call(lambda c: c.put_many(items), None)
+                gkeys = [k for k, _ in items]
+                # Every chunk is sent, with no Exist round first.
+                self._call(lambda c: self.store.put(c, gkeys, lambda i: items[i][1]), None)
         finally:
             for obj in memory_objs:  # the references put()/batched_put() took
                 obj.ref_count_down()
@@ -399,23 +370,20 @@ class GdkvConnector(RemoteConnector):
             return results
         gkeys = [self._key(k) for k in keys[: len(objs)]]
         outs = [obj.byte_array for obj in objs]
-        # partial=True: a value longer than a chunk returns its length instead of raising for
-        # the whole batch; it is rejected below like any other wrong length.
+        # A value of another length than a chunk, or one whose read failed, is a miss (load()).
+        sizes = [self.full_chunk_size_bytes] * len(objs)
         try:
-            lengths = self._call(lambda c: c.get_many_into(gkeys, outs, partial=True), None)
+            whole, held = self._call(lambda c: self.store.load(c, gkeys, outs, sizes),
+                                     ([False] * len(objs), []))
         except BaseException:   # not a gdkv error (those are misses): give LMCache its memory
             self._release(objs)
             raise
+        self.stats.add(rejected_values=len(held))
         for i, obj in enumerate(objs):
-            n = lengths[i] if lengths is not None else None
-            if n == self.full_chunk_size_bytes:
+            if whole[i]:
                 results[i] = obj
-                continue
-            if n is not None:
-                self.rejected_values += 1
-                log.warning("gdkv: the value of %s has %d bytes, not one chunk (%d): a miss",
-                            keys[i].to_string(), n, self.full_chunk_size_bytes)
-            obj.ref_count_down()
+            else:
+                obj.ref_count_down()
         return results
 
     @staticmethod
@@ -476,19 +444,12 @@ class GdkvConnector(RemoteConnector):
         return True
 
     def batched_contains(self, keys: List[CacheEngineKey]) -> int:
-        """How many leading keys are stored: one lookup_prefix (one submission round). The
+        """How many leading keys are stored: one lookup (EngineStore.leading). The
         chunks found are what LMCache retrieves next: they are hinted to gdkv, in order."""
         gkeys = [self._key(k) for k in keys]
         if not gkeys:
             return 0
-
-        def lookup(c: Client) -> int:
-            found = c.lookup_prefix(gkeys)
-            if found:
-                self.store.hint(c, gkeys[:found])
-            return found
-
-        return self._call(lookup, 0)
+        return self._call(lambda c: self.store.leading(c, gkeys, hint=True), 0)
 
     def support_batched_async_contains(self) -> bool:
         return True

@@ -13,60 +13,17 @@ SGLang (0.5.23) loads it with ``--hicache-storage-backend dynamic`` and its extr
 (pages moved straight between gdkv and SGLang's host memory pool); without it SGLang uses the
 copying ``batch_get``/``batch_set`` path, which works too (the same values, one more copy in
 SGLang). The other keys are :mod:`gdkv.engine`'s (``socket_dir`` or ``backend``, ``nsid``,
-``namespace``, ``timeout_ms``, ``shared_memory_bytes``, ``retry_interval_s``), plus
-``staging_bytes`` (the largest shared-memory buffer a layer_first batch is copied through,
-default 64 MiB).
+``namespace``, ``timeout_ms``, ``shared_memory_bytes``, ``staging_bytes``: the most memory a
+layer_first batch is copied through, ``retry_interval_s``).
 
-Keys: ``KeySpace("sglang", model, dtype, layout, namespace)`` over SGLang's page hash strings.
-``model`` is the model name SGLang hands its storage backends (``HiCacheStorageConfig.model_name``:
-``--served-model-name``, which defaults to ``--model-path``, with the host pool's storage format
-tag) and the rank's shard of the KV (``tp=rank/size``; MLA KV is the same on every TP rank, so
-MLA keys have none; ``pp``/``cp`` ranks when those are > 1). ``dtype`` is the host pool's dtype,
-``layout`` the host pool's layout (``--hicache-mem-layout``) with its class, page size, layer
-count and page bytes: two geometries never share a key, even under one served name.
-
-Values: one page of the host pool is a few contiguous runs of its memory (``get_data_page``'s
-view, in its C order: the bytes of SGLang's flat data page):
-
-- ``page_first``, ``page_first_direct``, ``page_head`` (MHA): 2 runs, the page's K and its V;
-  MLA ``page_first``/``page_first_direct``: 1 run. Each run is its own gdkv value (a page of 2
-  runs is 2 keys), read and written where it lies in the pool: zero copy, in-process and
-  through gdkvd, which reaches the pool in place once ``register_mem_pool_host`` has shared it
-  (:meth:`gdkv.engine.EngineStore.share`). A pool that cannot be shared (pinned by CUDA, a file
-  mapping) is staged through shared memory (one copy, in ``client.copies()``).
-- ``layer_first``: 2 x layers runs (MLA: layers). The page is one value, scattered over the runs
-  by ``get_into(key, [runs])`` (zero copy, in-process and through gdkvd on a shared pool); a
-  put gathers the runs into one buffer (one copy, counted in :meth:`GdkvStorage.copies`). On a
-  pool gdkvd does not reach, gets are copied through a ``client.empty()`` buffer too.
-
-``batch_exists`` looks up every value of the pages (one ``lookup_prefix`` over them all, which
-stops at the first missing one): a page counts only while all its values are stored, since the
-store may evict one value of a page and keep the other. A set writes a page again when any of its
-values is missing. ``clear()`` deletes the keys of this connector's engine and namespace only
-(:attr:`gdkv.engine.KeySpace.prefix`), in batches.
-
-Scheduler hints: SGLang starts a storage prefetch when a request enters its waiting queue
-(``Scheduler._add_request_to_queue`` -> ``_prefetch_kvcache`` -> ``prefetch_from_storage``, for
-prompts of at least ``prefetch_threshold`` tokens past its own caches), and its prefetch thread
-(``HiCacheController._storage_hit_query``) asks ``batch_exists`` for the request's page hashes,
-128 pages (``STORAGE_BATCH_SIZE``) at a time, stopping at the first batch with a miss. The pages
-found are what that prefetch reads next (``batch_get_v1`` on its IO thread), so ``batch_exists``
-hints their values to gdkv, in order (:meth:`Client.hint`): gdkv keeps the cached ones from
-eviction and brings the others up from its lower tier while SGLang allocates host pages. What
-SGLang shows a backend there is the page hashes of one batch (and ``extra_info.prefix_keys``, the
-hashes before it, with ``hicache_storage_pass_prefix_keys`` in the extra config): not the
-request, its place in the queue, the other waiting requests, nor what the scheduler decides next
-(``prefetch_threshold`` and the timeouts are taken out of the extra config before the backend
-sees it). A prefetch SGLang then drops (a hit below ``prefetch_threshold``, host memory rate
-limiting, a timeout, a smaller hit on another TP rank) reads nothing, and its hint ages out in
-gdkv. ``exists`` (one page, not a read) hints nothing. A hint is advisory: one that fails is
-logged at debug level and changes no answer (gdkv unavailable drops the client, as any failed
-command does).
-
-Failures: a gdkvd that is down, killed or frozen means misses (``False``/``0``/``None``) and
-failed sets (``False``), never an exception to SGLang and never wrong bytes; the client is opened
-again after ``retry_interval_s`` (:class:`gdkv.engine.EngineStore`). A page is reported loaded
-only when every one of its values arrived whole.
+Contract: a page is reported stored or loaded only when every one of its values is (the store
+may evict one value of a page and keep another); ``batch_exists`` gives the leading run of such
+pages and hints it to gdkv, in order. A gdkvd that is down, killed or frozen means misses
+(``False``/``0``/``None``) and failed sets (``False``), never an exception to SGLang and never
+wrong bytes; the client is opened again after ``retry_interval_s``. Transfers go through
+:class:`gdkv.engine.EngineStore`'s calls, so a value whose command fails fails its page only.
+Keys, how pages map to values (per layout), zero copy, hints and ``clear()``:
+docs/integrations.md ("SGLang").
 """
 
 from __future__ import annotations
@@ -83,9 +40,15 @@ from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorage
                                                   HiCacheStorageExtraInfo)
 
 from .client import Client
-from .engine import EngineStore, KeySpace
+from .engine import EngineStore, KeySpace, Stats, check_keys
 
 log = logging.getLogger("gdkv.sglang")
+# SGLang's own keys of the extra config that may reach the backend (0.5.23: the dynamic
+# loader's, the controller's interface_v1, and those its parser pops but a config built by hand
+# keeps); with EngineStore's (engine.STORE_SETTINGS) they are all it accepts.
+SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "file_storage_path",
+               "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+               "hicache_storage_pass_prefix_keys", "tp_lcm_size")
 T = TypeVar("T")
 
 #: A page of at most this many contiguous runs stores one value per run (zero copy both ways);
@@ -185,9 +148,9 @@ class GdkvStorage(HiCacheStorage):
                  kwargs: Optional[Mapping[str, Any]] = None):
         self.storage_config = storage_config
         config = dict(storage_config.extra_config or {})
+        check_keys(config, SGLANG_KEYS, "SGLang's --hicache-storage-backend-extra-config")
         self.store = EngineStore(config)
         self.namespace = str(config.get("namespace", ""))
-        self.staging_bytes = int(config.get("staging_bytes", 64 << 20))
         self.enable_metrics = bool(storage_config.enable_storage_metrics)
         if not config.get("interface_v1"):
             log.warning("gdkv: \"interface_v1\" is not set in the extra config: SGLang will use "
@@ -196,7 +159,8 @@ class GdkvStorage(HiCacheStorage):
         self.keyspace: Optional[KeySpace] = None
         self.layout: Optional[_PageLayout] = None
         self._lock = threading.Lock()
-        self._copies = [0, 0]  # (buffers, bytes) this connector copied itself
+        # Pages this connector copied itself (layer_first through staging), and their bytes.
+        self.stats = Stats(copied_pages=0, copied_bytes=0)
         self._seen: Optional[Client] = None  # the last client used (its staging counters)
         self._metrics: dict[str, list] = {"prefetch_pgs": [], "backup_pgs": [],
                                           "prefetch_bandwidth": [], "backup_bandwidth": []}
@@ -253,16 +217,18 @@ class GdkvStorage(HiCacheStorage):
         """The pages (indices) of ``keys`` (as from _keys) with a value that is not stored (the
         store evicts values one by one, so a page may have lost one and kept another)."""
         nparts = len(self.layout.parts)
-        present = c.exists_many(keys)
+        present = self.store.present(c, keys)
         return [i for i in range(len(keys) // nparts)
                 if not all(present[i * nparts: (i + 1) * nparts])]
 
     def _put_values(self, c: Client, keys: list[bytes], todo: list[int],
-                    value: Callable[[int, int], Any]) -> None:
+                    value: Callable[[int, int], Any]) -> list[bool]:
         """Stores ``value(i, j)`` under page i's j-th key for every page i of ``todo``, in one
-        round."""
+        round; whether each page of ``todo`` had every value stored."""
         nparts = len(self.layout.parts)
-        c.put_many((keys[i * nparts + j], value(i, j)) for i in todo for j in range(nparts))
+        idx = [(i, j) for i in todo for j in range(nparts)]
+        ok = self.store.put(c, [keys[i * nparts + j] for i, j in idx], lambda n: value(*idx[n]))
+        return [all(ok[n * nparts:(n + 1) * nparts]) for n in range(len(todo))]
 
     # ---- the failure rule ----
     def _call(self, fn: Callable[[Client], T], default: T, what: str) -> T:
@@ -277,17 +243,12 @@ class GdkvStorage(HiCacheStorage):
 
         return self.store.call(seen, default, what)
 
-    def _count_copy(self, nbytes: int) -> None:
-        with self._lock:
-            self._copies[0] += 1
-            self._copies[1] += nbytes
-
     def copies(self) -> tuple[int, int]:
         """(buffers, bytes) copied on the way: by the gdkv client's staging through gdkvd
         (``client.copies()``) and by this connector (layer_first pages gathered or scattered).
         (0, 0) when every page moved in place."""
-        with self._lock:
-            own = tuple(self._copies)
+        mine = self.stats.snapshot()
+        own = mine["copied_pages"], mine["copied_bytes"]
         c = self._seen
         staged = c.copies() if c is not None and not c.closed else (0, 0)
         return own[0] + staged[0], own[1] + staged[1]
@@ -299,41 +260,35 @@ class GdkvStorage(HiCacheStorage):
                 self._metrics[f"{kind}_bandwidth"].append(nbytes / max(seconds, 1e-9) / 1e9)
 
     # ---- moving pages ----
-    def _direct(self, c: Client) -> bool:
-        """Whether the controller reaches the host pool in place (in-process, or a pool in
-        memory shared with gdkvd)."""
-        return not c.remote or c.reaches(self.layout.host)
-
     def _get_pages(self, c: Client, keys: list[bytes], pages: list[int]) -> list[bool]:
         """Loads each page's values into the host pool; a page is True once all arrived whole."""
         lay = self.layout
         nparts = len(lay.parts)
-        if not lay.scattered or self._direct(c):
+        if not lay.scattered or self.store.reaches(c, [lay.host]):
             outs: list[Any] = []
             for p in pages:
                 for j in range(nparts):
                     runs = lay.part_runs(p, j)
                     outs.append(runs[0] if len(runs) == 1 else runs)
-            got = c.get_many_into(keys, outs, partial=True)
-            return [all(got[i * nparts + j] == lay.part_sizes[j] for j in range(nparts))
-                    for i in range(len(pages))]
+            got, _ = self.store.load(c, keys, outs, lay.part_sizes * len(pages))
+            return [all(got[i * nparts:(i + 1) * nparts]) for i in range(len(pages))]
         # layer_first through gdkvd: each page arrives in shared memory and is copied to its runs.
-        per = max(1, min(len(pages), self.staging_bytes // lay.page_bytes))
+        per = min(len(pages), self.store.staging_rows(c, lay.page_bytes))
         stage = c.empty((per, lay.page_bytes), "uint8")
         ok: list[bool] = []
         for start in range(0, len(pages), per):
             chunk = pages[start: start + per]
-            got = c.get_many_into(keys[start: start + len(chunk)], list(stage[: len(chunk)]),
-                                  partial=True)
-            for row, (p, n) in enumerate(zip(chunk, got)):
-                if n != lay.page_bytes:
+            got, _ = self.store.load(c, keys[start: start + len(chunk)],
+                                     list(stage[: len(chunk)]), [lay.page_bytes] * len(chunk))
+            for row, (p, whole) in enumerate(zip(chunk, got)):
+                if not whole:
                     ok.append(False)
                     continue
                 at = 0
                 for run in lay.part_runs(p, 0):
                     run[:] = stage[row, at: at + run.size]
                     at += run.size
-                self._count_copy(lay.page_bytes)
+                self.stats.add(copied_pages=1, copied_bytes=lay.page_bytes)
                 ok.append(True)
         return ok
 
@@ -342,15 +297,17 @@ class GdkvStorage(HiCacheStorage):
         pages already stored are not written again."""
         lay = self.layout
         todo = self._missing(c, keys)
+        stored = [True] * len(pages)
         if not todo:
-            return [True] * len(pages), 0
+            return stored, 0
         if not lay.scattered:  # each value is one run of the pool, read in place
-            self._put_values(c, keys, todo, lambda i, j: lay.run(pages[i], j))
-            return [True] * len(pages), len(todo)
+            for i, ok in zip(todo, self._put_values(c, keys, todo,
+                                                   lambda i, j: lay.run(pages[i], j))):
+                stored[i] = ok
+            return stored, len(todo)
         # layer_first: each page's runs gathered into one buffer (shared memory through gdkvd).
-        per = max(1, min(len(todo), self.staging_bytes // lay.page_bytes))
-        shape = (per, lay.page_bytes)
-        stage = c.empty(shape, "uint8") if c.remote else np.empty(shape, np.uint8)
+        per = min(len(todo), self.store.staging_rows(c, lay.page_bytes))
+        stage = c.empty((per, lay.page_bytes), "uint8")
         for start in range(0, len(todo), per):
             chunk = todo[start: start + per]
             row_of = {}
@@ -360,9 +317,11 @@ class GdkvStorage(HiCacheStorage):
                     stage[row, at: at + run.size] = run
                     at += run.size
                 row_of[i] = row
-                self._count_copy(lay.page_bytes)
-            self._put_values(c, keys, chunk, lambda i, j: stage[row_of[i]])
-        return [True] * len(pages), len(todo)
+                self.stats.add(copied_pages=1, copied_bytes=lay.page_bytes)
+            for i, ok in zip(chunk, self._put_values(c, keys, chunk,
+                                                    lambda i, j: stage[row_of[i]])):
+                stored[i] = ok
+        return stored, len(todo)
 
     def _pages_of(self, host_indices: torch.Tensor, count: int) -> Optional[list[int]]:
         """The page number of each of ``count`` pages from their host token indices; None when
@@ -427,7 +386,7 @@ class GdkvStorage(HiCacheStorage):
         keys = self._keys(page_hashes)
 
         def lookup(c: Client) -> int:
-            found = c.lookup_prefix(keys) // nparts
+            found = self.store.leading(c, keys) // nparts
             if hint and found:
                 self.store.hint(c, keys[: found * nparts])
             return found
@@ -464,9 +423,9 @@ class GdkvStorage(HiCacheStorage):
 
         def get(c: Client) -> list[Optional[torch.Tensor]]:
             outs = [part for f in flats for part in self._flat_parts(f)]
-            got = c.get_many_into(self._keys(keys), outs, partial=True)
-            return [t if all(got[i * nparts + j] == lay.part_sizes[j] for j in range(nparts))
-                    else None for i, t in enumerate(targets)]
+            got, _ = self.store.load(c, self._keys(keys), outs, lay.part_sizes * len(keys))
+            return [t if all(got[i * nparts:(i + 1) * nparts]) else None
+                    for i, t in enumerate(targets)]
 
         t0 = time.perf_counter()
         out = self._call(get, [None] * len(keys), "batch_get")
@@ -491,9 +450,10 @@ class GdkvStorage(HiCacheStorage):
 
         def put(c: Client) -> tuple[bool, int]:
             todo = self._missing(c, all_keys)
-            if todo:
-                self._put_values(c, all_keys, todo, lambda i, j: self._flat_parts(flats[i])[j])
-            return True, len(todo)
+            if not todo:
+                return True, 0
+            ok = self._put_values(c, all_keys, todo, lambda i, j: self._flat_parts(flats[i])[j])
+            return all(ok), len(todo)
 
         t0 = time.perf_counter()
         ok, written = self._call(put, (False, 0), "batch_set")
@@ -516,9 +476,10 @@ class GdkvStorage(HiCacheStorage):
 
         def wipe(c: Client) -> bool:
             keys = c.list(prefix)
+            failed = 0
             for start in range(0, len(keys), CLEAR_BATCH):
-                c.delete_many(keys[start: start + CLEAR_BATCH], missing_ok=True)
-            return True
+                failed += self.store.delete(c, keys[start: start + CLEAR_BATCH])
+            return failed == 0
 
         return self._call(wipe, False, "clear")
 

@@ -20,8 +20,9 @@ and the outputs are identical, 1 otherwise, 2 for usage errors.
 
     python -m gdkv.vllm_demo --connect /run/gdkvd       # through a running gdkvd
 
-A server is stopped with SIGTERM: vLLM shuts its workers down, and the connector's shutdown waits
-for the saves it queued. Every server gets one warm-up request first (a short unrelated prompt), so the times are of a warm
+A server is stopped with SIGTERM, once the saves its connector queued have landed
+(:meth:`Server.saves_landed`): vLLM's executor may end a worker before its queued puts are done.
+Every server gets one warm-up request first (a short unrelated prompt), so the times are of a warm
 engine. The functions here (:func:`build_engine_model`, :class:`Server`) are also the engine
 tests' (python/tests/test_vllm_engine.py).
 """
@@ -77,7 +78,8 @@ class Server:
 
     ``kv`` is the connector's extra config (None: no connector), ``kv_role`` its role. ``args``
     are more server flags (``--max-num-batched-tokens 512``...). The server's log is
-    ``self.log_path``."""
+    ``self.log_path``; its workers' connector counters are at ``$GDKV_VLLM_STATS`` (from ``env``,
+    else a file in the log directory), read by :meth:`worker_stats`."""
 
     def __init__(self, model: str, kv: Optional[dict] = None, *, dtype: str = "float32",
                  max_model_len: int = 8192, kv_cache_gib: int = 1, args: tuple = (),
@@ -110,6 +112,9 @@ class Server:
         # instead of one, which made a with/without comparison about 1.8x too kind to gdkv.
         e.setdefault("VLLM_CPU_OMP_THREADS_BIND", ENGINE_CPUS)
         e.update(env or {})
+        if kv is not None:
+            e.setdefault("GDKV_VLLM_STATS", str(Path(log_dir) / f"stats-{self.port}"))
+        self.stats_path = e.get("GDKV_VLLM_STATS")
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=e,
                                      start_new_session=True)
@@ -198,8 +203,37 @@ class Server:
                 "logprobs": [float(p["logprob"]) for p in parts],
                 "prompt_tokens": reply["usage"]["prompt_tokens"]}
 
+    def worker_stats(self) -> list[dict]:
+        """Each worker's connector counters (gdkv.vllm's WorkerSide.stats), by rank, as it last
+        wrote them; a worker writes them once it has queued, saved or loaded values."""
+        if not self.stats_path:
+            return []
+        out, path = [], Path(self.stats_path)
+        for f in path.parent.glob(path.name + ".rank*.json"):
+            try:
+                out.append(json.loads(f.read_text()))
+            except (OSError, ValueError):   # written by rename: only a file being replaced
+                continue
+        return sorted(out, key=lambda s: s.get("rank", 0))
+
+    def saves_landed(self, timeout_s: float = 60) -> list[dict]:
+        """Waits until no worker has a save queued: the connector puts a step's values on a
+        thread of its own, so a response can come before its KV is in gdkv. Returns the workers'
+        counters; raises RuntimeError when saves are still queued after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = self.worker_stats()
+            if not any(s.get("saves_queued", 0) for s in stats):
+                return stats
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"saves still queued after {timeout_s} s: {stats}")
+            time.sleep(0.05)
+
     def reset_prefix_cache(self) -> None:
-        """Empties vLLM's own prefix cache (not gdkv): the next request starts cold."""
+        """Empties vLLM's own prefix cache (not gdkv), once the connector's queued saves have
+        landed: the next request starts cold in vLLM, and finds in gdkv what this engine
+        computed."""
+        self.saves_landed()
         status, body = self._request("POST", "/reset_prefix_cache", None, 60)
         if status != 200:
             raise RuntimeError(f"reset_prefix_cache failed ({status}): {body[:300]!r}")
@@ -308,6 +342,7 @@ def main(argv=None) -> int:
             start_s = time.perf_counter() - t0
             s.complete(warm, 2)
             r = s.complete(prompt, a.steps)
+            s.saves_landed()
             r["external_tokens"] = s.metric("vllm:external_prefix_cache_hits_total")
             r["start_s"] = start_s
         print(f"  {name}: engine up in {start_s:.0f} s, TTFT {r['ttft_s'] * 1e3:.0f} ms, "

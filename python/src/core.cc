@@ -23,6 +23,7 @@
 #include <mutex>
 #include <optional>
 #include <shared_mutex>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -32,20 +33,20 @@
 #include "gdkv/client.h"
 #include "gdkv/commands.h"
 #include "gdkv/key.h"
+#include "gdkv/settings.h"
 #include "gdkv/vfio_user.h"
 #ifdef GDKV_HAVE_CUDA
 #include "gdkv/gpu_runtime.h"
 #endif
 
 namespace nb = nanobind;
-using gdkv::BatchItem;
 using gdkv::CmdResult;
 using gdkv::Key;
 using gdkv::nvme::Status;
 
 namespace {
 
-// Why a call failed besides its NVMe status, for gdkv.errors._make (the same numbers there).
+// Why a call failed besides its NVMe status, for gdkv.errors._make (exported as failure_kinds).
 enum FailureKind : int {
   kNoFailure = 0,
   kTimedOut = 1,       // ClientFailure::kTimeout
@@ -60,11 +61,17 @@ enum FailureKind : int {
 // finalized.
 nb::handle g_make_error;
 
-[[noreturn]] void raise_error(const char* op, const Key* key, int status, int failure,
-                              const std::string& message) {
+// The gdkv.Error for a failed call (not raised).
+nb::object make_error(const char* op, const Key* key, int status, int failure,
+                      const std::string& message) {
   nb::object key_obj = nb::none();
   if (key != nullptr) key_obj = nb::bytes(key->bytes, key->len);
-  nb::object e = g_make_error(op, key_obj, status, failure, message);
+  return g_make_error(op, key_obj, status, failure, message);
+}
+
+[[noreturn]] void raise_error(const char* op, const Key* key, int status, int failure,
+                              const std::string& message) {
+  nb::object e = make_error(op, key, status, failure, message);
   PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(e.ptr())), e.ptr());
   throw nb::python_error();
 }
@@ -224,24 +231,6 @@ std::vector<Buffer> get_buffers(nb::handle obj, bool writable, const char* what)
   return out;
 }
 
-struct OpenOptions {
-  std::string backend = "local";
-  std::string store;  // local: directory (default: as the CLI)
-  uint64_t capacity = 0;
-  uint64_t memory_capacity = 0;  // memory backend; 0: MemoryBackendOptions' default
-  std::string pool = "gdkv-rep3";
-  std::string ceph_conf, ceph_client = "client.admin", ceph_keyring;
-  uint32_t ceph_timeout_ms = 5000;
-  uint64_t cache_bytes = 0;
-  std::string cache_policy = "adaptive";  // CacheOptions' default, as gdkv.open's
-  uint32_t prefetch_depth = 8;
-  uint32_t reactors = 1;
-  uint32_t namespaces = 1;
-  uint64_t max_value_bytes = uint64_t{64} << 20;
-  uint32_t queue_depth = 1024;
-  int cuda_device = -1;  // >= 0: CUDA copy engines and pinned memory (CUDA builds)
-};
-
 struct ConnectOptions {
   uint32_t queue_depth = 1024;
   uint64_t shared_memory_bytes = uint64_t{1} << 30;
@@ -359,64 +348,49 @@ class PyClient {
     check("hint", nullptr, r);
   }
 
-  // ---- batches: one submission round for many keys ----
-  std::vector<bool> exists_many(nb::handle keys_obj) {
+  // ---- batches: one submission round for many keys, one result per key ----
+  // A key whose command failed gets its gdkv.Error in its place (not raised); a failed or closed
+  // client raises, as every call does.
+  nb::list exists_many(nb::handle keys_obj) {
     std::vector<Key> keys = to_keys(keys_obj);
-    std::vector<BatchItem> items(keys.size());
-    for (size_t i = 0; i < keys.size(); ++i) {
-      items[i].sqe = gdkv::cmd::exist(keys[i].bytes, keys[i].len, nsid_);
-    }
-    run_batch(items);
-    std::vector<bool> out(keys.size());
-    for (size_t i = 0; i < keys.size(); ++i) {
-      if (items[i].result.status == Status::kKeyNotExist) continue;
-      check("exists", &keys[i], items[i].result);
-      out[i] = true;
-    }
-    return out;
+    std::vector<CmdResult> r;
+    (void)run([&](gdkv::Client& c) {
+      r = c.exists_many(keys, nsid_);
+      return CmdResult{};
+    });
+    return per_key(
+        "exists", keys, r,
+        [&](size_t i) { return r[i].ok() ? Py_NewRef(Py_True) : Py_NewRef(Py_False); },
+        Status::kKeyNotExist);
   }
 
-  // Exists in rounds of 16, 32, 64... keys, stopping after the round that found a missing key:
-  // a short prefix of a long chain costs about one small round, a whole chain a few large ones.
-  size_t lookup_prefix(nb::handle keys_obj) {
+  // (how many leading keys exist, None or the error of the key whose Exist failed and so ended
+  // the run): Client::lookup_prefix's rounds of 16, 32, 64... keys.
+  std::tuple<size_t, nb::object> lookup(nb::handle keys_obj) {
     std::vector<Key> keys = to_keys(keys_obj);
+    CmdResult stop{};
     size_t n = 0;
-    for (size_t round = 16; n < keys.size(); round *= 2) {
-      const size_t end = std::min(keys.size(), n + round);
-      std::vector<BatchItem> items(end - n);
-      for (size_t i = n; i < end; ++i) {
-        items[i - n].sqe = gdkv::cmd::exist(keys[i].bytes, keys[i].len, nsid_);
-      }
-      run_batch(items);
-      for (size_t i = n; i < end; ++i) {
-        const CmdResult& r = items[i - n].result;
-        if (r.status == Status::kKeyNotExist) return i;
-        check("lookup_prefix", &keys[i], r);
-      }
-      n = end;
-    }
-    return n;
+    (void)run([&](gdkv::Client& c) {
+      n = c.lookup_prefix(keys, nsid_, &stop);
+      return CmdResult{};
+    });
+    if (n == keys.size() || stop.status == Status::kKeyNotExist) return {n, nb::none()};
+    return {n, nb::steal(item_error("lookup_prefix", keys[n], stop))};
   }
 
-  // Deletes every key in one submission round: whether each existed (missing_ok) or raises for
-  // the first that failed (the others are deleted).
-  std::vector<bool> delete_many(nb::handle keys_obj, bool missing_ok) {
+  nb::list delete_many(nb::handle keys_obj, bool missing_ok) {
     std::vector<Key> keys = to_keys(keys_obj);
-    std::vector<BatchItem> items(keys.size());
-    for (size_t i = 0; i < keys.size(); ++i) {
-      items[i].sqe = gdkv::cmd::remove(keys[i].bytes, keys[i].len, nsid_);
-    }
-    run_batch(items);
-    std::vector<bool> out(keys.size());
-    for (size_t i = 0; i < keys.size(); ++i) {
-      if (items[i].result.status == Status::kKeyNotExist && missing_ok) continue;
-      check("delete_many", &keys[i], items[i].result);
-      out[i] = true;
-    }
-    return out;
+    std::vector<CmdResult> r;
+    (void)run([&](gdkv::Client& c) {
+      r = c.del_many(keys, nsid_);
+      return CmdResult{};
+    });
+    return per_key(
+        "delete_many", keys, r, [](size_t) { return Py_NewRef(Py_None); },
+        missing_ok ? Status::kKeyNotExist : Status::kSuccess);
   }
 
-  void put_many(nb::handle keys_obj, nb::handle values_obj) {
+  nb::list put_many(nb::handle keys_obj, nb::handle values_obj) {
     std::vector<Key> keys = to_keys(keys_obj);
     std::vector<Buffer> values;
     for (nb::handle h : values_obj) values.push_back(get_buffer(h, false, "value"));
@@ -424,18 +398,18 @@ class PyClient {
       raise_value(std::to_string(keys.size()) + " keys but " + std::to_string(values.size()) +
                   " values");
     }
-    std::vector<BatchItem> items(keys.size());
-    for (size_t i = 0; i < keys.size(); ++i) {
-      check_cuda(values[i]);
-      items[i] = BatchItem{gdkv::cmd::store(keys[i].bytes, keys[i].len, values[i].ptr,
-                                            static_cast<uint32_t>(values[i].len), 0, nsid_),
-                           values[i].ptr,
-                           values[i].len,
-                           true,
-                           {}};
+    std::vector<std::span<const std::byte>> spans;
+    spans.reserve(values.size());
+    for (auto& v : values) {
+      check_cuda(v);
+      spans.emplace_back(v.ptr, v.len);
     }
-    run_batch(items);
-    for (size_t i = 0; i < keys.size(); ++i) check("put_many", &keys[i], items[i].result);
+    std::vector<CmdResult> r;
+    (void)run([&](gdkv::Client& c) {
+      r = c.put_many(keys, spans, 0, nsid_);
+      return CmdResult{};
+    });
+    return per_key("put_many", keys, r, [](size_t) { return Py_NewRef(Py_None); });
   }
 
   // Client::get_values: one Retrieve per key where the memory allows (see its comment). Each
@@ -494,8 +468,9 @@ class PyClient {
     return out;
   }
 
-  std::vector<std::optional<uint32_t>> get_many_into(nb::handle keys_obj, nb::handle outs_obj,
-                                                     bool partial) {
+  // Each value's full length, or its error: KeyNotFoundError for a missing key, ValueSizeError
+  // for one longer than its buffers (unless partial: then its first bytes landed).
+  nb::list get_many_into(nb::handle keys_obj, nb::handle outs_obj, bool partial) {
     std::vector<Key> keys = to_keys(keys_obj);
     std::vector<std::vector<Buffer>> outs;
     for (nb::handle h : outs_obj) outs.push_back(get_buffers(h, true, "out"));
@@ -503,41 +478,36 @@ class PyClient {
       raise_value(std::to_string(keys.size()) + " keys but " + std::to_string(outs.size()) +
                   " outputs");
     }
-    std::vector<std::vector<std::byte>> descs(keys.size());
-    std::vector<BatchItem> items(keys.size());
+    // One piece per single buffer, all in one vector; a value over several buffers has its own.
+    std::vector<gdkv::nvme::ScatterEntry> single(keys.size());
+    std::vector<std::vector<gdkv::nvme::ScatterEntry>> scattered(keys.size());
+    std::vector<std::span<const gdkv::nvme::ScatterEntry>> pieces(keys.size());
     for (size_t i = 0; i < keys.size(); ++i) {
       for (auto& b : outs[i]) check_cuda(b);
-      const Key& k = keys[i];
       if (outs[i].size() == 1) {
-        Buffer& b = outs[i][0];
-        items[i] = BatchItem{
-            gdkv::cmd::retrieve(k.bytes, k.len, b.ptr, static_cast<uint32_t>(b.len), nsid_),
-            b.ptr,
-            b.len,
-            false,
-            {}};
+        const Buffer& b = outs[i][0];
+        if (b.len > UINT32_MAX) raise_value("an output past 4 GiB");
+        single[i] = {reinterpret_cast<uint64_t>(b.ptr), 0, static_cast<uint32_t>(b.len)};
+        pieces[i] = {&single[i], 1};
       } else {
-        descs[i] = gdkv::scatter_descriptor(scatter_pieces(outs[i]));
-        items[i] =
-            BatchItem{gdkv::cmd::scatter_retrieve(k.bytes, k.len, descs[i].data(),
-                                                  static_cast<uint32_t>(descs[i].size()), nsid_),
-                      descs[i].data(),
-                      descs[i].size(),
-                      true,
-                      {},
-                      /*metadata=*/true};
+        scattered[i] = scatter_pieces(outs[i]);
+        pieces[i] = scattered[i];
       }
     }
-    run_batch(items);
-    std::vector<std::optional<uint32_t>> out(keys.size());
-    for (size_t i = 0; i < keys.size(); ++i) {
-      const CmdResult r = items[i].result;
-      if (r.status == Status::kKeyNotExist) continue;
-      check("get_many_into", &keys[i], r);
-      check_fits(keys[i], r.dw0, outs[i], partial);
-      out[i] = r.dw0;
-    }
-    return out;
+    std::vector<CmdResult> r;
+    (void)run([&](gdkv::Client& c) {
+      r = c.get_many_into(keys, pieces, nsid_);
+      return CmdResult{};
+    });
+    return per_key("get_many_into", keys, r, [&](size_t i) -> PyObject* {
+      if (std::optional<std::string> too_long = fits(r[i].dw0, outs[i], partial)) {
+        return make_error("get_many_into", &keys[i], static_cast<int>(Status::kInvalidValueSize),
+                          kNoFailure, *too_long)
+            .release()
+            .ptr();
+      }
+      return PyLong_FromUnsignedLong(r[i].dw0);
+    });
   }
 
   // ---- memory ----
@@ -665,16 +635,9 @@ class PyClient {
       if (!client_) raise_closed();
       if (client_->controller() != nullptr) client_->controller()->collect(m);
       const gdkv::CopyCounters c = client_->copies();
-      m.push_back({"client_staged_copies_total",
-                   "",
-                   gdkv::MetricType::kCounter,
-                   {},
-                   static_cast<double>(c.copies)});
-      m.push_back({"client_staged_bytes_total",
-                   "",
-                   gdkv::MetricType::kCounter,
-                   {},
-                   static_cast<double>(c.bytes)});
+      gdkv::MetricWriter w(m);
+      w.counter("client_staged_copies_total", "", static_cast<double>(c.copies));
+      w.counter("client_staged_bytes_total", "", static_cast<double>(c.bytes));
     }
     std::vector<std::tuple<std::string, std::vector<std::tuple<std::string, std::string>>, double>>
         out;
@@ -732,28 +695,54 @@ class PyClient {
     return r;
   }
 
-  void run_batch(std::vector<BatchItem>& items) {
-    (void)run([&](gdkv::Client& c) {
-      c.execute_batch(items);
-      return CmdResult{};
-    });
-  }
-
   void check(const char* op, const Key* k, const CmdResult& r) {
     if (r.ok()) return;
+    nb::object e = error_of(op, k, r);
+    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(e.ptr())), e.ptr());
+    throw nb::python_error();
+  }
+
+  // The error of one key's failed command in a batch (a new reference); a failed client raises.
+  PyObject* item_error(const char* op, const Key& k, const CmdResult& r) {
+    if (r.status == Status::kAbortRequested && failed()) check(op, &k, r);
+    return error_of(op, &k, r).release().ptr();
+  }
+
+  // The list of a batch's results: ok(i) (a new reference) for a key whose command succeeded
+  // or ended with `also_ok` (87h where a missing key is an answer), else the key's error.
+  template <class Ok>
+  nb::list per_key(const char* op, const std::vector<Key>& keys, const std::vector<CmdResult>& r,
+                   Ok ok, Status also_ok = Status::kSuccess) {
+    nb::list out = nb::steal<nb::list>(PyList_New(static_cast<Py_ssize_t>(keys.size())));
+    for (size_t i = 0; i < keys.size(); ++i) {
+      PyObject* o = r[i].ok() || r[i].status == also_ok ? ok(i) : item_error(op, keys[i], r[i]);
+      if (o == nullptr) throw nb::python_error();
+      PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), o);
+    }
+    return out;
+  }
+
+  bool failed() {
+    std::shared_lock lk(mu_);
+    return !client_ || client_->failure() != gdkv::ClientFailure::kNone;
+  }
+
+  // The gdkv.Error for a failed command: TimeoutError or ConnectionError once the client failed.
+  nb::object error_of(const char* op, const Key* k, const CmdResult& r) {
     gdkv::ClientFailure f = gdkv::ClientFailure::kNone;
     if (r.status == Status::kAbortRequested) {
       std::shared_lock lk(mu_);
       if (client_) f = client_->failure();
     }
     if (f == gdkv::ClientFailure::kTimeout) {
-      raise_error(op, k, -1, kTimedOut,
-                  where_ + " did not complete the command within " + std::to_string(timeout_ms_) +
-                      " ms; this client is unusable, connect again");
+      return make_error(op, k, -1, kTimedOut,
+                        where_ + " did not complete the command within " +
+                            std::to_string(timeout_ms_) +
+                            " ms; this client is unusable, connect again");
     }
     if (f == gdkv::ClientFailure::kPeerGone) {
-      raise_error(op, k, -1, kPeerGone,
-                  where_ + " closed the connection (exited or died); connect again");
+      return make_error(op, k, -1, kPeerGone,
+                        where_ + " closed the connection (exited or died); connect again");
     }
     std::string msg = gdkv::describe(r);
     const std::string_view o(op);
@@ -768,18 +757,23 @@ class PyClient {
           ": the store is full, or the memory shared with gdkvd has no room to stage this "
           "buffer (connect(shared_memory_bytes=...), or use client.empty() buffers)";
     }
-    raise_error(op, k, static_cast<int>(r.status), kNoFailure, msg);
+    return make_error(op, k, static_cast<int>(r.status), kNoFailure, msg);
   }
 
   void check_fits(const Key& k, uint32_t value_len, const std::vector<Buffer>& bufs, bool partial) {
+    if (auto m = fits(value_len, bufs, partial)) {
+      raise_error("get_into", &k, static_cast<int>(Status::kInvalidValueSize), kNoFailure, *m);
+    }
+  }
+  // Why a value of `value_len` bytes does not fit `bufs` (nullopt: it does, or partial).
+  static std::optional<std::string> fits(uint32_t value_len, const std::vector<Buffer>& bufs,
+                                         bool partial) {
     size_t total = 0;
     for (const auto& b : bufs) total += b.len;
-    if (!partial && value_len > total) {
-      raise_error("get_into", &k, static_cast<int>(Status::kInvalidValueSize), kNoFailure,
-                  "the value has " + std::to_string(value_len) + " bytes, the buffer " +
-                      std::to_string(total) +
-                      " (only its first bytes were written; partial=True accepts that)");
-    }
+    if (partial || value_len <= total) return std::nullopt;
+    return "the value has " + std::to_string(value_len) + " bytes, the buffer " +
+           std::to_string(total) +
+           " (only its first bytes were written; partial=True accepts that)";
   }
 
   // CUDA memory needs a client whose controller has CUDA copy engines, and registration (the
@@ -857,47 +851,101 @@ class PyClient {
   std::multimap<uintptr_t, nb::object> host_;  // host memory registered: address -> the buffer
 };
 
-std::unique_ptr<PyClient> open_in_process(const OpenOptions& o, uint32_t nsid) {
-  gdkv::BackendConfig bc;
-  bc.kind = o.backend;
-  bc.local.path = o.store;
-  if (o.capacity > 0) bc.local.capacity_bytes = o.capacity;
-  if (o.memory_capacity > 0) bc.memory.capacity_bytes = o.memory_capacity;
-  bc.rados.pool = o.pool;
-  bc.rados.ceph_conf = o.ceph_conf;
-  bc.rados.client_name = o.ceph_client;
-  bc.rados.keyring = o.ceph_keyring;
-  bc.rados.op_timeout_ms = o.ceph_timeout_ms;
+// gdkv.open's settings, name -> value (gdkv/settings.h; None keeps the default): an unknown name
+// or a value of the wrong type raises TypeError, a value out of range ValueError.
+gdkv::StoreSettings to_store_settings(const nb::dict& given) {
+  gdkv::StoreSettings s;
+  for (auto [k, v] : given) {
+    const std::string name = nb::cast<std::string>(k);
+    const gdkv::Setting* x = gdkv::find_setting(name);
+    if (x == nullptr) raise_type("unknown setting '" + name + "' (gdkv.settings() lists them)");
+    if (v.is_none()) continue;
+    gdkv::SettingValue value;
+    switch (x->type) {
+      case gdkv::Setting::Type::kBool:
+        if (!PyBool_Check(v.ptr())) raise_type(name + " is a bool, not " + py_type_name(v));
+        value = v.ptr() == Py_True;
+        break;
+      case gdkv::Setting::Type::kString:
+        if (!PyUnicode_Check(v.ptr())) raise_type(name + " is a str, not " + py_type_name(v));
+        value = nb::cast<std::string>(v);
+        break;
+      default: {
+        if (!PyLong_Check(v.ptr()) || PyBool_Check(v.ptr())) {
+          raise_type(name + " is an int, not " + py_type_name(v));
+        }
+        const unsigned long long n = PyLong_AsUnsignedLongLong(v.ptr());
+        if (n == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+          PyErr_Clear();  // negative or past 64 bits
+          raise_value(name + ": " + x->range_error());
+        }
+        value = uint64_t{n};
+      }
+    }
+    if (const std::string err = x->set(s, value); !err.empty()) raise_value(name + ": " + err);
+  }
+  return s;
+}
+
+// gdkv.settings(): the table, each setting as a dict (its default is a default StoreSettings').
+nb::list settings_table() {
+  const gdkv::StoreSettings defaults;
+  nb::list out;
+  for (const gdkv::Setting& x : gdkv::store_settings()) {
+    nb::dict d;
+    d["name"] = x.name;
+    d["toml"] = x.toml;
+    d["flag"] = x.flag;
+    const gdkv::SettingValue v = x.get(defaults);
+    if (const uint64_t* n = std::get_if<uint64_t>(&v)) {
+      d["type"] = "int";
+      d["default"] = *n;
+      d["min"] = x.min;
+      d["max"] = x.max;
+    } else if (const bool* b = std::get_if<bool>(&v)) {
+      d["type"] = "bool";
+      d["default"] = *b;
+    } else {
+      d["type"] = "str";
+      d["default"] = std::get<std::string>(v);
+      d["choices"] = x.choices;
+    }
+    d["unit"] = x.unit;
+    d["help"] = x.help;
+    out.append(d);
+  }
+  return out;
+}
+
+std::unique_ptr<PyClient> open_in_process(const nb::dict& settings, uint32_t nsid,
+                                          uint32_t queue_depth, int cuda_device) {
+  gdkv::StoreSettings o = to_store_settings(settings);
   gdkv::ClientOptions co;
   co.controller.reactors = o.reactors;
-  co.controller.namespaces = std::max(o.namespaces, nsid);
+  co.controller.namespaces = nsid;
   co.controller.max_value_bytes = o.max_value_bytes;
-  co.queue.depth = o.queue_depth;
-  gdkv::CacheOptions cache;
-  cache.capacity_bytes = o.cache_bytes;
-  cache.policy = o.cache_policy;
-  cache.prefetch_depth = o.prefetch_depth;
-  const bool cuda = o.cuda_device >= 0;
+  co.queue.depth = queue_depth;
+  const bool cuda = cuda_device >= 0;
   if (cuda) {
 #ifdef GDKV_HAVE_CUDA
     gdkv::gpu::GpuOptions g;
-    g.device = o.cuda_device;
+    g.device = cuda_device;
     co.controller = gdkv::gpu::controller_options(co.controller, g);
-    cache = gdkv::gpu::cache_options(cache);
+    o.cache = gdkv::gpu::cache_options(o.cache);
 #else
     raise_value("cuda_device: this gdkv was built without CUDA (nvcc not found at build time)");
 #endif
   }
+  const gdkv::BackendConfig& bc = o.backend;
   std::string where =
-      o.backend == "local"
-          ? "local store at " + (o.store.empty() ? gdkv::default_store_dir() : o.store)
-          : o.backend + " backend";
+      bc.kind == "local"
+          ? "local store at " + (bc.local.path.empty() ? gdkv::default_store_dir() : bc.local.path)
+          : bc.kind + " backend";
   std::unique_ptr<gdkv::Client> c;
   std::string error;
   {
     nb::gil_scoped_release nogil;
-    auto backend = gdkv::open_backend(bc);
-    if (backend && o.cache_bytes > 0) backend = gdkv::make_cached_backend(*backend, cache);
+    auto backend = gdkv::open_store(o);
     if (backend) {
       auto opened = gdkv::Client::open(*backend, co);
       if (opened) {
@@ -965,6 +1013,14 @@ std::vector<uint32_t> to_tokens(nb::handle tokens) {
 NB_MODULE(_core, m) {
   m.doc() = "gdkv's C++ client (use the gdkv package, not this module)";
   m.def("_set_error_factory", [](nb::object f) { g_make_error = f.release(); });
+  // FailureKind's numbers, which gdkv.errors._make reads (declared here only).
+  nb::dict kinds;
+  kinds["timed_out"] = int(kTimedOut);
+  kinds["peer_gone"] = int(kPeerGone);
+  kinds["closed"] = int(kClosed);
+  kinds["open_failed"] = int(kOpenFailed);
+  kinds["connect_failed"] = int(kConnectFailed);
+  m.attr("failure_kinds") = kinds;
   m.attr("max_key_bytes") = gdkv::nvme::kMaxKeyLength;
 #ifdef GDKV_HAVE_CUDA
   m.attr("cuda_build") = true;
@@ -973,25 +1029,7 @@ NB_MODULE(_core, m) {
 #endif
   m.def("backends", &gdkv::available_backends);
 
-  nb::class_<OpenOptions>(m, "OpenOptions")
-      .def(nb::init<>())
-      .def_rw("backend", &OpenOptions::backend)
-      .def_rw("store", &OpenOptions::store)
-      .def_rw("capacity", &OpenOptions::capacity)
-      .def_rw("memory_capacity", &OpenOptions::memory_capacity)
-      .def_rw("pool", &OpenOptions::pool)
-      .def_rw("ceph_conf", &OpenOptions::ceph_conf)
-      .def_rw("ceph_client", &OpenOptions::ceph_client)
-      .def_rw("ceph_keyring", &OpenOptions::ceph_keyring)
-      .def_rw("ceph_timeout_ms", &OpenOptions::ceph_timeout_ms)
-      .def_rw("cache_bytes", &OpenOptions::cache_bytes)
-      .def_rw("cache_policy", &OpenOptions::cache_policy)
-      .def_rw("prefetch_depth", &OpenOptions::prefetch_depth)
-      .def_rw("reactors", &OpenOptions::reactors)
-      .def_rw("namespaces", &OpenOptions::namespaces)
-      .def_rw("max_value_bytes", &OpenOptions::max_value_bytes)
-      .def_rw("queue_depth", &OpenOptions::queue_depth)
-      .def_rw("cuda_device", &OpenOptions::cuda_device);
+  m.def("settings", &settings_table);
   nb::class_<ConnectOptions>(m, "ConnectOptions")
       .def(nb::init<>())
       .def_rw("queue_depth", &ConnectOptions::queue_depth)
@@ -1008,7 +1046,7 @@ NB_MODULE(_core, m) {
       .def("delete", &PyClient::remove, nb::arg("key"), nb::arg("missing_ok"))
       .def("list", &PyClient::list, nb::arg("prefix").none())
       .def("exists_many", &PyClient::exists_many, nb::arg("keys"))
-      .def("lookup_prefix", &PyClient::lookup_prefix, nb::arg("keys"))
+      .def("lookup", &PyClient::lookup, nb::arg("keys"))
       .def("hint", &PyClient::hint, nb::arg("keys"))
       .def("delete_many", &PyClient::delete_many, nb::arg("keys"), nb::arg("missing_ok"))
       .def("put_many", &PyClient::put_many, nb::arg("keys"), nb::arg("values"))
@@ -1028,7 +1066,8 @@ NB_MODULE(_core, m) {
       .def_prop_ro("nsid", &PyClient::nsid)
       .def_prop_ro("remote", &PyClient::remote);
 
-  m.def("open", &open_in_process, nb::arg("options"), nb::arg("nsid"));
+  m.def("open", &open_in_process, nb::arg("settings"), nb::arg("nsid"), nb::arg("queue_depth"),
+        nb::arg("cuda_device"));
   m.def("connect", &connect, nb::arg("socket_dir"), nb::arg("options"), nb::arg("nsid"));
   m.def(
       "chain_keys",

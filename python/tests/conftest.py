@@ -8,10 +8,7 @@ starts a cluster and sets it).
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import tempfile
-import time
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,57 +20,18 @@ BUILD = Path(os.environ.get("GDKV_BUILD_DIR", ROOT / "build" / "release"))
 GDKVD = BUILD / "tools" / "gdkvd" / "gdkvd"
 CEPH_CONF = os.environ.get("GDKV_CEPH_CONF", "")
 
+sys.path.insert(0, str(ROOT / "bench" / "python"))
+import gdkvd_proc  # noqa: E402  (one gdkvd process class for the tests and the benchmarks)
 
-class Gdkvd:
-    """A gdkvd child process serving a temporary socket directory."""
 
-    def __init__(self, *args: str, metrics: bool = False, metrics_port: int = 0):
-        if not GDKVD.exists():
-            raise RuntimeError(f"{GDKVD} is missing: build the C++ tree first (scripts/test does)")
-        self.dir = tempfile.mkdtemp(prefix="gdkvd-py-")
-        self.log_path = Path(self.dir) / "gdkvd.log"
-        self._log = open(self.log_path, "wb")
-        # metrics: /metrics (and /removed) at metrics_port, 0: one the kernel picks (gdkvd logs it).
-        port = ["--metrics-port", str(metrics_port) if metrics else "-1"]
-        self.proc = subprocess.Popen(
-            [str(GDKVD), "--socket-dir", self.dir, *port, "--reactors", "1", *args],
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 20
-        while b"ready:" not in self.log_path.read_bytes():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("gdkvd did not start: " + self.log())
-            time.sleep(0.02)
+class Gdkvd(gdkvd_proc.Gdkvd):
+    """A gdkvd child process with one reactor, serving a temporary socket directory: the
+    benchmarks' Gdkvd (bench/python/gdkvd_proc.py), whose start() starts it again there after
+    kill()."""
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def url(self, path: str) -> str:
-        """http://127.0.0.1:PORT/PATH on gdkvd's metrics server (started with metrics=True)."""
-        import re
-        m = re.search(r"metrics on http://[0-9.]+:(\d+)/metrics", self.log())
-        assert m, "gdkvd serves no /metrics: " + self.log()
-        return f"http://127.0.0.1:{m.group(1)}{path}"
-
-    def metrics(self) -> dict[str, float]:
-        """gdkvd's /metrics (started with metrics=True): {'name{labels}': value}."""
-        import urllib.request
-        text = urllib.request.urlopen(self.url("/metrics"), timeout=5).read().decode()
-        return {name: float(v) for name, v in
-                (line.rsplit(" ", 1) for line in text.splitlines() if line and line[0] != "#")}
-
-    def signal(self, sig: int) -> None:
-        self.proc.send_signal(sig)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+    def __init__(self, *args: str, **kw):
+        kw.setdefault("prefix", "gdkvd-py-")
+        super().__init__("--reactors", "1", *args, binary=GDKVD, **kw)
 
 
 @pytest.fixture

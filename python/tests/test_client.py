@@ -120,8 +120,8 @@ def test_get_into_numpy_torch_and_scatter(client):
 
 def test_lookup_prefix_stops_early_and_delete_many():
     """lookup_prefix asks in rounds of 16, 32, 64... and stops after the round with the first
-    missing key (counted by the controller's Exist commands); delete_many deletes in one round
-    and says which keys existed."""
+    missing key (counted by the controller's Exist commands); delete_many deletes in one round,
+    a missing key failing only itself."""
     with gdkv.open("memory") as c:
         def exists_sent() -> float:
             return c.metrics()['commands_total{reactor="0",op="exist"}']
@@ -138,18 +138,34 @@ def test_lookup_prefix_stops_early_and_delete_many():
         before = exists_sent()
         assert c.lookup_prefix(keys[:100]) == 100
         assert exists_sent() - before == 100     # every key, the last round cut to what is left
-        assert c.delete_many(keys[98:102], missing_ok=True) == [True, True, False, False]
+        assert c.delete_many(keys[98:102], missing_ok=True) == [None] * 4
         assert c.lookup_prefix(keys) == 98
-        with pytest.raises(KeyError):
-            c.delete_many([keys[0], keys[500]])
-        assert not c.exists(keys[0])            # the round ran; the missing key raised after it
+        assert c.lookup(keys) == (98, None)
+        deleted, missing = c.delete_many([keys[0], keys[500]])
+        assert deleted is None and not c.exists(keys[0])
+        assert isinstance(missing, gdkv.KeyNotFoundError) and missing.key == keys[500]
         assert c.delete_many([]) == []
+
+
+def test_a_failed_key_fails_only_itself():
+    """put_many stores every value but the one the controller refuses (over its largest value
+    size: 85h), which gets its ValueSizeError in its place; raise_first raises it."""
+    with gdkv.open("memory", max_value_bytes=1 << 16) as c:
+        big = np.zeros((1 << 16) + 1, np.uint8)
+        res = c.put_many([(b"a", b"1"), (b"big", big), (b"c", b"3")])
+        assert res[0] is None and res[2] is None
+        assert isinstance(res[1], gdkv.ValueSizeError) and res[1].status == 0x85
+        assert res[1].key == b"big"
+        assert c.get(b"a") == b"1" and c.get(b"c") == b"3" and not c.exists(b"big")
+        with pytest.raises(gdkv.ValueSizeError):
+            gdkv.raise_first(res)
+        assert gdkv.raise_first([None, 3]) == [None, 3]
 
 
 def test_batches(client):
     keys = gdkv.chain_keys(range(8 * 16), 16, "batch-test")
     values = [np.full(1000 + i, i, np.uint8) for i in range(len(keys))]
-    client.put_many(zip(keys[:6], values[:6]))
+    assert client.put_many(zip(keys[:6], values[:6])) == [None] * 6
     assert client.exists_many(keys) == [True] * 6 + [False] * 2
     assert client.lookup_prefix(keys) == 6
     assert client.lookup_prefix([]) == 0
@@ -160,10 +176,15 @@ def test_batches(client):
     assert [got[0], got[1], got[3]] == [values[i].tobytes() for i in (0, 1, 3)]
     outs = [client.empty(2000, np.uint8) for _ in range(4)]
     lens = client.get_many_into(keys[:4], outs)
-    assert lens == [1000, 1001, None, 1003]
+    assert lens[:2] + lens[3:] == [1000, 1001, 1003]
+    assert isinstance(lens[2], gdkv.KeyNotFoundError) and lens[2].key == keys[2]
     assert all(np.all(outs[i][:lens[i]] == i) for i in (0, 1, 3))
+    short = [client.empty(10, np.uint8), client.empty(2000, np.uint8)]
+    lens = client.get_many_into([keys[0], keys[1]], short)
+    assert isinstance(lens[0], gdkv.ValueSizeError) and lens[1] == 1001
+    assert client.get_many_into([keys[0]], short[:1], partial=True) == [1000]
     with pytest.raises(gdkv.ValueSizeError):
-        client.get_many_into(keys[:1], [client.empty(10, np.uint8)])
+        gdkv.raise_first(lens)
     with pytest.raises(ValueError):
         client.put_many([(keys[0], b"x")] + [(b"", b"y")])
     with pytest.raises(ValueError):
@@ -216,7 +237,7 @@ def test_asyncio_forms(client):
         assert await client.aget("a3") == bytes([3]) * 100
         assert await client.alookup_prefix([f"a{i}" for i in range(40)]) == 32
         assert await client.aexists("a0") and not await client.aexists("zz")
-        await client.aput_many([(b"m1", b"1"), (b"m2", b"2")])
+        assert await client.aput_many([(b"m1", b"1"), (b"m2", b"2")]) == [None, None]
         assert await client.aget_many([b"m1", b"m2", b"m3"]) == [b"1", b"2", None]
         assert await client.aget_many_into([b"m1"], [bytearray(1)]) == [1]
         assert await client.adelete(b"m1")
@@ -237,7 +258,7 @@ def test_empty_gives_numpy_and_torch(client):
 
 
 def test_open_errors(tmp_path):
-    with pytest.raises(gdkv.Error, match="nosuch"):
+    with pytest.raises(ValueError, match="backend: 'nosuch' is not one of memory, local"):
         gdkv.open("nosuch")
     with gdkv.open("local", store=str(tmp_path / "s"), capacity=64 << 20):
         with pytest.raises(gdkv.Error, match="(?i)lock|in use|open"):
@@ -295,7 +316,7 @@ def test_register_shares_host_memory_with_gdkvd_in_place(gdkvd):
         c.register(pool)
         assert c.reaches(pool) and c.reaches(pool[3])
         assert np.array_equal(pool, before)          # contents kept, same addresses
-        c.put_many((b"row%d" % i, pool[i]) for i in range(64))
+        assert c.put_many((b"row%d" % i, pool[i]) for i in range(64)) == [None] * 64
         pool[:] = 0
         assert c.get_many_into([b"row%d" % i for i in range(64)], list(pool)) == [65536] * 64
         assert np.array_equal(pool, before)
@@ -333,7 +354,7 @@ def test_register_shares_host_memory_with_gdkvd_in_place(gdkvd):
             c.register(np.zeros(0))
 
 
-# ---- whole values in one command (issue 38) ----
+# ---- whole values in one command ----
 
 def _retrieves(c, d) -> float:
     """Retrieve commands the controller completed: in-process from the client, through gdkvd
@@ -390,7 +411,7 @@ def test_get_many_and_get_many_view_one_retrieve_per_key(counted):
     c, d = counted
     keys = [f"many-{i}" for i in range(64)]
     values = [np.full(2 << 20, i, np.uint8).tobytes() for i in range(64)]
-    c.put_many(zip(keys, values))
+    gdkv.raise_first(c.put_many(zip(keys, values)))
     keys.insert(5, b"missing")
     values.insert(5, None)
     for _ in range(2):   # the first batch knows no length yet, the second the first's

@@ -1,4 +1,4 @@
-"""Scheduler hints (issue 26): Client.hint / ahint on each kind of client (in-process memory and
+"""Scheduler hints: Client.hint / ahint on each kind of client (in-process memory and
 local store, and through a real gdkvd), good and bad input, and a hint through gdkvd on a tiered
 node (local store over the real Ceph cluster) that brings blocks only RADOS holds into DRAM."""
 
@@ -84,7 +84,7 @@ def test_hint_through_gdkvd_on_a_tiered_node_lands_in_dram(tmp_path):
     keys = gdkv.chain_keys(np.arange(16 * 16), 16, "pytest-hint-tiered")
     vals = [np.random.default_rng(i).integers(0, 256, 65536, dtype=np.uint8) for i in range(16)]
     with gdkv.open("rados", pool="gdkv-rep3", ceph_conf=conf) as a:
-        a.put_many(zip(keys, vals))
+        assert a.put_many(zip(keys, vals)) == [None] * 16
     d = Gdkvd("--backend", "tiered", "--store", str(tmp_path / "near"), "--capacity",
               str(64 << 20), "--pool", "gdkv-rep3", "--ceph-conf", conf,
               "--cache-bytes", str(8 << 20), metrics=True)
@@ -112,4 +112,4 @@ def test_hint_through_gdkvd_on_a_tiered_node_lands_in_dram(tmp_path):
     finally:
         d.stop()
         with gdkv.open("rados", pool="gdkv-rep3", ceph_conf=conf) as a:
-            a.delete_many(keys)
+            gdkv.raise_first(a.delete_many(keys))

@@ -1,5 +1,5 @@
 """`pip install` gives a user everything, from nothing but the Debian -dev packages: the package,
-the daemon and the CLI (issue 27), proven as a new user would meet it.
+the daemon and the CLI, proven as a new user would meet it.
 
 In fresh virtual environments (no packages of the project's): an sdist of ./python is made with
 `python -m build --sdist` (build isolation on: scikit-build-core and nanobind come from PyPI), a

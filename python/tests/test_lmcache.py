@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -38,7 +37,7 @@ import gdkv  # noqa: E402
 import gdkv.engine  # noqa: E402
 from gdkv.lmcache import GdkvConnector, parse_url  # noqa: E402
 
-from conftest import GDKVD, Gdkvd, hint_gdkvd, hinted, record_hints  # noqa: E402
+from conftest import Gdkvd, hint_gdkvd, hinted, record_hints  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, CHUNK = 2, 2, 8, 16
 # One chunk: [2, layers, chunk tokens, heads * head dim] bf16 = 2 KiB.
@@ -161,20 +160,6 @@ def release(objs) -> None:
     for o in objs:
         if o is not None:
             o.ref_count_down()
-
-
-def start_gdkvd(socket_dir: str, log_path: Path) -> subprocess.Popen:
-    """A new gdkvd serving an existing socket directory (after the old one was killed)."""
-    log = open(log_path, "wb")
-    proc = subprocess.Popen([str(GDKVD), "--socket-dir", socket_dir, "--metrics-port", "-1",
-                             "--reactors", "1", "--backend", "memory"], stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    log.close()
-    deadline = time.monotonic() + 20
-    while b"ready:" not in log_path.read_bytes():
-        assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
-        time.sleep(0.02)
-    return proc
 
 
 # ---- config ----
@@ -384,7 +369,7 @@ def test_wrong_size_values_are_misses(gdkvd, tmp_path, stacks):
     base = active(backends)
     got = rb.batched_get_blocking(keys)
     assert [g is not None for g in got] == [False, False, False, False, True, True]
-    assert same(got[5], good) and conn.rejected_values == 4
+    assert same(got[5], good) and conn.stats["rejected_values"] == 4
     release(got)
     assert active(backends) == base
     # get_blocking and the non-blocking prefix agree
@@ -398,7 +383,7 @@ def test_wrong_size_values_are_misses(gdkvd, tmp_path, stacks):
     other = cpu.allocate(md.get_shapes(), md.get_dtypes(), MemoryFormat.KV_T2D)
     more = chunk_keys(md, [900, 901])
     put(rb, more, partial + [other])
-    assert conn.skipped_puts == 2 and rb.batched_contains(more[:1]) == 0
+    assert conn.stats["skipped_puts"] == 2 and rb.batched_contains(more[:1]) == 0
     assert not c.exists(conn._key(more[1]))
 
 
@@ -478,7 +463,7 @@ def test_gdkvd_killed_then_replaced(gdkvd, tmp_path, stacks):
     assert active(backends) == base
 
     # A new gdkvd on the same socket directory is picked up after retry_interval_s.
-    proc = start_gdkvd(gdkvd.dir, tmp_path / "gdkvd2.log")
+    gdkvd.start()   # the same command, on the same socket directory
     try:
         time.sleep(0.6)
         assert rb.batched_contains(keys) == 0  # the memory backend started empty
@@ -489,8 +474,7 @@ def test_gdkvd_killed_then_replaced(gdkvd, tmp_path, stacks):
         release(got)
         assert conn.store.failures == 1 and active(backends) == base
     finally:
-        proc.kill()
-        proc.wait()
+        gdkvd.kill()
 
 
 def test_frozen_gdkvd_is_a_miss_then_recovers(gdkvd, tmp_path, stacks, loop):

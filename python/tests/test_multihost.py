@@ -1,4 +1,4 @@
-"""Several hosts on one machine (issue 15, item 4): tiered gdkvd nodes (DRAM cache, local store,
+"""Several hosts on one machine: tiered gdkvd nodes (DRAM cache, local store,
 RADOS) in network namespaces of their own, the Ceph cluster in another, so every RADOS op crosses
 a veth link and a bridge (scripts/netns-hosts). Clients run beside their gdkvd: a client process
 started in the host's namespace (unix sockets with paths work across network namespaces, but a
@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 
 import gdkv
-from conftest import GDKVD, ROOT
+from conftest import GDKVD, ROOT, gdkvd_proc
 
 pytestmark = pytest.mark.multihost
 
@@ -42,7 +42,7 @@ NETNS_HOSTS = ROOT / "scripts" / "netns-hosts"
 PREFIX = os.environ.get("GDKV_MULTIHOST_PREFIX", "gdkvpy")
 N_HOSTS = 2
 PY = sys.executable
-OP_TIMEOUT_MS = 3000  # backend.op_timeout_ms of every gdkvd these tests start
+CEPH_TIMEOUT_MS = 3000  # backend.ceph_timeout_ms of every gdkvd these tests start
 NOT_READY = 0x82
 
 # What a client snippet starts with (Host.client): its arguments, a connection to its host's
@@ -130,53 +130,6 @@ def toml_text(config: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-class Gdkvd:
-    """A gdkvd in a host's namespace: `ip netns exec` execs it, so proc.pid is gdkvd itself (in a
-    session of its own: kill -9 reaches it and nothing else)."""
-
-    def __init__(self, host: "Host", config_path: Path, log_path: Path):
-        self.host = host
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GDKVD_")}
-        self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", host.ns, str(GDKVD), "--config", str(config_path)],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-            start_new_session=True)
-        deadline = time.monotonic() + 30
-        while b"ready:" not in log_path.read_bytes():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"gdkvd on {host.name} did not start:\n{self.log()}")
-            time.sleep(0.05)
-        m = re.search(r"metrics on http://([0-9.]+):(\d+)/metrics", self.log())
-        self.metrics_url = f"http://{m.group(1)}:{m.group(2)}/metrics" if m else None
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, sig)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if not self._log.closed:
-            self._log.close()
-
-
 class Host:
     """One host namespace (h0, h1, ...): its gdkvd, and clients beside it."""
 
@@ -188,7 +141,7 @@ class Host:
         self.dir = net.dir / self.name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.socket_dir = self.dir / "sock"
-        self.gdkvd: Gdkvd | None = None
+        self.gdkvd: gdkvd_proc.Gdkvd | None = None
         self._runs = 0
         self._spawned: list[subprocess.Popen] = []
 
@@ -202,7 +155,7 @@ class Host:
             "backend": {"kind": "tiered", "store": store or str(self.dir / "store"),
                         "capacity_bytes": 256 << 20, "segment_bytes": 16 << 20,
                         "pool": "gdkv-rep3", "ceph_conf": self.net.ceph_conf,
-                        "ceph_client": "client.admin", "op_timeout_ms": OP_TIMEOUT_MS},
+                        "ceph_client": "client.admin", "ceph_timeout_ms": CEPH_TIMEOUT_MS},
             "controller": {"reactors": 1},
             "cache": {"bytes": 64 << 20},
         }
@@ -211,7 +164,7 @@ class Host:
         return cfg
 
     def start(self, overrides: dict | None = None, *, extra_toml: str = "",
-              fresh_store: bool = True) -> Gdkvd:
+              fresh_store: bool = True) -> gdkvd_proc.Gdkvd:
         """Starts this host's gdkvd (stopping one already running). fresh_store: an empty local
         store (else the one the last gdkvd here left). extra_toml: appended as it is (tables
         such as [[namespace]])."""
@@ -221,26 +174,19 @@ class Host:
         store = self.dir / "store"
         if fresh_store and store.exists():
             shutil.rmtree(store)
-        self.socket_dir.mkdir(exist_ok=True)
-        path = self.dir / f"gdkvd-{self._runs}.toml"
-        path.write_text(toml_text(self.config(overrides)) + extra_toml)
-        self.gdkvd = Gdkvd(self, path, self.dir / f"gdkvd-{self._runs}.log")
+        # The tests' gdkvd (bench/python/gdkvd_proc.py), exec'd in this host's namespace: its
+        # pid is gdkvd itself, in a session of its own (kill -9 reaches it and nothing else).
+        self.gdkvd = gdkvd_proc.Gdkvd(binary=GDKVD, config=toml_text(self.config(overrides)) +
+                                      extra_toml, metrics=True, socket_dir=self.socket_dir,
+                                      wrap=["ip", "netns", "exec", self.ns])
         return self.gdkvd
 
     # ---- /metrics ----
     def metrics(self) -> dict[str, float]:
         """This host's gdkvd /metrics, read inside its namespace: {'name{labels}': value}."""
-        assert self.gdkvd is not None and self.gdkvd.metrics_url, "no gdkvd with /metrics here"
-        fetch = ("import sys, urllib.request; "
-                 "sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())")
-        r = subprocess.run(["ip", "netns", "exec", self.ns, PY, "-P", "-c", fetch,
-                            self.gdkvd.metrics_url], capture_output=True, text=True, timeout=30)
-        assert r.returncode == 0, f"/metrics on {self.name}: {r.stderr}"
-        samples = {}
-        for line in r.stdout.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                samples[name] = float(value)
+        assert self.gdkvd is not None, "no gdkvd here"
+        samples = self.gdkvd.metrics()
+        assert samples, f"/metrics on {self.name}: nothing read\n{self.gdkvd.log()[-2000:]}"
         return samples
 
     def metric(self, name: str, samples: dict[str, float] | None = None, **labels: str) -> float:
@@ -376,7 +322,7 @@ def fresh_salt() -> str:
 STORE_BLOCKS = '''
 c = connect()
 keys = [bytes.fromhex(k) for k in ARGS["keys"]]
-c.put_many([(k, value_for(k, s)) for k, s in zip(keys, ARGS["sizes"])])
+gdkv.raise_first(c.put_many([(k, value_for(k, s)) for k, s in zip(keys, ARGS["sizes"])]))
 out({"stored": len(keys)})
 '''
 
@@ -576,7 +522,7 @@ def test_cut_host_fails_fast_serves_its_tiers_and_recovers(hosts, net):
         restored = time.monotonic()
     print("\nwhile cut: " + ", ".join(f"{op} {res[op]['status']:#x} in {res[op]['ms']:.0f} ms"
                                      for op in ("get_far", "get_absent", "put_new", "lookup_far")))
-    limit_ms = OP_TIMEOUT_MS + 1500
+    limit_ms = CEPH_TIMEOUT_MS + 1500
     for op in ("get_far", "get_absent", "put_new", "lookup_far"):
         r = res[op]
         assert not r["ok"] and r["status"] == NOT_READY, (op, r)

@@ -42,8 +42,11 @@ def needs_netns_and_ceph() -> None:
 
 
 def test_short_serving_run_reuses_kv_and_survives_a_gdkvd_kill(tmp_path):
+    # The connector connects again retry_interval_s after a failure (default 5 s): 0.5 s here,
+    # so that it is back well before the run ends (gdkv's run is about 5 s on this machine).
     r, text = serve_bench(tmp_path, "--systems", "vllm,gdkv", "--users", "4", "--turns", "4",
-                          "--kv-blocks", "12", "--kill-gdkvd-at", "3", requests=16)
+                          "--kv-blocks", "12", "--kill-gdkvd-at", "3",
+                          "--gdkv-extra", '{"retry_interval_s": 0.5}', requests=16)
     gdkv = r["gdkv"]
     assert gdkv["failed"] == 0
     assert gdkv["identical"] == gdkv["compared"] == 16

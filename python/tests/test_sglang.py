@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ pytest.importorskip("sglang")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from conftest import GDKVD, hint_gdkvd, hinted, record_hints  # noqa: E402
+from conftest import hint_gdkvd, hinted, record_hints  # noqa: E402
 from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
@@ -127,20 +126,6 @@ def memfd_inode(addr: int) -> Optional[int]:
     return None
 
 
-def start_gdkvd_at(directory: str) -> subprocess.Popen:
-    """A new gdkvd (memory backend) on an existing socket directory, as conftest starts one."""
-    log = Path(directory) / "gdkvd-2.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([str(GDKVD), "--socket-dir", directory, "--metrics-port", "-1",
-                                 "--reactors", "1", "--backend", "memory"], stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 20
-    while b"ready:" not in log.read_bytes():
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-        time.sleep(0.02)
-    return proc
-
-
 # ---- the backend, through gdkvd ----
 
 @pytest.mark.parametrize("spec", KINDS)
@@ -179,6 +164,30 @@ def test_set_exists_get_byte_exact(gdkvd, spec):
     stats = s.get_stats()
     assert stats.backup_pgs == [6] and stats.prefetch_pgs == [6]
     assert s.get_stats().prefetch_pgs == []
+    s.close()
+
+
+@pytest.mark.parametrize("spec", ["mha/layer_first", "mla/layer_first"])
+def test_an_unshared_pool_moves_through_staging_a_page_a_round(gdkvd, spec, monkeypatch):
+    """A host pool gdkvd cannot reach in place (sharing refused here, as for a file mapping)
+    moves through staging_bytes of shared memory (here one page: a round per page), byte-exact
+    both ways, each page copied once each way by the connector."""
+    def refuse(buf):
+        raise ValueError("not private memory")
+
+    monkeypatch.setattr(gdkv.engine, "prepare_shared_memory", refuse)
+    host = host_pool(spec)
+    s = storage(host, socket_dir=gdkvd.dir, staging_bytes=1)
+    c, pb = s.store.client(), s.layout.page_bytes
+    assert not s.store.reaches(c, [s.layout.host]) and s.store.staging_rows(c, pb) == 1
+    keys = hashes(5)
+    src = [page(host, p) for p in range(5)]
+    assert s.batch_set_v1(keys, indices([0, 1, 2, 3, 4])) == [True] * 5
+    fill(host, 3)
+    assert s.batch_get_v1(keys, indices([10, 12, 11, 20, 13])) == [True] * 5
+    for i, p in enumerate([10, 12, 11, 20, 13]):
+        assert torch.equal(page(host, p), src[i])
+    assert s.copies() == (10, 10 * pb) and c.copies() == (0, 0)
     s.close()
 
 
@@ -234,17 +243,23 @@ def test_a_page_is_found_only_once_all_its_values_are_stored(gdkvd):
     assert s.batch_set_v1(keys, indices([0, 1, 2])) == [True] * 3
     assert rounds == [[k for h in keys for k in s._page_keys(h)]]   # one round, K and V
 
-    # A store failing on the way (here: the store is full) leaves nothing batch_exists finds,
-    # and the client is kept (only gdkvd being unavailable drops it).
+    # A value the store refuses (here: full) fails its page only: the other page is stored,
+    # batch_exists stops before the failed one, and the client is kept (only gdkvd being
+    # unavailable drops it).
+    more = hashes(2, seed=4)
+    refused = s._page_keys(more[0])[1]   # page 0's V
+
     def full(items):
-        list(items)
-        raise gdkv.CapacityError("full", 0x81)
+        items = list(items)
+        res = put_many([(k, v) for k, v in items if k != refused])
+        return [gdkv.CapacityError("full", 0x81, k) if k == refused else res.pop(0)
+                for k, _ in items]
 
     c.put_many = full
-    more = hashes(2, seed=4)
-    assert s.batch_set_v1(more, indices([3, 4])) == [False, False]
+    assert s.batch_set_v1(more, indices([3, 4])) == [False, True]
     assert not s.batch_set(more, [host.get_data_page(3 * PAGE)] * 2)
-    assert s.batch_exists(more) == 0 and s.batch_exists(keys) == 3
+    assert s.batch_exists(more) == 0 and s.batch_exists(more[1:]) == 1
+    assert s.batch_exists(keys) == 3
     assert s.store.failures == 0 and s.store.client() is c
 
 
@@ -596,7 +611,7 @@ def test_gdkvd_killed_means_misses_then_a_new_gdkvd_is_used(gdkvd):
     assert time.monotonic() - t0 < 1.0
 
     # A new gdkvd on the same socket directory: used once retry_interval_s has passed.
-    proc = start_gdkvd_at(gdkvd.dir)
+    gdkvd.start()   # the same command, on the same socket directory
     try:
         assert time.monotonic() - failed_at < retry - 0.5  # (the test's own timing)
         assert s.batch_set_v1(keys, indices([0, 1, 2, 3])) == [False] * 4  # not retried yet
@@ -615,8 +630,7 @@ def test_gdkvd_killed_means_misses_then_a_new_gdkvd_is_used(gdkvd):
         assert memfd_inode(s.layout.host.ctypes.data) == pool_memfd
         s.close()
     finally:
-        proc.kill()
-        proc.wait()
+        gdkvd.kill()
 
 
 def test_no_gdkvd_at_startup_is_no_error(tmp_path):
@@ -626,6 +640,17 @@ def test_no_gdkvd_at_startup_is_no_error(tmp_path):
     assert s.batch_exists(keys) == 0
     assert s.batch_set_v1(keys, indices([0, 1])) == [False, False]
     assert s.batch_get_v1(keys, indices([2, 3])) == [False, False]
+
+
+def test_an_unknown_extra_config_key_is_an_error(gdkvd):
+    """A misspelt key must not fall back to its default in silence; SGLang's own keys of the
+    same dict are accepted."""
+    host = host_pool("mha/page_first")
+    with pytest.raises(Exception, match="unknown key 'shared_memory_byte'"):
+        storage(host, socket_dir=gdkvd.dir, shared_memory_byte=1 << 20)
+    s = storage(host, socket_dir=gdkvd.dir, prefetch_threshold=256, file_storage_path="/x")
+    assert s.batch_set_v1(hashes(1), indices([0])) == [True]
+    s.close()
 
 
 def test_config_without_gdkv_is_an_error(monkeypatch):

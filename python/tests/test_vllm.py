@@ -199,6 +199,28 @@ def test_sync_load_runs_in_the_planning_step(model_dir, extra):
     two.close()
 
 
+@pytest.mark.parametrize("kv_role", ["kv_both", "kv_producer"])
+def test_a_prompt_vllm_holds_whole_is_not_saved_again(model_dir, extra, kv_role):
+    """A's 12 full blocks all in vLLM's own prefix cache (8 tokens left to compute): they were
+    saved when they were computed, so the second A gathers and puts nothing."""
+    inst = Instance(model_dir, config(extra), kv_role=kv_role)
+    inst.add("a", PROMPT_A)
+    inst.run()
+    inst.worker.drain()
+    w = inst.worker.stats
+    assert w["saved_values"] == 12 * len(inst.worker.slots)   # a value per slot and block
+    before = w.snapshot()
+    again = inst.add("again", PROMPT_A)
+    out, _ = inst.step()
+    assert out.num_scheduled_tokens == {"again": len(PROMPT_A) - 12 * BS}
+    inst.run()
+    inst.worker.drain()
+    assert again.is_finished()
+    assert {k: w[k] for k in ("saved_values", "skipped_present", "gather_s", "loaded_values")} \
+        == {k: before[k] for k in ("saved_values", "skipped_present", "gather_s", "loaded_values")}
+    inst.close()
+
+
 # ---- kv_role: a producer (prefill engine) never loads, a consumer (decode engine) never saves
 def test_producer_saves_and_never_loads(model_dir, tmp_path):
     cfg = {"backend": "memory", "namespace": str(tmp_path)}
@@ -497,7 +519,9 @@ def test_layerwise_loads_let_the_first_layers_run_while_the_last_load(model_dir,
             assert torch.equal(two.pages[i][ids[p]], two.expected("b", p, two.layer_of[i]))
         seen.append((two.layer_of[i], two.worker.step_loads[2][last].done()))
         if two.layer_of[i] == LAYERS - 2:
-            release.set()
+            # A moment later, so that the step is already waiting for layer 3's values
+            # (layer_wait_s) rather than finding them loaded.
+            threading.Timer(0.2, release.set).start()
 
     two.on_layer = on_layer
     out, failed = two.step()
@@ -585,6 +609,14 @@ def test_layerwise_saves_start_once_their_layers_are_computed(model_dir, tmp_pat
     assert [e.block_hashes for e in stored] == [
         [maybe_convert_block_hash(h)] for h in inst.requests["a"].block_hashes[:12]]
     inst.close()
+
+
+def test_an_unknown_extra_config_key_is_an_error(model_dir, tmp_path):
+    """A misspelt setting stops the connector at start, naming the key and the known ones,
+    instead of leaving the setting at its default."""
+    cfg = {"backend": "memory", "namespace": str(tmp_path), "layer_per_value": 2}
+    with pytest.raises(ValueError, match=r"unknown key 'layer_per_value'.*layers_per_value"):
+        Instance(model_dir, cfg)
 
 
 def test_values_of_fewer_layers_have_keys_of_their_own(model_dir, tmp_path):
@@ -700,19 +732,26 @@ def test_saves_leave_the_load_staging_alone(model_dir, monkeypatch):
 
 # ---- a batch that fails for one key fails that key only ----
 def fail_for(client, monkeypatch, method: str, bad: bytes):
-    """client.<method> raises for ``bad`` as the C++ client does: every command runs, the error
-    of the first failing key is raised and the other results are lost."""
+    """client.<method> fails for ``bad`` as a backend failing one key does: that key's result is
+    its gdkv.Error (06h), every other key's is its own (a put of ``bad`` stores nothing; a
+    lookup's run ends at ``bad``, with its error)."""
     real = getattr(client, method)
+    err = gdkv.Error(f"{method} {bad!r}: checksum mismatch", 0x06, bad)
 
-    def wrapper(*args, **kw):
-        keys = list(args[0]) if method != "put_many" else [k for k, _ in args[0]]
+    def wrapper(first, *args, **kw):
+        items = list(first)
+        keys = [k for k, _ in items] if method == "put_many" else items
         if bad not in keys:
-            return real(*args, **kw)
+            return real(items, *args, **kw)
+        at = keys.index(bad)
+        if method == "lookup":
+            n, e = real(keys[:at])
+            return (n, e) if n < at else (at, err)
         if method == "put_many":
-            real([kv for kv in args[0] if kv[0] != bad])
-        elif method == "get_many_into":
-            real(*args, **kw)
-        raise gdkv.Error(f"{method} {bad!r}: checksum mismatch", 0x06, bad)
+            res = real(items[:at] + items[at + 1:])
+            return res[:at] + [err] + res[at:]
+        res = real(items, *args, **kw)
+        return res[:at] + [err] + res[at + 1:]
 
     monkeypatch.setattr(client, method, wrapper)
 
@@ -756,7 +795,7 @@ def test_a_value_that_failed_to_load_is_not_offered_again(model_dir, tmp_path, m
 
 def test_lookup_stops_before_a_failing_key(model_dir, tmp_path, monkeypatch):
     cfg, one, two, b = a_stored_b_added(model_dir, tmp_path)
-    fail_for(two.connector.store.client(), monkeypatch, "lookup_prefix",
+    fail_for(two.connector.store.client(), monkeypatch, "lookup",
              two.worker.spaces[0].key(b.block_hashes[6]))
     out, failed = two.step()
     assert len(out.kv_connector_metadata.loads[0].hashes) == 6 and not failed

@@ -36,9 +36,13 @@ TOLERANCE = 1e-4
 EXTERNAL = "vllm:external_prefix_cache_hits_total"
 MODEL = dict(layers=4, hidden=512, heads=8, kv_heads=4, intermediate=1024, vocab=VOCAB,
              max_positions=2048)
-# vLLM's CPU platform runs one process per tensor-parallel rank, each on its own cores.
+# vLLM's CPU platform runs one process per tensor-parallel rank.
+# Both ranks compute on core 0, as every engine of these tests does, leaving core 1 to gdkvd: a
+# vLLM worker waiting for its next step spins (sched_yield), and two ranks spinning on both cores
+# of this machine starved gdkvd for 20 s (measured on Linux 6.18), failing the loads they waited
+# for. docs/deployment.md: cores for gdkvd.
 TP2 = dict(args=("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"),
-           env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+           env={"VLLM_CPU_OMP_THREADS_BIND": "0|0"})
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +83,7 @@ def test_engines_of_different_tensor_parallel_sizes_share_kv(tmp_path_factory, g
         e1 = one.complete(E)                          # TP=1 computes E and saves it
         c1_own = one.complete(C, cache_salt="alone")  # a salted C: recomputed, saved elsewhere
         assert one.metric(EXTERNAL) == 0
+        one.saves_landed()
         with engine(model, cfg, TP2["args"],
                     {**TP2["env"], "GDKV_VLLM_STATS": str(stats)}) as two:
             e2 = two.complete(E)                      # loaded from TP=1's values
@@ -89,12 +94,8 @@ def test_engines_of_different_tensor_parallel_sizes_share_kv(tmp_path_factory, g
             # puts run on the workers' save threads: wait for them before the engine stops (its
             # executor ends the workers, and puts still queued are lost).
             want = [14, 14] if kv_heads == 4 else [7, 0]
-            deadline = time.monotonic() + 60
-            while saved_values(tmp, 2) != want and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert saved_values(tmp, 2) == want, [
-                (tmp / f"stats.rank{r}.json").read_text() for r in range(2)
-                if (tmp / f"stats.rank{r}.json").exists()]
+            got = two.saves_landed()
+            assert [g["saved_values"] for g in got] == want, (got, gdkv_log(two))
         c1 = one.complete(C)                          # loaded from TP=2's values
         assert one.metric(EXTERNAL) == HIT, one.tail()
     same(e2, e1)
@@ -102,15 +103,11 @@ def test_engines_of_different_tensor_parallel_sizes_share_kv(tmp_path_factory, g
     same(c1, c1_own)
 
 
-def saved_values(tmp, ranks: int) -> list:
-    """Each rank's saved_values from its GDKV_VLLM_STATS file (None before its first write)."""
-    out = []
-    for r in range(ranks):
-        try:
-            out.append(json.loads((tmp / f"stats.rank{r}.json").read_text())["saved_values"])
-        except (OSError, ValueError):
-            out.append(None)
-    return out
+def gdkv_log(s) -> str:
+    """The lines of an engine's log that name gdkv (its connector's warnings), for a failure's
+    message."""
+    return "\n".join(line for line in s.log_path.read_text(errors="replace").splitlines()
+                     if "gdkv" in line)[-6000:]
 
 
 def mla_model(path: str) -> str:

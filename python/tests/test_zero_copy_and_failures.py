@@ -99,6 +99,8 @@ def test_daemon_killed_mid_call_raises_in_bounded_time(gdkvd):
         c.exists(b"k")
     with pytest.raises(gdkv.ConnectionError):
         c.lookup_prefix([b"k", b"j"])
+    with pytest.raises(gdkv.ConnectionError):  # a batch of a failed client raises, not per key
+        c.put_many([(b"k", b"v"), (b"j", b"w")])
     assert time.monotonic() - t0 < 0.5
     c.close()
 
@@ -117,7 +119,8 @@ def test_staged_reads_deliver_only_the_value(gdkvd):
         with pytest.raises(KeyError):
             c.get_into(b"missing", buf)
         assert buf == b"Z" * 4096
-        assert c.get_many_into([b"missing"], [buf]) == [None]
+        [missing] = c.get_many_into([b"missing"], [buf])
+        assert isinstance(missing, gdkv.KeyNotFoundError)
         assert buf == b"Z" * 4096
 
 
@@ -126,7 +129,7 @@ def test_batch_larger_than_the_shared_memory(gdkvd):
     with gdkv.connect(gdkvd.dir, shared_memory_bytes=4 << 20) as c:
         vals = [bytes([i]) * (2 << 20) for i in range(3)]
         t0 = time.monotonic()
-        c.put_many([(f"big{i}", v) for i, v in enumerate(vals)])
+        assert c.put_many([(f"big{i}", v) for i, v in enumerate(vals)]) == [None] * 3
         outs = [bytearray(2 << 20) for _ in range(3)]
         assert c.get_many_into([f"big{i}" for i in range(3)], outs) == [2 << 20] * 3
         assert [bytes(o) for o in outs] == vals

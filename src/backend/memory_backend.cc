@@ -3,7 +3,7 @@
 // names a value_owner (the host cache's slab buffer) is kept by reference, not copied; otherwise
 // its bytes are copied once, outside the lock, into an arena (common/arena.h) whose memory was
 // faulted in ahead of use and is reused when values go: a Store of a new key no longer makes the
-// kernel fault in and zero fresh pages (issue 38). At capacity it evicts like a cache, least
+// kernel fault in and zero fresh pages. At capacity it evicts like a cache, least
 // recently used first (Stores and Gets count as uses), rather than failing with 81h. With delay_us
 // set, completions are held back by a timer thread, so it can stand in for a slow backend.
 #include <algorithm>
@@ -69,48 +69,23 @@ class MemoryBackend final : public Backend {
   void set_removal_handler(InvalidationHandler h) override { removals_.set(std::move(h)); }
 
   void collect(MetricList& out) const override {
-    out.push_back(Metric{"backend_ops_total",
-                         "ops submitted to the backend",
-                         MetricType::kCounter,
-                         {{"backend", "memory"}},
-                         static_cast<double>(ops_.load())});
+    MetricWriter w(out, {{"backend", "memory"}});
     const BackendInfo i = info();
-    out.push_back(Metric{"backend_keys",
-                         "keys stored",
-                         MetricType::kGauge,
-                         {{"backend", "memory"}},
-                         static_cast<double>(i.keys)});
-    out.push_back(Metric{"backend_copied_bytes_total",
-                         "Store bytes the backend copied (values kept by reference are not)",
-                         MetricType::kCounter,
-                         {{"backend", "memory"}},
-                         static_cast<double>(copied_.load())});
-    out.push_back(Metric{"backend_evictions_total",
-                         "values evicted to make room (least recently used first)",
-                         MetricType::kCounter,
-                         {{"backend", "memory"}},
-                         static_cast<double>(evictions_.load())});
-    out.push_back(Metric{"backend_arena_bytes",
-                         "value memory prepared (arena regions, faulted in)",
-                         MetricType::kGauge,
-                         {{"backend", "memory"}},
-                         static_cast<double>(arena_->reserved_bytes())});
-    out.push_back(Metric{"backend_arena_growths_total",
-                         "arena regions allocated",
-                         MetricType::kCounter,
-                         {{"backend", "memory"}},
-                         static_cast<double>(arena_->regions_allocated())});
-    out.push_back(Metric{"backend_heap_values_total",
-                         "values copied to the heap because the arena had no room (views of "
-                         "evicted values still held, or fragmentation)",
-                         MetricType::kCounter,
-                         {{"backend", "memory"}},
-                         static_cast<double>(heap_values_.load())});
-    out.push_back(Metric{"backend_bytes_used",
-                         "bytes stored",
-                         MetricType::kGauge,
-                         {{"backend", "memory"}},
-                         static_cast<double>(i.bytes_used)});
+    w.counter("backend_ops_total", "ops submitted to the backend", ops_);
+    w.gauge("backend_keys", "keys stored", static_cast<double>(i.keys));
+    w.counter("backend_copied_bytes_total",
+              "Store bytes the backend copied (values kept by reference are not)", copied_);
+    w.counter("backend_evictions_total", "values evicted to make room (least recently used first)",
+              evictions_);
+    w.gauge("backend_arena_bytes", "value memory prepared (arena regions, faulted in)",
+            static_cast<double>(arena_->reserved_bytes()));
+    w.counter("backend_arena_growths_total", "arena regions allocated",
+              static_cast<double>(arena_->regions_allocated()));
+    w.counter("backend_heap_values_total",
+              "values copied to the heap because the arena had no room (views of evicted values "
+              "still held, or fragmentation)",
+              heap_values_);
+    w.gauge("backend_bytes_used", "bytes stored", static_cast<double>(i.bytes_used));
   }
 
   void drain() override {

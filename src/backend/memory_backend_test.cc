@@ -1,4 +1,4 @@
-// The memory backend's capacity, eviction and value memory (issue 38): it evicts least recently
+// The memory backend's capacity, eviction and value memory: it evicts least recently
 // used values instead of failing with 81h once full, and values it copies live in an arena that
 // evicted and deleted values return to.
 #include <gtest/gtest.h>

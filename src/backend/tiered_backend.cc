@@ -92,12 +92,9 @@ class TieredBackend final : public Backend {
   void collect(MetricList& out) const override {
     near_->collect(out);
     far_->collect(out);
+    MetricWriter w(out);
     auto c = [&](const char* name, const char* help, const std::atomic<uint64_t>& v) {
-      out.push_back(Metric{name,
-                           help,
-                           MetricType::kCounter,
-                           {},
-                           static_cast<double>(v.load(std::memory_order_relaxed))});
+      w.counter(name, help, v);
     };
     c("tiered_near_hits_total", "Retrieves served by the near tier", n_.near_hits);
     c("tiered_far_reads_total", "Retrieves that went to the far tier", n_.far_reads);

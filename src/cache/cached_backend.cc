@@ -114,10 +114,9 @@ class CachedBackend final : public Backend {
   void set_removal_handler(InvalidationHandler h) override { removals_.set(std::move(h)); }
 
   void collect(MetricList& out) const override {
+    MetricWriter w(out);
     auto add = [&](const char* name, const char* help, MetricType type, double v,
-                   std::vector<std::pair<std::string, std::string>> labels = {}) {
-      out.push_back(Metric{name, help, type, std::move(labels), v});
-    };
+                   MetricLabels labels = {}) { w.add(name, help, type, v, std::move(labels)); };
     constexpr auto kC = MetricType::kCounter;
     constexpr auto kG = MetricType::kGauge;
     {

@@ -747,7 +747,7 @@ TEST(CacheDirectReads, ValuesTheCacheWillNotKeepAreNotCopied) {
   EXPECT_LT(slow->count(BackendOpKind::kGet), 16u);
 }
 
-// ---- the write path: one copy (issue 25) ----
+// ---- the write path: one copy ----
 
 // Fails every Store with `status` without passing it on (a backend that lost the write); passes
 // everything else to the inner backend.

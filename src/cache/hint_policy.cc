@@ -141,21 +141,12 @@ class Hinted final : public HintedPolicy {
 
   void collect(MetricList& out) const override {
     inner_->collect(out);
-    out.push_back(Metric{"cache_hints",
-                         "scheduler hints remembered",
-                         MetricType::kGauge,
-                         {},
-                         static_cast<double>(hints_.size())});
-    out.push_back(Metric{"cache_hint_protected_bytes",
-                         "resident bytes kept only by hints",
-                         MetricType::kGauge,
-                         {},
-                         static_cast<double>(prot_bytes_)});
-    out.push_back(Metric{"cache_hint_rescued_total",
-                         "evictions a hint turned away",
-                         MetricType::kCounter,
-                         {},
-                         static_cast<double>(rescued_)});
+    MetricWriter w(out);
+    w.gauge("cache_hints", "scheduler hints remembered", static_cast<double>(hints_.size()));
+    w.gauge("cache_hint_protected_bytes", "resident bytes kept only by hints",
+            static_cast<double>(prot_bytes_));
+    w.counter("cache_hint_rescued_total", "evictions a hint turned away",
+              static_cast<double>(rescued_));
   }
 
  private:

@@ -1,4 +1,4 @@
-// Scheduler hints (issue 26): the HintedPolicy decorator against a reference model (an LRU that
+// Scheduler hints: the HintedPolicy decorator against a reference model (an LRU that
 // spares hinted keys), aging, bounds under a hint flood, hints for keys stored nowhere, the cache
 // fetching hinted blocks from a lower tier, and the wire form's statuses through the controller.
 #include <gtest/gtest.h>

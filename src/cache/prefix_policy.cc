@@ -179,9 +179,8 @@ class PrefixPolicy final : public EvictionPolicy {
   size_t entries() const override { return probation_.size() + protected_.size(); }
 
   void collect(MetricList& out) const override {
-    auto gauge = [&](const char* name, const char* help, double v) {
-      out.push_back(Metric{name, help, MetricType::kGauge, {}, v});
-    };
+    MetricWriter w(out);
+    auto gauge = [&](const char* name, const char* help, double v) { w.gauge(name, help, v); };
     gauge("cache_prefix_probation_target_bytes",
           "prefix policy: bytes it aims to give blocks seen once (hill-climbed)",
           share_ * static_cast<double>(c_));

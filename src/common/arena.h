@@ -8,7 +8,7 @@
 //
 // Why: a store that allocates every value anew makes the kernel fault in and zero fresh pages for
 // each one (512 faults per 2 MiB value with 4 KiB pages), which held gdkvd's put to a third of a
-// store that writes into a segment faulted in once (issue 38).
+// store that writes into a segment faulted in once.
 //
 // Thread-safe. The hooks run without the arena's lock.
 #pragma once

@@ -545,11 +545,9 @@ void Controller::collect(MetricList& out) const {
   for (const auto& r : impl_->reactors) {
     const ReactorStats& s = r->stats();
     const std::string idx = std::to_string(r->index());
+    MetricWriter w(out, {{"reactor", idx}});
     auto add = [&](const char* name, const char* help, MetricType type, double v,
-                   std::vector<std::pair<std::string, std::string>> labels = {}) {
-      labels.insert(labels.begin(), {"reactor", idx});
-      out.push_back(Metric{name, help, type, std::move(labels), v});
-    };
+                   MetricLabels labels = {}) { w.add(name, help, type, v, std::move(labels)); };
     for (int i = 0; i < ReactorStats::kOps; ++i) {
       add("commands_total", "NVMe-KV commands completed", MetricType::kCounter,
           static_cast<double>(s.ops[i].load()), {{"op", kOpNames[i]}});

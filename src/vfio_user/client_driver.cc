@@ -38,10 +38,13 @@
 
 #include "gdkv/vfio_user.h"
 #include "vfio_user/in_place.h"
+#include "vfio_user/in_place_set.h"
 #include "vfio_user/nvme_defs.h"
 #include "vfio_user/pci_config.h"
 #include "vfio_user/protocol.h"
+#include "vfio_user/shm_allocator.h"
 #include "vfio_user/socket_io.h"
+#include "vfio_user/wakeups.h"
 
 namespace gdkv {
 
@@ -73,216 +76,6 @@ class Mapping {
  private:
   void* p_ = nullptr;
   size_t n_ = 0;
-};
-
-// First-fit allocator over the shared region; blocks callers while it is full (bounded wait).
-class ShmAllocator {
- public:
-  void init(std::byte* base, size_t size) {
-    base_ = base;
-    size_ = size;
-    free_[0] = size;
-  }
-  bool contains(const void* p, size_t len) const {
-    const auto* b = static_cast<const std::byte*>(p);
-    return b >= base_ && b < base_ + size_ && len <= static_cast<size_t>(base_ + size_ - b);
-  }
-  void* alloc(size_t bytes, size_t align) {
-    std::lock_guard lk(mu_);
-    return poisoned_ ? nullptr : alloc_locked(bytes, align);
-  }
-  void* alloc_wait(size_t bytes, size_t align, std::chrono::milliseconds timeout) {
-    std::unique_lock lk(mu_);
-    if (bytes > size_) return nullptr;
-    void* p = nullptr;
-    cv_.wait_for(lk, timeout,
-                 [&] { return poisoned_ || (p = alloc_locked(bytes, align)) != nullptr; });
-    return p;
-  }
-  // Up to `bytes` (at least `min_bytes`): `bytes` where a free extent holds them, else the
-  // largest free extent. With `wait`, waits up to `timeout` for other callers to free some.
-  void* alloc_up_to(size_t bytes, size_t min_bytes, bool wait, std::chrono::milliseconds timeout,
-                    size_t* got) {
-    std::unique_lock lk(mu_);
-    void* p = nullptr;
-    auto take = [&] {
-      if (poisoned_) return true;
-      if ((p = alloc_locked(bytes, 64)) != nullptr) {
-        *got = bytes;
-        return true;
-      }
-      size_t best = 0;
-      for (const auto& [off, len] : free_) {
-        const size_t at = align_up(off, 64);
-        if (at < off + len) best = std::max(best, (off + len - at) & ~size_t{63});
-      }
-      if (best == 0 || best < min_bytes) return false;
-      p = alloc_locked(best, 64);
-      *got = best;
-      return true;
-    };
-    if (min_bytes > size_) return nullptr;
-    if (wait) {
-      cv_.wait_for(lk, timeout, take);
-    } else {
-      (void)take();
-    }
-    if (p == nullptr) *got = 0;
-    return p;
-  }
-  // Gives back all but the first `keep` bytes of what alloc handed out at p.
-  void shrink(void* p, size_t keep) {
-    {
-      std::lock_guard lk(mu_);
-      if (poisoned_) return;
-      const size_t off = static_cast<size_t>(static_cast<std::byte*>(p) - base_);
-      auto u = used_.find(off);
-      keep = align_up(std::max<size_t>(keep, 1), 64);
-      if (u == used_.end() || keep >= u->second) return;
-      size_t start = off + keep, len = u->second - keep;
-      u->second = keep;
-      auto next = free_.lower_bound(start);
-      if (next != free_.end() && next->first == start + len) {
-        len += next->second;
-        free_.erase(next);
-      }
-      free_[start] = len;
-    }
-    cv_.notify_all();
-  }
-  // The connection failed: commands may still write into memory handed out, so none of it is
-  // handed out again (free is a no-op, alloc fails).
-  void poison() {
-    {
-      std::lock_guard lk(mu_);
-      poisoned_ = true;
-    }
-    cv_.notify_all();
-  }
-  void free(void* p) {
-    if (p == nullptr) return;
-    {
-      std::lock_guard lk(mu_);
-      if (poisoned_) return;
-      const size_t off = static_cast<size_t>(static_cast<std::byte*>(p) - base_);
-      auto u = used_.find(off);
-      if (u == used_.end()) return;
-      size_t start = off, len = u->second;
-      used_.erase(u);
-      // Coalesce with the free neighbours.
-      auto next = free_.lower_bound(start);
-      if (next != free_.end() && next->first == start + len) {
-        len += next->second;
-        next = free_.erase(next);
-      }
-      if (next != free_.begin()) {
-        auto prev = std::prev(next);
-        if (prev->first + prev->second == start) {
-          start = prev->first;
-          len += prev->second;
-          free_.erase(prev);
-        }
-      }
-      free_[start] = len;
-    }
-    cv_.notify_all();
-  }
-
- private:
-  void* alloc_locked(size_t bytes, size_t align) {
-    bytes = align_up(std::max<size_t>(bytes, 1), 64);
-    align = std::max<size_t>(align, 64);
-    for (auto it = free_.begin(); it != free_.end(); ++it) {
-      const size_t off = it->first, len = it->second;
-      const size_t at = align_up(off, align);
-      if (at + bytes > off + len) continue;
-      free_.erase(it);
-      if (at > off) free_[off] = at - off;
-      if (at + bytes < off + len) free_[at + bytes] = off + len - at - bytes;
-      used_[at] = bytes;
-      return base_ + at;
-    }
-    return nullptr;
-  }
-
-  std::byte* base_ = nullptr;
-  size_t size_ = 0;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool poisoned_ = false;
-  std::map<size_t, size_t> free_;            // offset -> length
-  std::unordered_map<size_t, size_t> used_;  // offset -> length
-};
-
-// This connection's DMA maps of memory shared in place (VfioUserDevice::share): disjoint
-// segments by address, each counting the shares that cover it. Shares may overlap (a buffer
-// inside another, two buffers with a page in common): each page is mapped once.
-class InPlaceSet {
- public:
-  struct Segment {
-    uint64_t size = 0;
-    uint32_t refs = 0;  // shares covering it
-  };
-  // On every staged buffer's way (ShmStager::acquire): nothing shared, no lock. True when
-  // [p, p + len) lies in one run of touching segments.
-  bool contains(const void* p, size_t len) const {
-    if (count_.load(std::memory_order_acquire) == 0) return false;
-    const auto a = reinterpret_cast<uint64_t>(p);
-    const uint64_t b = a + len;
-    std::shared_lock lk(mu_);
-    auto it = segs_.upper_bound(a);
-    if (it == segs_.begin()) return false;
-    --it;
-    uint64_t end = it->first + it->second.size;
-    if (a >= end) return false;
-    for (++it; end < b && it != segs_.end() && it->first == end; ++it) end += it->second.size;
-    return b <= end;
-  }
-  // The parts of [a, b) no segment covers.
-  std::vector<std::pair<uint64_t, uint64_t>> gaps(uint64_t a, uint64_t b) const {
-    std::vector<std::pair<uint64_t, uint64_t>> out;
-    std::shared_lock lk(mu_);
-    auto it = segs_.upper_bound(a);
-    if (it != segs_.begin() && std::prev(it)->first + std::prev(it)->second.size > a) {
-      a = std::prev(it)->first + std::prev(it)->second.size;
-    }
-    for (; a < b && it != segs_.end() && it->first < b; ++it) {
-      if (it->first > a) out.emplace_back(a, it->first);
-      a = std::max(a, it->first + it->second.size);
-    }
-    if (a < b) out.emplace_back(a, b);
-    return out;
-  }
-  // Writers: the device's share mutex held.
-  void insert(uint64_t addr, uint64_t size) {
-    std::unique_lock lk(mu_);
-    segs_[addr] = Segment{size, 0};
-    count_.store(segs_.size(), std::memory_order_release);
-  }
-  // Adds `delta` to the count of every segment overlapping [a, b); returns the segments whose
-  // count fell to 0, removed.
-  std::vector<std::pair<uint64_t, uint64_t>> count(uint64_t a, uint64_t b, int delta) {
-    std::vector<std::pair<uint64_t, uint64_t>> gone;
-    std::unique_lock lk(mu_);
-    auto it = segs_.upper_bound(a);
-    if (it != segs_.begin() && std::prev(it)->first + std::prev(it)->second.size > a) --it;
-    while (it != segs_.end() && it->first < b) {
-      it->second.refs += delta;
-      if (it->second.refs == 0) {
-        gone.emplace_back(it->first, it->second.size);
-        it = segs_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-    count_.store(segs_.size(), std::memory_order_release);
-    return gone;
-  }
-
- private:
-  mutable std::shared_mutex mu_;
-  std::map<uint64_t, Segment> segs_;
-  std::atomic<size_t> count_{0};  // segs_.size()
 };
 
 // Stages a synchronous call's buffer through shared memory (or uses it in place when it already
@@ -323,122 +116,6 @@ class ShmStager final : public BufferStager {
   VfioUserDevice& device_;
 };
 
-// ---- Wake-ups (docs/vfio-user.md "Wake-ups") ----
-
-// A QueueRef's wake_fn gets only the sleeping word (in the connection's doorbell page); the
-// connection's doorbell ioeventfd is found by it here. Looked up only when the reactor sleeps.
-std::mutex g_doorbell_fds_mu;
-std::unordered_map<const uint32_t*, int> g_doorbell_fds;  // guarded by g_doorbell_fds_mu
-
-void signal_fd(int fd) {
-  const uint64_t one = 1;
-  (void)!::write(fd, &one, sizeof(one));  // a full counter (EAGAIN) is still a wake-up
-}
-
-// Set when this thread woke a reactor: its next wait blocks at once. The woken reactor often
-// runs on this thread's core (the scheduler wakes it where it last ran or beside its waker), and
-// there a spin only delays it: back-to-back calls with both on one core took 28 us (p50) with a
-// 20 us spin here and 18 us without; after a pause the spin bought nothing (57 us either way on
-// the 2-core test VM, whose cross-core wake-up alone is ~80 us; docs/benchmarks.md).
-thread_local bool tls_woke_reactor = false;
-
-// QueueRef::wake_fn of gdkvd's queues: the doorbell was rung and the reactor sleeps. Only the
-// thread that flips the word pays for the system call; the reactor clears it when it wakes.
-void wake_reactor(uint32_t* word) {
-  if (__atomic_exchange_n(word, 0u, __ATOMIC_SEQ_CST) == 0) return;
-  tls_woke_reactor = true;
-  // Where we run: a reactor woken on this CPU sleeps right after posting our completion, so we
-  // are not left queued behind its idle spin (the word follows the sleeping word).
-  static_assert(kWakeWakerCpuOffset == kWakeSleepingOffset + 4);
-  __atomic_store_n(word + 1, cpu_word(::sched_getcpu()), __ATOMIC_RELAXED);
-  int fd = -1;
-  {
-    std::lock_guard lk(g_doorbell_fds_mu);
-    auto it = g_doorbell_fds.find(word);
-    if (it != g_doorbell_fds.end()) fd = it->second;
-  }
-  if (fd >= 0) signal_fd(fd);
-}
-
-long futex(uint32_t* word, int op, uint32_t val, const timespec* ts) {
-  return ::syscall(SYS_futex, word, op, val, ts, nullptr, 0);
-}
-
-// How a waiting Client blocks on its queue's completion interrupt. One waiting thread at a time
-// (the sleeper) arms the CQ, looks at its command once more and blocks on the eventfd; the others
-// wait on a futex the sleeper bumps when it wakes, so every waiter looks again after any
-// interrupt. Nothing is lost: a waiter that found the sleeper role taken read the generation
-// first, and the sleeper bumps it only after giving the role up.
-class IrqWaiter final : public CompletionWaiter {
- public:
-  // A sleeper that heard nothing looks again after this (an interrupt lost, gdkvd gone).
-  static constexpr long kBlockNs = 1'000'000;
-  static constexpr uint32_t kMissLimit = 8;   // spins in a row that saw nothing: stop spinning
-  static constexpr uint32_t kRetrySpin = 64;  // then every 64th wait spins again
-
-  IrqWaiter(UniqueFd efd, uint32_t* arm, std::chrono::nanoseconds spin)
-      : efd_(std::move(efd)), arm_(arm), spin_(spin) {}
-  // Spins unless this thread just woke the reactor or recent spins never saw a completion (the
-  // reactor shares our core, or the backend is slower than the spin); then one wait in
-  // kRetrySpin spins again to find out whether that changed.
-  std::chrono::nanoseconds spin() override {
-    if (std::exchange(tls_woke_reactor, false)) return {};
-    const uint32_t n = __atomic_add_fetch(&waits_, 1u, __ATOMIC_RELAXED);
-    if (__atomic_load_n(&misses_, __ATOMIC_RELAXED) >= kMissLimit && n % kRetrySpin != 0) {
-      return {};
-    }
-    return spin_;
-  }
-  void spun(bool completed) override {
-    if (spin_.count() == 0) return;
-    if (completed) {
-      __atomic_store_n(&misses_, 0u, __ATOMIC_RELAXED);
-    } else if (__atomic_load_n(&misses_, __ATOMIC_RELAXED) < kMissLimit) {
-      __atomic_fetch_add(&misses_, 1u, __ATOMIC_RELAXED);
-    }
-  }
-
-  void block(const QueueRef& q, uint16_t cid) override {
-    const uint32_t gen = __atomic_load_n(&gen_, __ATOMIC_SEQ_CST);
-    bool no = false;
-    if (!sleeper_.compare_exchange_strong(no, true, std::memory_order_seq_cst)) {
-      __atomic_fetch_add(&waiters_, 1u, __ATOMIC_SEQ_CST);
-      if (!queue::poll(q, cid)) {
-        const timespec ts{0, kBlockNs};
-        (void)futex(&gen_, FUTEX_WAIT_PRIVATE, gen, &ts);
-      }
-      __atomic_fetch_sub(&waiters_, 1u, __ATOMIC_SEQ_CST);
-      return;
-    }
-    // Arm, then look (store-buffering with gdkvd's post-then-look-at-the-arm: both fence).
-    // The arm word says where we block (2 + CPU; 1: unknown): gdkvd gives up its core when it
-    // wakes a waiter on it.
-    __atomic_store_n(arm_, cpu_word(::sched_getcpu()), __ATOMIC_SEQ_CST);
-    atomic::fence();
-    if (!queue::poll(q, cid)) {
-      pollfd pf{efd_.get(), POLLIN, 0};
-      (void)::poll(&pf, 1, static_cast<int>(kBlockNs / 1'000'000));
-      uint64_t v;
-      (void)!::read(efd_.get(), &v, sizeof(v));
-    }
-    sleeper_.store(false, std::memory_order_seq_cst);
-    __atomic_fetch_add(&gen_, 1u, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&waiters_, __ATOMIC_SEQ_CST) != 0) {
-      (void)futex(&gen_, FUTEX_WAKE_PRIVATE, INT_MAX, nullptr);
-    }
-  }
-
- private:
-  UniqueFd efd_;   // the CQ's MSI-X eventfd (non-blocking)
-  uint32_t* arm_;  // the CQ's arm word in the doorbell page
-  std::chrono::nanoseconds spin_;
-  std::atomic<bool> sleeper_{false};
-  uint32_t gen_ = 0;      // futex word
-  uint32_t waiters_ = 0;  // threads waiting on gen_
-  uint32_t waits_ = 0;    // spin() calls (relaxed: a heuristic)
-  uint32_t misses_ = 0;   // spins in a row that ended without the completion
-};
-
 class Driver;
 
 // An I/O queue pair; destroying it deletes the queues on the controller.
@@ -471,8 +148,7 @@ class Driver final : public VfioUserDevice {
       for (uint64_t ino : sh.inos) vfio_user::release_in_place(ino);
     }
     if (doorbell_efd_.valid()) {
-      std::lock_guard lk(g_doorbell_fds_mu);
-      g_doorbell_fds.erase(sleeping_word());
+      unregister_doorbell(sleeping_word());
     }
     // Disable the controller so its admin queue stops; the server tears the rest down when the
     // socket closes.
@@ -633,8 +309,7 @@ class Driver final : public VfioUserDevice {
         continue;
       }
       doorbell_efd_ = std::move(fds[sub->fd_index]);
-      std::lock_guard lk(g_doorbell_fds_mu);
-      g_doorbell_fds[sleeping_word()] = doorbell_efd_.get();
+      register_doorbell(sleeping_word(), doorbell_efd_.get());
       return;
     }
   }

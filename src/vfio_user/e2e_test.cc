@@ -901,7 +901,7 @@ TEST_F(VfioUserE2E, FreedSharedMemoryIsGivenBack) {
   ASSERT_NE(inode_at(keep.p), 0u);
 }
 
-// ---- whole values in one command (issue 38) ----
+// ---- whole values in one command ----
 
 // Retrieve commands `ctl` completed, over its reactors.
 double retrieves(const Controller& ctl) {

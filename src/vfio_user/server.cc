@@ -420,8 +420,9 @@ void VfioUserServer::collect(MetricList& out) const {
       map_bytes += c->session->dma().bytes();
     }
   }
+  MetricWriter w(out);
   auto add = [&](const char* name, const char* help, MetricType t, uint64_t v) {
-    out.push_back(Metric{name, help, t, {}, static_cast<double>(v)});
+    w.add(name, help, t, static_cast<double>(v));
   };
   add("vfio_user_clients", "vfio-user clients connected", MetricType::kGauge, live);
   add("vfio_user_connections_total", "vfio-user connections accepted", MetricType::kCounter,

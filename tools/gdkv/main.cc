@@ -25,6 +25,7 @@
 #include "gdkv/histogram.h"
 #include "gdkv/metrics_server.h"
 #include "gdkv/vfio_user.h"
+#include "settings_flags.h"
 
 namespace {
 
@@ -38,17 +39,12 @@ constexpr int kExitUsage = 2;
 constexpr int kExitFailure = 3;
 
 struct Options {
-  gdkv::BackendConfig backend;
+  // The backend, the host cache (off unless asked: one CLI command rarely rereads a block),
+  // reactors and the largest value: the settings table's flags (gdkv/settings.h).
+  gdkv::StoreSettings store;
   uint32_t nsid = 1;
   bool hex = false;
-  uint32_t reactors = 1;
-  uint64_t max_value = uint64_t{64} << 20;
-  std::string connect;  // a running gdkvd's socket directory
-  gdkv::CacheOptions cache = [] {
-    gdkv::CacheOptions c;
-    c.capacity_bytes = 0;  // one CLI command rarely rereads a block: off unless asked
-    return c;
-  }();
+  std::string connect;    // a running gdkvd's socket directory
   int metrics_port = -1;  // serve /metrics while the command runs (0: any free port)
 };
 
@@ -109,13 +105,11 @@ std::unique_ptr<gdkv::Client> open_client(const Options& o) {
     return g_device->make_client().value();
   }
   gdkv::ClientOptions co;
-  co.controller.reactors = o.reactors;
-  co.controller.max_value_bytes = o.max_value;
+  co.controller.reactors = o.store.reactors;
+  co.controller.max_value_bytes = o.store.max_value_bytes;
   co.controller.namespaces = std::max<uint32_t>(o.nsid, 1);
   co.queue.depth = 1024;
-  std::shared_ptr<gdkv::Backend> backend = gdkv::open_backend(o.backend).value();
-  if (o.cache.capacity_bytes > 0) backend = gdkv::make_cached_backend(backend, o.cache).value();
-  return gdkv::Client::open(backend, co).value();
+  return gdkv::Client::open(gdkv::open_store(o.store).value(), co).value();
 }
 
 // ---- bench --------------------------------------------------------------------------------------
@@ -410,32 +404,7 @@ int main(int argc, char** argv) {
   // A flag given twice (a default in an alias, then the user's own) takes the last value.
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   Options o;
-  app.add_option("--backend", o.backend.kind,
-                 "memory, local (default), rados or tiered (local in front of rados)")
-      ->check(CLI::IsMember(gdkv::available_backends()));
-  app.add_option("--store", o.backend.local.path,
-                 "local store directory (default $GDKV_STORE, else ~/.local/share/gdkv)");
-  app.add_option("--capacity", o.backend.local.capacity_bytes, "local store capacity in bytes");
-  app.add_option("--memory-capacity", o.backend.memory.capacity_bytes,
-                 "memory backend capacity in bytes (default 1 GiB; full, it evicts least "
-                 "recently used)");
-  app.add_option("--segment-bytes", o.backend.local.segment_bytes,
-                 "local store segment size in bytes, for a new store (default 64 MiB)");
-  app.add_option("--pool", o.backend.rados.pool, "RADOS pool (default gdkv-rep3)");
-  app.add_option("--ceph-conf", o.backend.rados.ceph_conf,
-                 "ceph.conf (default $CEPH_CONF, then /etc/ceph/ceph.conf)");
-  app.add_option("--ceph-client", o.backend.rados.client_name, "Ceph client name (client.admin)");
-  app.add_option("--ceph-keyring", o.backend.rados.keyring,
-                 "Ceph keyring (default: from ceph.conf)");
-  app.add_option("--ceph-timeout-ms", o.backend.rados.op_timeout_ms,
-                 "a RADOS op not done by then fails with 82h (default 5000)");
-  app.add_option("--cache-bytes", o.cache.capacity_bytes,
-                 "host cache in front of the backend, bytes (default 0: off)");
-  app.add_option("--cache-policy", o.cache.policy,
-                 "adaptive (default), prefix, lru-k, lru, arc or s3-fifo")
-      ->check(CLI::IsMember(gdkv::cache_policies()));
-  app.add_option("--prefetch-depth", o.cache.prefetch_depth,
-                 "blocks the cache fetches ahead along a learned chain (default 8, 0: off)");
+  gdkv_tools::add_setting_flags(app, o.store);
   app.add_option("--metrics-port", o.metrics_port,
                  "serve Prometheus text on /metrics while the command runs (0: any free port)");
   app.add_option("--nsid", o.nsid, "NVMe namespace (default 1)")->check(CLI::Range(1u, 1024u));
@@ -443,8 +412,6 @@ int main(int argc, char** argv) {
   app.add_option("--connect", o.connect,
                  "use the gdkvd serving DIR (socket DIR/cntrl) instead of an in-process controller")
       ->envname("GDKV_CONNECT");
-  app.add_option("--reactors", o.reactors, "reactor threads (default 1)")
-      ->check(CLI::Range(1u, 64u));
 
   std::string key_text, file = "-", out_file;
   bool must_exist = false, must_not_exist = false;
@@ -509,10 +476,10 @@ int main(int argc, char** argv) {
         if (!in) throw UsageError("cannot read '" + file + "': " + std::strerror(errno));
         value = read_all(in);
       }
-      if (value.size() > o.max_value) {
+      if (value.size() > o.store.max_value_bytes) {
         std::fprintf(stderr, "gdkv: put '%s': value of %zu bytes is over the %llu-byte limit\n",
                      show_key(key, o.hex).c_str(), value.size(),
-                     static_cast<unsigned long long>(o.max_value));
+                     static_cast<unsigned long long>(o.store.max_value_bytes));
         return kExitFailure;
       }
     }

@@ -1,13 +1,14 @@
 // gdkvd configuration: TOML (toml++), GDKVD_* environment variables and flags (CLI11).
 #include "config.h"
 
+#include "settings_flags.h"
+
 #include <toml++/toml.h>
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <initializer_list>
 #include <limits>
 #include <set>
 #include <sstream>
@@ -36,12 +37,50 @@ class Reader {
 
   // Unknown keys are errors: a typo must not silently fall back to a default.
   void known_keys(const toml::table& t, const std::string& prefix,
-                  std::initializer_list<const char*> keys) {
+                  const std::vector<std::string>& keys) {
     for (auto&& [k, v] : t) {
       const std::string key(k.str());
-      if (std::none_of(keys.begin(), keys.end(), [&](const char* x) { return key == x; })) {
-        fail(&v, prefix + key, "unknown key");
+      if (std::find(keys.begin(), keys.end(), key) == keys.end()) {
+        // The one setting renamed (the RADOS timeout has one name in every front end).
+        fail(&v, prefix + key,
+             key == "op_timeout_ms" ? "unknown key (renamed ceph_timeout_ms)" : "unknown key");
       }
+    }
+  }
+
+  // The settings table's keys of TOML table `name` ([backend], [controller], [cache]) into `s`;
+  // `own` are the other keys gdkvd reads from that table itself.
+  void settings(const toml::table& t, const std::string& name, gdkv::StoreSettings& s,
+                std::vector<std::string> own) {
+    const std::string prefix = name + ".";
+    std::vector<const gdkv::Setting*> here;
+    for (const gdkv::Setting& x : gdkv::store_settings()) {
+      if (std::string(x.toml).rfind(prefix, 0) == 0) {
+        here.push_back(&x);
+        own.emplace_back(x.toml + prefix.size());
+      }
+    }
+    known_keys(t, prefix, own);
+    for (const gdkv::Setting* x : here) {
+      const toml::node* n = t.get(x->toml + prefix.size());
+      if (n == nullptr) continue;
+      gdkv::SettingValue v;
+      if (const auto i = n->value_exact<int64_t>()) {
+        if (*i < 0) {
+          fail(n, x->toml,
+               x->type == gdkv::Setting::Type::kString ? x->type_error() : x->range_error());
+          continue;
+        }
+        v = static_cast<uint64_t>(*i);
+      } else if (const auto b = n->value_exact<bool>()) {
+        v = *b;
+      } else if (const auto str = n->value_exact<std::string>()) {
+        v = *str;
+      } else {  // a float, an array, a table
+        fail(n, x->toml, x->type_error());
+        continue;
+      }
+      if (const std::string err = x->set(s, v); !err.empty()) fail(n, x->toml, err);
     }
   }
 
@@ -167,44 +206,13 @@ bool load_toml(const std::string& text, const std::string& name, Config& c, std:
   r.uint(root, "", "msix_vectors", c.msix_vectors, 1, 256);
   r.boolean(root, "", "gpu", c.gpu);
 
-  if (const toml::table* b = r.table(root, "backend")) {
-    r.known_keys(
-        *b, "backend.",
-        {"kind", "store", "capacity_bytes", "segment_bytes", "memory_capacity_bytes", "pool",
-         "ceph_conf", "ceph_client", "ceph_keyring", "namespace_prefix", "op_timeout_ms", "evict",
-         "evict_high_percent", "evict_low_percent", "evict_interval_ms", "pool_capacity_bytes",
-         "atime_interval_ms", "events_object"});
-    r.string(*b, "backend.", "kind", c.backend.kind);
-    r.string(*b, "backend.", "store", c.backend.local.path);
-    r.uint(*b, "backend.", "capacity_bytes", c.backend.local.capacity_bytes, 1);
-    r.uint(*b, "backend.", "segment_bytes", c.backend.local.segment_bytes, 1);
-    r.uint(*b, "backend.", "memory_capacity_bytes", c.backend.memory.capacity_bytes, 1);
-    r.string(*b, "backend.", "pool", c.backend.rados.pool);
-    r.string(*b, "backend.", "ceph_conf", c.backend.rados.ceph_conf);
-    r.string(*b, "backend.", "ceph_client", c.backend.rados.client_name);
-    r.string(*b, "backend.", "ceph_keyring", c.backend.rados.keyring);
-    r.string(*b, "backend.", "namespace_prefix", c.backend.rados.namespace_prefix);
-    r.uint(*b, "backend.", "op_timeout_ms", c.backend.rados.op_timeout_ms, 1);
-    r.boolean(*b, "backend.", "evict", c.backend.rados.evict);
-    r.uint(*b, "backend.", "evict_high_percent", c.backend.rados.evict_high_percent, 1, 100);
-    r.uint(*b, "backend.", "evict_low_percent", c.backend.rados.evict_low_percent, 0, 99);
-    r.uint(*b, "backend.", "evict_interval_ms", c.backend.rados.evict_interval_ms, 1);
-    r.uint(*b, "backend.", "pool_capacity_bytes", c.backend.rados.pool_capacity_bytes);
-    r.uint(*b, "backend.", "atime_interval_ms", c.backend.rados.atime_interval_ms);
-    r.string(*b, "backend.", "events_object", c.backend.rados.events_object);
-  }
+  if (const toml::table* t = r.table(root, "backend")) r.settings(*t, "backend", c.store, {});
   if (const toml::table* t = r.table(root, "controller")) {
-    r.known_keys(*t, "controller.", {"reactors", "max_value_bytes", "idle_spin_us", "never_sleep"});
-    r.uint(*t, "controller.", "reactors", c.reactors, 1, 256);
-    r.uint(*t, "controller.", "max_value_bytes", c.max_value_bytes, 1, uint64_t{1} << 32);
+    r.settings(*t, "controller", c.store, {"idle_spin_us", "never_sleep"});
     r.uint(*t, "controller.", "idle_spin_us", c.idle_spin_us);
     r.boolean(*t, "controller.", "never_sleep", c.never_sleep);
   }
-  if (const toml::table* t = r.table(root, "cache")) {
-    r.known_keys(*t, "cache.", {"bytes", "policy"});
-    r.uint(*t, "cache.", "bytes", c.cache_bytes);
-    r.string(*t, "cache.", "policy", c.cache_policy);
-  }
+  if (const toml::table* t = r.table(root, "cache")) r.settings(*t, "cache", c.store, {});
   if (const toml::node* n = root.get("namespace")) {
     const toml::array* a = n->as_array();
     if (a == nullptr || !a->is_array_of_tables()) {
@@ -231,13 +239,13 @@ bool load_toml(const std::string& text, const std::string& name, Config& c, std:
 
 bool validate(Config& c, std::string* error) {
   const auto kinds = gdkv::available_backends();
-  if (std::find(kinds.begin(), kinds.end(), c.backend.kind) == kinds.end()) {
+  if (std::find(kinds.begin(), kinds.end(), c.store.backend.kind) == kinds.end()) {
     std::string all;
     for (const auto& k : kinds) {
       if (!all.empty()) all += ", ";
       all += k;
     }
-    *error = "backend '" + c.backend.kind + "' is not available (this build has " + all + ")";
+    *error = "backend '" + c.store.backend.kind + "' is not available (this build has " + all + ")";
     return false;
   }
   if (c.socket_dir.empty()) {
@@ -248,15 +256,12 @@ bool validate(Config& c, std::string* error) {
     *error = "socket_dir is too long for a UNIX socket path: " + c.socket_dir;
     return false;
   }
-  if (c.max_value_bytes == 0) {
-    *error = "controller.max_value_bytes must be positive";
-    return false;
-  }
-  if (c.backend.rados.evict &&
-      c.backend.rados.evict_low_percent >= c.backend.rados.evict_high_percent) {
-    *error = "backend.evict_low_percent (" + std::to_string(c.backend.rados.evict_low_percent) +
+  if (c.store.backend.rados.evict &&
+      c.store.backend.rados.evict_low_percent >= c.store.backend.rados.evict_high_percent) {
+    *error = "backend.evict_low_percent (" +
+             std::to_string(c.store.backend.rados.evict_low_percent) +
              ") must be below backend.evict_high_percent (" +
-             std::to_string(c.backend.rados.evict_high_percent) + ")";
+             std::to_string(c.store.backend.rados.evict_high_percent) + ")";
     return false;
   }
   // Within one tenant's view every nsid must be unique; entries for different tenants may share
@@ -287,33 +292,20 @@ std::string to_toml(const Config& c) {
   s << "message_bounce_bytes = " << c.message_bounce_bytes << "\n";
   s << "allow_unsealed_memory = " << (c.allow_unsealed_memory ? "true" : "false") << "\n";
   s << "msix_vectors = " << c.msix_vectors << "\n";
-  s << "gpu = " << (c.gpu ? "true" : "false") << "\n\n[backend]\n";
-  s << "kind = \"" << c.backend.kind << "\"\n";
-  if (c.backend.kind == "local" || c.backend.kind == "tiered") {
-    s << "store = \"" << c.backend.local.path << "\"\n";
-    s << "capacity_bytes = " << c.backend.local.capacity_bytes << "\n";
-    s << "segment_bytes = " << c.backend.local.segment_bytes << "\n";
+  s << "gpu = " << (c.gpu ? "true" : "false") << "\n";
+  for (const std::string table : {"backend", "controller", "cache"}) {
+    s << "\n[" << table << "]\n";
+    for (const gdkv::Setting& x : gdkv::store_settings()) {
+      const std::string key = x.toml;
+      if (key.rfind(table + ".", 0) == 0) {
+        s << key.substr(table.size() + 1) << " = " << x.text(c.store) << "\n";
+      }
+    }
+    if (table == "controller") {
+      s << "idle_spin_us = " << c.idle_spin_us
+        << "\nnever_sleep = " << (c.never_sleep ? "true" : "false") << "\n";
+    }
   }
-  if (c.backend.kind == "rados" || c.backend.kind == "tiered") {
-    s << "pool = \"" << c.backend.rados.pool << "\"\n";
-    s << "ceph_conf = \"" << c.backend.rados.ceph_conf << "\"\n";
-    s << "ceph_client = \"" << c.backend.rados.client_name << "\"\n";
-    s << "op_timeout_ms = " << c.backend.rados.op_timeout_ms << "\n";
-    s << "evict = " << (c.backend.rados.evict ? "true" : "false") << "\n";
-    s << "evict_high_percent = " << c.backend.rados.evict_high_percent << "\n";
-    s << "evict_low_percent = " << c.backend.rados.evict_low_percent << "\n";
-    s << "evict_interval_ms = " << c.backend.rados.evict_interval_ms << "\n";
-    s << "pool_capacity_bytes = " << c.backend.rados.pool_capacity_bytes << "\n";
-    s << "atime_interval_ms = " << c.backend.rados.atime_interval_ms << "\n";
-    s << "events_object = \"" << c.backend.rados.events_object << "\"\n";
-  }
-  if (c.backend.kind == "memory") {
-    s << "memory_capacity_bytes = " << c.backend.memory.capacity_bytes << "\n";
-  }
-  s << "\n[controller]\nreactors = " << c.reactors << "\nmax_value_bytes = " << c.max_value_bytes
-    << "\nidle_spin_us = " << c.idle_spin_us
-    << "\nnever_sleep = " << (c.never_sleep ? "true" : "false") << "\n";
-  s << "\n[cache]\nbytes = " << c.cache_bytes << "\npolicy = \"" << c.cache_policy << "\"\n";
   for (const auto& ns : c.namespaces) {
     s << "\n[[namespace]]\nnsid = " << ns.nsid << "\nbackend_namespace = " << ns.backend_namespace
       << "\nname = \"" << ns.name << "\"\nuids = [";
@@ -369,48 +361,13 @@ int load(int argc, char** argv, Config& c, std::string* error) {
       "GDKVD_METRICS_PORT")
       ->check(CLI::Range(-1, 65535));
   opt("--metrics-bind", c.metrics_bind, "address /metrics listens on", "GDKVD_METRICS_BIND");
-  opt("--backend", c.backend.kind, "memory, local, rados or tiered (local in front of rados)",
-      "GDKVD_BACKEND")
-      ->check(CLI::IsMember({"memory", "local", "rados", "tiered"}));
-  opt("--store", c.backend.local.path, "local store directory", "GDKVD_STORE");
-  opt("--capacity", c.backend.local.capacity_bytes, "local store capacity in bytes",
-      "GDKVD_CAPACITY");
-  opt("--memory-capacity", c.backend.memory.capacity_bytes,
-      "memory backend capacity in bytes (default 1 GiB; full, it evicts least recently used)",
-      "GDKVD_MEMORY_CAPACITY");
-  opt("--pool", c.backend.rados.pool, "RADOS pool", "GDKVD_POOL");
-  opt("--ceph-conf", c.backend.rados.ceph_conf, "ceph.conf", "GDKVD_CEPH_CONF");
-  opt("--ceph-client", c.backend.rados.client_name, "Ceph client name", "GDKVD_CEPH_CLIENT");
-  opt("--ceph-keyring", c.backend.rados.keyring, "Ceph keyring", "GDKVD_CEPH_KEYRING");
-  opt("--op-timeout-ms", c.backend.rados.op_timeout_ms,
-      "milliseconds a RADOS op may take before it fails with 82h", "GDKVD_OP_TIMEOUT_MS")
-      ->check(CLI::Range(1u, 3600000u));
-  app.add_flag("--evict,!--no-evict", c.backend.rados.evict,
-               "evict the coldest blocks when the RADOS pool passes its high watermark")
-      ->envname("GDKVD_EVICT");
-  opt("--evict-high-percent", c.backend.rados.evict_high_percent,
-      "pool fill (% of capacity) that starts eviction", "GDKVD_EVICT_HIGH_PERCENT")
-      ->check(CLI::Range(1u, 100u));
-  opt("--evict-low-percent", c.backend.rados.evict_low_percent,
-      "pool fill (% of capacity) eviction brings it back to", "GDKVD_EVICT_LOW_PERCENT")
-      ->check(CLI::Range(0u, 99u));
-  opt("--evict-interval-ms", c.backend.rados.evict_interval_ms,
-      "milliseconds between a node's pool fill checks", "GDKVD_EVICT_INTERVAL_MS")
-      ->check(CLI::Range(1u, 3600000u));
-  opt("--pool-capacity", c.backend.rados.pool_capacity_bytes,
-      "bytes the pool may hold (0: its quota, else stored + free space)", "GDKVD_POOL_CAPACITY");
-  opt("--atime-interval-ms", c.backend.rados.atime_interval_ms,
-      "milliseconds before a read refreshes a block's access time", "GDKVD_ATIME_INTERVAL_MS");
-  opt("--reactors", c.reactors, "reactor threads", "GDKVD_REACTORS")->check(CLI::Range(1u, 256u));
-  opt("--max-value", c.max_value_bytes, "largest value in bytes", "GDKVD_MAX_VALUE");
+  // The settings table: --backend, --capacity, --cache-bytes, ... with GDKVD_BACKEND, ...
+  gdkv_tools::add_setting_flags(app, c.store, "GDKVD_");
   opt("--idle-spin-us", c.idle_spin_us, "microseconds a reactor spins idle before sleeping",
       "GDKVD_IDLE_SPIN_US");
   app.add_flag("--never-sleep,!--may-sleep", c.never_sleep,
                "reactors poll without ever sleeping (lowest latency, one core each)")
       ->envname("GDKVD_NEVER_SLEEP");
-  opt("--cache-bytes", c.cache_bytes, "host cache size in bytes (0: off)", "GDKVD_CACHE_BYTES");
-  opt("--cache-policy", c.cache_policy, "adaptive, prefix, lru-k, lru, arc or s3-fifo",
-      "GDKVD_CACHE_POLICY");
   opt("--max-clients", c.max_clients, "vfio-user connections at once", "GDKVD_MAX_CLIENTS")
       ->check(CLI::Range(1u, 4096u));
   app.add_flag("--allow-unsealed-memory", c.allow_unsealed_memory,

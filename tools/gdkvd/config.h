@@ -9,17 +9,19 @@
 #include <string>
 #include <vector>
 
-#include "gdkv/backend_factory.h"
+#include "gdkv/settings.h"
 #include "gdkv/vfio_user.h"
 
 namespace gdkvd {
 
-// A long-running node's backend defaults: as the library's, but the RADOS pool evicts like a
-// cache (backend.evict).
-inline gdkv::BackendConfig daemon_backend() {
-  gdkv::BackendConfig b;
-  b.rados.evict = true;
-  return b;
+// A long-running node's settings: the library's (gdkv/settings.h), except that the RADOS pool
+// evicts like a cache, two reactors serve, and a 1 GiB host cache sits in front.
+inline gdkv::StoreSettings daemon_settings() {
+  gdkv::StoreSettings s;
+  s.backend.rados.evict = true;
+  s.reactors = 2;
+  s.cache.capacity_bytes = uint64_t{1} << 30;
+  return s;
 }
 
 struct Config {
@@ -29,13 +31,11 @@ struct Config {
   int32_t metrics_port = 9464;  // -1: no /metrics; 0: any free port (logged)
   std::string metrics_bind = "0.0.0.0";
 
-  gdkv::BackendConfig backend = daemon_backend();  // kind, local store, RADOS
-  uint32_t reactors = 2;
-  uint64_t max_value_bytes = uint64_t{64} << 20;
+  // The backend, the host cache, reactors and the largest value: the settings table's keys
+  // ([backend], [cache], [controller]), flags and variables.
+  gdkv::StoreSettings store = daemon_settings();
   uint32_t idle_spin_us = 200;
   bool never_sleep = false;
-  uint64_t cache_bytes = uint64_t{1} << 30;  // 0: no host cache
-  std::string cache_policy = "adaptive";     // CacheOptions::policy's default
   bool gpu = true;  // CUDA builds: use the GPU copy engine and accept device memory when a GPU is
 
   uint32_t max_clients = 64;

@@ -2,6 +2,9 @@
 // file < environment < flags.
 #include "config.h"
 
+#include "setting_samples.h"
+#include "settings_flags.h"
+
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -12,6 +15,8 @@
 
 namespace gdkvd {
 namespace {
+
+std::string gdkv_tools_env(const char* flag) { return gdkv_tools::env_name("GDKVD_", flag); }
 
 int run(std::vector<std::string> args, Config& c, std::string* err) {
   args.insert(args.begin(), "gdkvd");
@@ -51,7 +56,7 @@ gids = [20]
   EXPECT_EQ(c.socket_dir, "/tmp/x");
   EXPECT_EQ(c.socket_mode, 0666u);
   EXPECT_EQ(c.metrics_port, -1);
-  EXPECT_EQ(c.reactors, 3u);
+  EXPECT_EQ(c.store.reactors, 3u);
   EXPECT_EQ(c.dma_reply_timeout_ms, 250u);
   EXPECT_EQ(c.message_bounce_bytes, 16u << 20);
   EXPECT_TRUE(c.never_sleep);
@@ -74,6 +79,11 @@ TEST(Config, ErrorsNameTheLine) {
   EXPECT_EQ(err, "a.toml:1: socket_dir: must be a string");
   EXPECT_FALSE(load_toml("\n[controller]\nreactorz = 2\n", "b.toml", c, &err));
   EXPECT_EQ(err, "b.toml:3: controller.reactorz: unknown key");
+  EXPECT_FALSE(load_toml("[backend]\nop_timeout_ms = 2000\n", "r.toml", c, &err));
+  EXPECT_EQ(err, "r.toml:2: backend.op_timeout_ms: unknown key (renamed ceph_timeout_ms)");
+  Config t;
+  ASSERT_TRUE(load_toml("[backend]\nceph_timeout_ms = 2000\n", "t.toml", t, &err)) << err;
+  EXPECT_EQ(t.store.backend.rados.ceph_timeout_ms, 2000u);
   EXPECT_FALSE(load_toml("[controller]\nreactors = 0\n", "c.toml", c, &err));
   EXPECT_NE(err.find("c.toml:2: controller.reactors: must be in [1, 256]"), std::string::npos);
   EXPECT_FALSE(load_toml("x = [", "d.toml", c, &err));
@@ -83,10 +93,10 @@ TEST(Config, ErrorsNameTheLine) {
   EXPECT_FALSE(load_toml("[[namespace]]\nnsid = 2000\n", "f.toml", c, &err));
   EXPECT_FALSE(load_toml("[[namespace]]\nuids = [-1]\n", "g.toml", c, &err));
   Config v;
-  v.backend.kind = "disk";
+  v.store.backend.kind = "disk";
   EXPECT_FALSE(validate(v, &err));
   v = Config{};
-  v.backend.kind = "memory";
+  v.store.backend.kind = "memory";
   v.namespaces = {{1, 1, "a", {}, {}}, {1, 2, "b", {5}, {}}};
   EXPECT_FALSE(validate(v, &err));  // the second entry could never be seen
 }
@@ -108,13 +118,13 @@ TEST(Config, FileThenEnvironmentThenFlags) {
   ASSERT_EQ(run({"--config", path, "--reactors", "7", "--socket-mode", "0600"}, c, &err), 0) << err;
   EXPECT_EQ(c.socket_dir, "/from/file");  // file
   EXPECT_EQ(c.metrics_port, 2222);        // environment over file
-  EXPECT_EQ(c.reactors, 7u);              // flag over environment
+  EXPECT_EQ(c.store.reactors, 7u);        // flag over environment
   EXPECT_EQ(c.socket_mode, 0600u);
-  EXPECT_EQ(c.backend.memory.capacity_bytes, 1000u);  // file
+  EXPECT_EQ(c.store.backend.memory.capacity_bytes, 1000u);  // file
   Config m;
   ASSERT_EQ(run({"--config", path, "--memory-capacity", "268435456"}, m, &err), 0) << err;
-  EXPECT_EQ(m.backend.memory.capacity_bytes, uint64_t{256} << 20);  // flag over file
-  EXPECT_EQ(Config{}.backend.memory.capacity_bytes, uint64_t{1} << 30);
+  EXPECT_EQ(m.store.backend.memory.capacity_bytes, uint64_t{256} << 20);  // flag over file
+  EXPECT_EQ(Config{}.store.backend.memory.capacity_bytes, uint64_t{1} << 30);
   ::unsetenv("GDKVD_METRICS_PORT");
   ::unsetenv("GDKVD_REACTORS");
   Config bad;
@@ -123,6 +133,77 @@ TEST(Config, FileThenEnvironmentThenFlags) {
   EXPECT_EQ(run({"--config", "/nonexistent/gdkvd.toml"}, bad, &err), 2);
   EXPECT_NE(err.find("cannot read config file"), std::string::npos);
   ::unlink(path);
+}
+
+// Every setting of the table (gdkv/settings.h) reaches gdkvd through its TOML key, its flag and
+// its GDKVD_ variable, and the effective configuration prints it.
+TEST(Config, EverySettingInEveryForm) {
+  using gdkv::testing::as_argument;
+  using gdkv::testing::other_value;
+  const Config defaults;
+  EXPECT_EQ(defaults.store.reactors, 2u);  // daemon_settings(): what a node changes
+  EXPECT_TRUE(defaults.store.backend.rados.evict);
+  EXPECT_EQ(defaults.store.cache.capacity_bytes, uint64_t{1} << 30);
+  for (const gdkv::Setting& x : gdkv::store_settings()) {
+    const gdkv::SettingValue v = other_value(x, defaults.store);
+    const std::string key = x.toml;
+    const size_t dot = key.find('.');
+    std::string err;
+    Config file;
+    gdkv::StoreSettings expect = defaults.store;
+    ASSERT_EQ(x.set(expect, v), "");
+    ASSERT_TRUE(load_toml(
+        "[" + key.substr(0, dot) + "]\n" + key.substr(dot + 1) + " = " + x.text(expect) + "\n",
+        "s.toml", file, &err))
+        << key << ": " << err;
+    EXPECT_EQ(x.get(file.store), v) << key;
+    EXPECT_NE(to_toml(file).find(key.substr(dot + 1) + " = " + x.text(expect) + "\n"),
+              std::string::npos)
+        << key;
+
+    Config flag;
+    const bool is_bool = x.type == gdkv::Setting::Type::kBool;
+    std::vector<std::string> args{"--backend", "memory"};
+    if (is_bool) {
+      args.push_back(std::get<bool>(v) ? x.flag : "--no-" + std::string(x.flag + 2));
+    } else {
+      args.insert(args.end(), {x.flag, as_argument(v)});
+    }
+    if (key == "backend.kind") args.erase(args.begin(), args.begin() + 2);
+    ASSERT_EQ(run(args, flag, &err), 0) << x.flag << ": " << err;
+    EXPECT_EQ(x.get(flag.store), v) << x.flag;
+
+    const std::string env = gdkv_tools_env(x.flag);
+    ::setenv(env.c_str(), as_argument(v).c_str(), 1);
+    Config from_env;
+    const int rc = run(key == "backend.kind" ? std::vector<std::string>{}
+                                             : std::vector<std::string>{"--backend", "memory"},
+                       from_env, &err);
+    ::unsetenv(env.c_str());
+    ASSERT_EQ(rc, 0) << env << ": " << err;
+    EXPECT_EQ(x.get(from_env.store), v) << env;
+  }
+}
+
+TEST(Config, SettingsRefuseBadValuesWithTheirReason) {
+  Config c;
+  std::string err;
+  const std::pair<const char*, const char*> cases[] = {
+      {"[backend]\nevict = 1\n", "s.toml:2: backend.evict: must be true or false"},
+      {"[backend]\npool = 3\n", "s.toml:2: backend.pool: must be a string"},
+      {"[cache]\nbytes = -1\n", "s.toml:2: cache.bytes: must be in [0, 18446744073709551615]"},
+      {"[cache]\nbytes = 1.5\n", "s.toml:2: cache.bytes: must be an integer"},
+      {"[cache]\npolicy = \"mru\"\n", "s.toml:2: cache.policy: 'mru' is not one of adaptive, "},
+      {"[backend]\nkind = \"disk\"\n",
+       "s.toml:2: backend.kind: 'disk' is not one of memory, local, rados, tiered"},
+  };
+  for (const auto& [text, want] : cases) {
+    EXPECT_FALSE(load_toml(text, "s.toml", c, &err)) << text;
+    EXPECT_EQ(err.rfind(want, 0), 0u) << err;
+  }
+  Config bad;
+  EXPECT_EQ(run({"--evict-high-percent", "101"}, bad, &err), 2);
+  EXPECT_EQ(run({"--cache-policy", "mru"}, bad, &err), 2);
 }
 
 }  // namespace

@@ -553,7 +553,7 @@ uint64_t minor_faults(pid_t pid) {
   return minflt;
 }
 
-// Issue 38: zero-copy Stores of 2 MiB values under new keys, each round, as Mooncake Store's
+// Zero-copy Stores of 2 MiB values under new keys, each round, as Mooncake Store's
 // benchmark writes them. After a warm-up that fills the memory backend (and the cache), gdkvd
 // must take them without faulting in fresh memory: the values land in the arena's prepared,
 // recycled memory. The bound is 8 faults per value; fresh 4 KiB pages would be 512 per value.

@@ -64,20 +64,14 @@ int main(int argc, char** argv) {
   try {
     gdkv::RemovalLog removals;  // outlives the backend, which reports to it
     // Failures to open are reported by main's handler (exit 3): value() throws them there.
-    std::shared_ptr<gdkv::Backend> backend = gdkv::open_backend(cfg.backend).value();
-    if (cfg.cache_bytes > 0) {
-      gdkv::CacheOptions co;
-      co.capacity_bytes = cfg.cache_bytes;
-      co.policy = cfg.cache_policy;
-      backend = gdkv::make_cached_backend(backend, co).value();
-    }
+    std::shared_ptr<gdkv::Backend> backend = gdkv::open_store(cfg.store).value();
     // The keys the store stops holding, for /removed (subscribers: the connectors' KV events).
     // On the outermost backend: the host cache registers on the store and passes them on.
     backend->set_removal_handler(
         [&removals](uint32_t nsid, const gdkv::Key& key) { removals.add(nsid, key); });
     gdkv::ControllerOptions co;
-    co.reactors = cfg.reactors;
-    co.max_value_bytes = cfg.max_value_bytes;
+    co.reactors = cfg.store.reactors;
+    co.max_value_bytes = cfg.store.max_value_bytes;
     co.idle_spin_us = cfg.idle_spin_us;
     co.never_sleep = cfg.never_sleep;
     co.measure_dma_peak = [](gdkv::CopyEngine& e) { return gdkv::measure_copy_peak_bps(e); };
@@ -124,8 +118,8 @@ int main(int argc, char** argv) {
       log("metrics on http://" + cfg.metrics_bind + ":" + std::to_string(metrics->port()) +
           "/metrics, removed keys at /removed");
     }
-    log("ready: backend " + cfg.backend.kind + ", " + std::to_string(co.reactors) +
-        " reactors, cache " + std::to_string(cfg.cache_bytes) + " bytes, socket " +
+    log("ready: backend " + cfg.store.backend.kind + ", " + std::to_string(co.reactors) +
+        " reactors, cache " + std::to_string(cfg.store.cache.capacity_bytes) + " bytes, socket " +
         server.socket_path());
 
     int sig = 0;

@@ -338,26 +338,25 @@ BackendInfo LocalStore::info() const {
 }
 
 void LocalStore::collect(MetricList& out) const {
-  auto add = [&](const char* name, const char* help, MetricType t, double v,
-                 std::vector<std::pair<std::string, std::string>> labels = {}) {
-    out.push_back(Metric{name, help, t, std::move(labels), v});
-  };
+  MetricWriter w(out);
   auto ld = [](const std::atomic<uint64_t>& a) {
     return static_cast<double>(a.load(std::memory_order_relaxed));
   };
   constexpr MetricType C = MetricType::kCounter;
   constexpr MetricType G = MetricType::kGauge;
+  auto add = [&](const char* name, const char* help, MetricType t, double v,
+                 MetricLabels labels = {}) { w.add(name, help, t, v, std::move(labels)); };
   double total = 0;
   for (size_t k = 0; k < kBackendOpKinds; ++k) {
-    add("local_ops_total", "ops submitted to the local store", C, ld(ops_[k]),
-        {{"op", backend_op_name(static_cast<BackendOpKind>(k))}});
+    w.counter("local_ops_total", "ops submitted to the local store", ops_[k],
+              {{"op", backend_op_name(static_cast<BackendOpKind>(k))}});
     total += ld(ops_[k]);
   }
   const BackendInfo i = info();
-  add("backend_ops_total", "ops submitted to the backend", C, total, {{"backend", "local"}});
-  add("backend_keys", "keys stored", G, static_cast<double>(i.keys), {{"backend", "local"}});
-  add("backend_bytes_used", "bytes stored", G, static_cast<double>(i.bytes_used),
-      {{"backend", "local"}});
+  MetricWriter backend(out, {{"backend", "local"}});
+  backend.counter("backend_ops_total", "ops submitted to the backend", total);
+  backend.gauge("backend_keys", "keys stored", static_cast<double>(i.keys));
+  backend.gauge("backend_bytes_used", "bytes stored", static_cast<double>(i.bytes_used));
   add("local_capacity_bytes",
       "log capacity in bytes (what the file system can hold, at most what was configured)", G,
       static_cast<double>(i.capacity_bytes));

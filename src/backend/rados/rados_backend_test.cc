@@ -77,8 +77,8 @@ TEST(RadosBackendOpen, WithoutClusterConfigIsAClearError) {
   const auto r = make_rados_backend(o);
   ASSERT_FALSE(r);
   EXPECT_NE(r.error().find("/nonexistent/ceph.conf"), std::string::npos) << r.error();
-  o.op_timeout_ms = 0;
-  EXPECT_NE(make_rados_backend(o).error().find("op_timeout_ms must be > 0"), std::string::npos);
+  o.ceph_timeout_ms = 0;
+  EXPECT_NE(make_rados_backend(o).error().find("ceph_timeout_ms must be > 0"), std::string::npos);
 }
 
 // ---- against the cluster ------------------------------------------------------------------------
@@ -460,7 +460,7 @@ TEST_P(RadosBackendTest, BackToBackOpsOfOneCallerApplyInOrder) {
 // cleanly with librados callbacks still on their way.
 TEST_P(RadosBackendTest, TimeoutsRacingCompletionsCompleteEachOpOnce) {
   RadosBackendOptions o = opts_;
-  o.op_timeout_ms = 1;
+  o.ceph_timeout_ms = 1;
   auto b = make_rados_backend(o).value();
   constexpr size_t kOps = 600;
   struct Ctx {

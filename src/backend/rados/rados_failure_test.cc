@@ -193,7 +193,7 @@ class RadosClusterGoneTest : public ::testing::Test {
   void SetUp() override {
     GDKV_REQUIRE_CEPH();
     opts_ = options_for("gdkv-rep3");
-    opts_.op_timeout_ms = kTimeoutMs;
+    opts_.ceph_timeout_ms = kTimeoutMs;
     backend_ = make_rados_backend(opts_).value();
     kv_ = std::make_unique<Sync>(backend_);
     kv_->limit = std::chrono::milliseconds(kTimeoutMs + 10000);

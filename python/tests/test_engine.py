@@ -1,0 +1,87 @@
+"""gdkv.engine's transfer layer as the three connectors use it: per-key results (one failed key
+fails only itself), where staging is needed and how much of it one batch takes, and the
+counters every connector keeps (Stats)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+
+import numpy as np
+
+from gdkv.engine import EngineStore, Stats
+
+
+def test_a_failed_key_fails_only_itself_in_every_transfer_call(caplog):
+    store = EngineStore({"backend": "memory", "max_value_bytes": 4096})
+    c = store.client()
+    keys = [bytes([i]) * 16 for i in range(4)]
+    values = [np.full(1024, i, np.uint8) for i in range(4)]
+    values[2] = np.zeros(8192, np.uint8)   # over max_value_bytes: refused, the others stored
+    with caplog.at_level(logging.DEBUG, "gdkv.engine"):
+        assert store.put(c, keys, lambda i: values[i]) == [True, True, False, True]
+    assert [r.levelname for r in caplog.records].count("WARNING") == 1   # noted once
+    assert store.present(c, keys) == [True, True, False, True]
+    assert store.leading(c, keys) == 2
+    outs = [np.zeros(1024, np.uint8) for _ in keys]
+    whole, held = store.load(c, keys, outs, [1024, 1024, 1024, 512])
+    # The missing one is neither whole nor held; the one of another length is held, a miss.
+    assert whole == [True, True, False, False] and held == [3]
+    assert all(np.array_equal(outs[i], values[i]) for i in (0, 1))
+    assert store.delete(c, keys) == 0 and store.present(c, keys) == [False] * 4
+    assert store.put(c, [], lambda i: values[i]) == []
+
+
+def test_reaches_and_staging_rows_in_process():
+    store = EngineStore({"backend": "memory", "staging_bytes": 10 << 20,
+                         "shared_memory_bytes": 1 << 20})
+    c = store.client()
+    # In-process the controller reaches any host memory: nothing is staged.
+    assert store.reaches(c, [np.zeros(64, np.uint8), bytearray(64)])
+    # staging_bytes alone bounds a batch in-process (the shared memory is gdkvd's only).
+    assert store.staging_rows(c, 1 << 20) == 10
+    assert store.staging_rows(c, 3 << 20) == 3
+    assert store.staging_rows(c, 64 << 20) == 1   # at least one value a round
+
+
+def test_reaches_and_staging_rows_through_gdkvd(gdkvd):
+    store = EngineStore({"socket_dir": gdkvd.dir, "staging_bytes": 10 << 20,
+                         "shared_memory_bytes": 8 << 20})
+    try:
+        c = store.client()
+        plain, shared = np.zeros(4096, np.uint8), c.empty(4096)
+        assert store.reaches(c, [shared]) and not store.reaches(c, [shared, plain])
+        # Through gdkvd at most half the shared memory, whatever staging_bytes says.
+        assert store.staging_rows(c, 1 << 20) == 4
+        assert store.staging_rows(c, 16 << 20) == 1
+        # Memory shared with gdkvd (share) is reached in place by this client and later ones.
+        pool = np.zeros(1 << 20, np.uint8)
+        assert store.share(pool) and store.reaches(c, [pool])
+    finally:
+        store.close()
+
+
+def test_stats_add_from_many_threads_and_write(tmp_path, caplog):
+    stats = Stats(loaded=0, load_s=0.0)
+    assert stats["loaded"] == 0 and stats["never_added"] == 0
+
+    def add() -> None:
+        for _ in range(5000):
+            stats.add(loaded=1, load_s=0.5)
+
+    threads = [threading.Thread(target=add) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert stats.snapshot() == {"loaded": 40000, "load_s": 20000.0}
+    assert stats.add(loaded=2, other=1) == {"loaded": 40002, "other": 1}
+    path = tmp_path / "stats.json"
+    stats.write(str(path), rank=3)
+    assert json.loads(path.read_text()) == {"loaded": 40002, "load_s": 20000.0, "other": 1,
+                                            "rank": 3}
+    # A file that cannot be written is logged, not raised (the engine goes on).
+    with caplog.at_level(logging.WARNING, "gdkv.engine"):
+        stats.write(str(tmp_path / "no" / "such" / "dir.json"))
+    assert "cannot write the counters" in caplog.text
