@@ -69,7 +69,7 @@ OPEN_SETTINGS: dict[str, type] = {
     "queue_depth": int, "cuda_device": int,
 }
 #: Every key EngineStore reads from a connector's config, with its type: the one list each
-#: connector's config is checked against (check_keys), the LMCache URL's options included.
+#: connector's config is read with (read_config), the LMCache URL's options included.
 STORE_SETTINGS: dict[str, type] = {
     "socket_dir": str, "backend": str, "nsid": int, "namespace": str, "timeout_ms": int,
     "shared_memory_bytes": int, "staging_bytes": int, "retry_interval_s": float,
@@ -77,16 +77,49 @@ STORE_SETTINGS: dict[str, type] = {
 }
 
 
-def check_keys(config: Mapping[str, Any], own: Iterable[str], where: str) -> None:
-    """Raises ValueError naming every key of ``config`` that neither EngineStore
-    (:data:`STORE_SETTINGS`) nor the connector (``own``) reads: a misspelt setting must not
-    fall back to its default in silence."""
-    known = set(STORE_SETTINGS) | set(own)
-    unknown = sorted(set(config) - known)
+def _boolean(value: Any) -> bool:
+    """A flag from JSON or YAML (a bool) or from text (a URL's query): true/false or 1/0."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).lower()
+    if text not in ("true", "false", "1", "0"):
+        raise ValueError("not true or false")
+    return text in ("true", "1")
+
+
+def _integer(value: Any) -> int:
+    """An int from JSON (an int, or a float without a fraction) or from text; a bool is not."""
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError("not an integer")
+    return int(value)
+
+
+_CONVERT: dict[Any, Callable[[Any], Any]] = {int: _integer, float: float, bool: _boolean,
+                                             str: str, None: lambda v: v}
+
+
+def read_config(config: Mapping[str, Any], own: Mapping[str, Optional[type]],
+                where: str) -> dict[str, Any]:
+    """``config`` with each value converted to its key's type: EngineStore's keys
+    (:data:`STORE_SETTINGS`) and the connector's ``own`` (a type, or None for a key passed
+    through as it is), without the keys whose value is None (their defaults hold). A key neither
+    names, or a value not of its type (text, as in a URL's query, is converted), is a ValueError
+    naming it: a misspelt setting must not fall back to its default in silence."""
+    types = {**STORE_SETTINGS, **own}
+    unknown = sorted(set(config) - set(types))
     if unknown:
         raise ValueError(f"gdkv: unknown key{'s' if len(unknown) > 1 else ''} "
                          f"{', '.join(map(repr, unknown))} in {where} (known: "
-                         f"{', '.join(sorted(known))})")
+                         f"{', '.join(sorted(types))})")
+    out: dict[str, Any] = {}
+    for name, value in config.items():
+        if value is None:   # None keeps the default, as in gdkv.open
+            continue
+        try:
+            out[name] = _CONVERT[types[name]](value)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"gdkv: {name}={value!r} in {where}: {e}") from None
+    return out
 
 
 def _as_bytes(h: Any) -> bytes:

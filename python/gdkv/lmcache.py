@@ -1,36 +1,21 @@
 """gdkv as LMCache's remote storage: a remote storage plugin for LMCache 0.5.6.
 
-LMCache keeps KV cache in chunks (``chunk_size`` tokens, 256 by default): one MemoryObj per chunk,
-``[2, layers, tokens, kv_heads * head_dim]`` (``KV_2LTD``; MLA models ``[1, layers, tokens, dim]``),
-named by a CacheEngineKey (model, world size, worker id, chunk hash, dtype). Its RemoteBackend
-stores every chunk it saves in a remote connector and looks chunks up there; this module is that
-connector over a gdkv store: a gdkvd next to vLLM, or an in-process controller.
-
-Config (LMCache's YAML, ``LMCACHE_CONFIG_FILE``). The plugin form, which LMCache 0.5.6 recommends
-(it logs ``remote_url`` as deprecated)::
-
-    chunk_size: 256
-    pre_caching_hash_algorithm: sha256_cbor   # chunk hashes equal in every process (see Keys)
-    local_cpu: true
-    max_local_cpu_size: 5              # GB: the remote backend loads chunks into this memory
-    remote_serde: naive
-    remote_storage_plugins: ["gdkv"]
-    extra_config:
-      remote_storage_plugin.gdkv.module_path: gdkv.lmcache
-      remote_storage_plugin.gdkv.class_name: GdkvConnectorAdapter
-      remote_storage_plugin.gdkv.url: "gdkv:///run/gdkvd?namespace=prod"
-
-The URL's path is gdkvd's socket directory (``gdkv://?backend=memory`` opens an in-process
-controller); options, as query parameters or ``remote_storage_plugin.<name>.<option>`` keys (the
-URL wins), are :class:`gdkv.engine.EngineStore`'s and ``threads`` (default 4).
+LMCache's RemoteBackend stores each full chunk (one MemoryObj of ``chunk_size`` tokens, named by
+a CacheEngineKey) in a remote connector and looks chunks up there; this module is that connector
+over a gdkv store, configured in LMCache's YAML as ``remote_storage_plugins: ["gdkv"]`` with
+``remote_storage_plugin.gdkv.module_path: gdkv.lmcache``, ``...class_name:
+GdkvConnectorAdapter`` and ``...url: "gdkv:///run/gdkvd?namespace=prod"``. The URL's path is
+gdkvd's socket directory (``gdkv://?backend=memory``: an in-process controller); its query
+parameters, or ``remote_storage_plugin.<name>.<option>`` keys (the URL wins), are
+gdkv.engine's keys and ``threads`` (default 4).
 
 Contract: a value is a chunk's bytes exactly, and one that is not exactly one full chunk of the
 engine's layout is a miss, so a truncated, padded or foreign value never reaches the model (only
 full chunks are stored; ``remote_serde`` must be ``naive`` and ``use_layerwise`` false). A gdkvd
 that is down, dies or freezes means misses and dropped puts, never an exception to LMCache and
 never wrong bytes. Set ``pre_caching_hash_algorithm: sha256_cbor`` so that chunk hashes agree
-across processes. Transfers go through :class:`gdkv.engine.EngineStore`'s calls. URL options,
-keys, copies, hints and what is not implemented (``ping``): docs/integrations.md ("LMCache").
+across processes. The full config, keys, copies, hints and what is not implemented (``ping``):
+docs/integrations.md ("LMCache").
 """
 
 from __future__ import annotations
@@ -53,7 +38,7 @@ from lmcache.v1.storage_backend.connector import (ConnectorAdapter, ConnectorCon
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from .client import Client
-from .engine import STORE_SETTINGS, EngineStore, KeySpace, Stats
+from .engine import EngineStore, KeySpace, Stats, read_config
 
 __all__ = ["GdkvConnectorAdapter", "GdkvConnector", "parse_url", "PLUGIN_TYPE"]
 
@@ -64,12 +49,6 @@ T = TypeVar("T")
 PLUGIN_TYPE = "gdkv"
 SCHEME = "gdkv://"
 
-# Options a URL or the plugin's extra config may set, by type (URL query values are strings).
-# The URL's options: EngineStore's (engine.STORE_SETTINGS) and the connector's threads.
-_INT_OPTIONS = {k for k, t in STORE_SETTINGS.items() if t is int} | {"threads"}
-_FLOAT_OPTIONS = {k for k, t in STORE_SETTINGS.items() if t is float}
-_STR_OPTIONS = {k for k, t in STORE_SETTINGS.items() if t is str}
-_BOOL_OPTIONS = {k for k, t in STORE_SETTINGS.items() if t is bool}
 # extra_config keys of a plugin that LMCache (module_path, class_name) or we (url) read.
 _PLUGIN_KEYS = {"module_path", "class_name", "url"}
 
@@ -102,30 +81,10 @@ def parse_url(url: str) -> dict[str, Any]:
     return _typed(options, url)
 
 
-def _boolean(value: Any) -> bool:
-    """A flag from a URL query ("true", "1", ...) or a YAML config (a bool)."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).lower()
-    if text not in ("true", "false", "1", "0"):
-        raise ValueError("not true or false")
-    return text in ("true", "1")
-
-
 def _typed(options: dict[str, Any], where: str) -> dict[str, Any]:
-    """``options`` checked against the known names and converted to their types."""
-    known = _INT_OPTIONS | _FLOAT_OPTIONS | _STR_OPTIONS | _BOOL_OPTIONS
-    out: dict[str, Any] = {}
-    for name, value in options.items():
-        if name not in known:
-            raise ValueError(f"gdkv: unknown option {name!r} in {where} (known: "
-                             f"{', '.join(sorted(known))})")
-        convert = (int if name in _INT_OPTIONS else float if name in _FLOAT_OPTIONS
-                   else _boolean if name in _BOOL_OPTIONS else str)
-        try:
-            out[name] = convert(value)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"gdkv: option {name}={value!r} in {where}: {e}") from None
+    """``options`` read as EngineStore's settings and ``threads`` (engine.read_config: text,
+    as in a URL's query, is converted to each option's type)."""
+    out = read_config(options, {"threads": int}, where)
     if out.get("socket_dir") and out.get("backend"):
         raise ValueError(f"gdkv: {where} sets both a socket directory (gdkvd) and backend="
                          f"{out['backend']} (in-process): one or the other")

@@ -1,29 +1,16 @@
-"""gdkv as SGLang's HiCache storage (L3): ``gdkv.sglang.GdkvStorage``, an SGLang ``HiCacheStorage``.
-
-SGLang (0.5.23) loads it with ``--hicache-storage-backend dynamic`` and its extra config::
-
-    python -m sglang.launch_server --model-path meta-llama/Llama-3.1-8B-Instruct \\
-        --enable-hierarchical-cache --page-size 64 --hicache-mem-layout page_first \\
-        --hicache-storage-backend dynamic \\
-        --hicache-storage-backend-extra-config '{"backend_name": "gdkv",
-            "module_path": "gdkv.sglang", "class_name": "GdkvStorage", "interface_v1": 1,
-            "socket_dir": "/run/gdkvd", "nsid": 1, "namespace": ""}'
-
-``interface_v1: 1`` makes SGLang call :meth:`GdkvStorage.batch_get_v1` / :meth:`batch_set_v1`
-(pages moved straight between gdkv and SGLang's host memory pool); without it SGLang uses the
-copying ``batch_get``/``batch_set`` path, which works too (the same values, one more copy in
-SGLang). The other keys are :mod:`gdkv.engine`'s (``socket_dir`` or ``backend``, ``nsid``,
-``namespace``, ``timeout_ms``, ``shared_memory_bytes``, ``staging_bytes``: the most memory a
-layer_first batch is copied through, ``retry_interval_s``).
+"""gdkv as SGLang's HiCache storage (L3): ``gdkv.sglang.GdkvStorage``, an SGLang ``HiCacheStorage``,
+loaded by SGLang 0.5.23's ``--hicache-storage-backend dynamic`` with ``module_path: gdkv.sglang``,
+``class_name: GdkvStorage`` and ``interface_v1: 1`` (pages move straight between gdkv and
+SGLang's host pool; without it SGLang's copying batch_get/batch_set path is used) in its extra
+config, with gdkv.engine's keys.
 
 Contract: a page is reported stored or loaded only when every one of its values is (the store
 may evict one value of a page and keep another); ``batch_exists`` gives the leading run of such
 pages and hints it to gdkv, in order. A gdkvd that is down, killed or frozen means misses
 (``False``/``0``/``None``) and failed sets (``False``), never an exception to SGLang and never
-wrong bytes; the client is opened again after ``retry_interval_s``. Transfers go through
-:class:`gdkv.engine.EngineStore`'s calls, so a value whose command fails fails its page only.
-Keys, how pages map to values (per layout), zero copy, hints and ``clear()``:
-docs/integrations.md ("SGLang").
+wrong bytes; a value whose command fails fails its page only. The full launch command, keys,
+how pages map to values (per layout), zero copy, hints and ``clear()``: docs/integrations.md
+("SGLang").
 """
 
 from __future__ import annotations
@@ -40,7 +27,7 @@ from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorage
                                                   HiCacheStorageExtraInfo)
 
 from .client import Client
-from .engine import EngineStore, KeySpace, Stats, check_keys
+from .engine import EngineStore, KeySpace, Stats, read_config
 
 log = logging.getLogger("gdkv.sglang")
 # SGLang's own keys of the extra config that may reach the backend (0.5.23: the dynamic
@@ -147,8 +134,8 @@ class GdkvStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig,
                  kwargs: Optional[Mapping[str, Any]] = None):
         self.storage_config = storage_config
-        config = dict(storage_config.extra_config or {})
-        check_keys(config, SGLANG_KEYS, "SGLang's --hicache-storage-backend-extra-config")
+        config = read_config(storage_config.extra_config or {}, dict.fromkeys(SGLANG_KEYS),
+                             "SGLang's --hicache-storage-backend-extra-config")
         self.store = EngineStore(config)
         self.namespace = str(config.get("namespace", ""))
         self.enable_metrics = bool(storage_config.enable_storage_metrics)

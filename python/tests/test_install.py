@@ -20,7 +20,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tarfile
 import time
 from pathlib import Path

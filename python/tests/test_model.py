@@ -8,8 +8,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from conftest import ROOT, Gdkvd, require_ceph
 
 MODEL = os.environ.get("GDKV_MODEL_DIR", str(ROOT / "build" / "demo-model"))

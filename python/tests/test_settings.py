@@ -90,9 +90,9 @@ def test_the_connectors_read_every_setting_with_its_type():
     for s in SETTINGS:
         assert engine.STORE_SETTINGS[s["name"]] is TYPES[s["type"]], s["name"]
     config = {s["name"]: other_value(s) for s in SETTINGS}
-    engine.check_keys(config, (), "a test config")  # no unknown key
+    assert engine.read_config(config, {}, "a test config") == config
     with pytest.raises(ValueError, match="'ceph_timeout'"):
-        engine.check_keys({"ceph_timeout": 1}, (), "a test config")
+        engine.read_config({"ceph_timeout": 1}, {}, "a test config")
     # LMCache's URL: every setting as a query option, converted to its type.
     query = "&".join(f"{s['name']}={as_text(other_value(s))}" for s in SETTINGS
                      if s["name"] != "backend")
@@ -102,6 +102,22 @@ def test_the_connectors_read_every_setting_with_its_type():
             assert parsed[s["name"]] == other_value(s), s["name"]
     with pytest.raises(ValueError, match="evict=.*not true or false"):
         lmcache.parse_url("gdkv://?backend=memory&evict=maybe")
+
+
+def test_a_connector_config_is_read_with_its_types():
+    """One reader for every connector's config: JSON values and text (a URL's query) give the
+    same settings; a value of the wrong type names its key; None keeps the default."""
+    own = {"threads": int, "label": None}
+    text = {"nsid": "2", "retry_interval_s": "0.5", "evict": "false", "threads": "3",
+            "label": 7, "namespace": None}
+    typed = {"nsid": 2, "retry_interval_s": 0.5, "evict": False, "threads": 3, "label": 7}
+    assert engine.read_config(text, own, "a test config") == typed
+    assert engine.read_config(typed, own, "a test config") == typed
+    for key, bad, why in [("nsid", True, "not an integer"), ("nsid", 1.5, "not an integer"),
+                          ("nsid", "one", "invalid literal"), ("evict", "maybe", "true or false"),
+                          ("timeout_ms", [1], "")]:
+        with pytest.raises(ValueError, match=f"gdkv: {key}=.* in a test config: .*{why}"):
+            engine.read_config({key: bad}, own, "a test config")
 
 
 def test_gdkvd_takes_every_flag_and_prints_every_key():

@@ -648,6 +648,8 @@ def test_an_unknown_extra_config_key_is_an_error(gdkvd):
     host = host_pool("mha/page_first")
     with pytest.raises(Exception, match="unknown key 'shared_memory_byte'"):
         storage(host, socket_dir=gdkvd.dir, shared_memory_byte=1 << 20)
+    with pytest.raises(Exception, match="nsid='one'"):
+        storage(host, socket_dir=gdkvd.dir, nsid="one")
     s = storage(host, socket_dir=gdkvd.dir, prefetch_threshold=256, file_storage_path="/x")
     assert s.batch_set_v1(hashes(1), indices([0])) == [True]
     s.close()

@@ -617,6 +617,15 @@ def test_an_unknown_extra_config_key_is_an_error(model_dir, tmp_path):
     cfg = {"backend": "memory", "namespace": str(tmp_path), "layer_per_value": 2}
     with pytest.raises(ValueError, match=r"unknown key 'layer_per_value'.*layers_per_value"):
         Instance(model_dir, cfg)
+    # A value of the wrong type is refused with its key; text (as JSON may carry) is read.
+    cfg = {"backend": "memory", "namespace": str(tmp_path)}
+    with pytest.raises(ValueError, match=r"blocks_per_value=1\.5 .*not an integer"):
+        Instance(model_dir, {**cfg, "blocks_per_value": 1.5})
+    with pytest.raises(ValueError, match=r"heads_per_value='one'"):
+        Instance(model_dir, {**cfg, "heads_per_value": "one"})
+    inst = Instance(model_dir, {**cfg, "blocks_per_value": "2"})
+    assert inst.connector.plan.blocks_per_value == 2
+    inst.close()
 
 
 def test_values_of_fewer_layers_have_keys_of_their_own(model_dir, tmp_path):

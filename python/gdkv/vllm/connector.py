@@ -43,7 +43,7 @@ def _ranks() -> tuple[int, int]:
 
 
 class GdkvConnector(KVConnectorBase_V1, SupportsHMA):
-    """vLLM's KV connector for gdkv (module docstring: configuration and behaviour). It
+    """vLLM's KV connector for gdkv (the package docstring: its contract and configuration). It
     supports vLLM's hybrid KV cache manager (SupportsHMA): models with sliding-window layers
     keep one KV cache group per attention type."""
 
@@ -122,7 +122,7 @@ class GdkvConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # Views of the pages, and CPU pages shared with gdkvd in place (EngineStore.share:
         # memory that cannot be shared, or a gdkvd that refuses it, leaves those transfers
-        # staged). CUDA pages are reached through pinned staging (the module docstring). Nothing
+        # staged). CUDA pages are reached through pinned staging (docs/integrations.md). Nothing
         # here fails on gdkv.
         self.worker.register(kv_caches, self._kv_cache_config.num_blocks)
 

@@ -14,7 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorMetada
                                                                KVConnectorWorkerMetadata)
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
-from ..engine import KeySpace, check_keys, weights_fingerprint
+from ..engine import KeySpace, read_config, weights_fingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -31,10 +31,11 @@ MEDIUM = "GDKV"
 REMOVALS_POLL_S = 0.5
 # How long a planned save's event waits for the workers' reports before it is given up.
 EVENT_WAIT_S = 10.0
-# The connector's own keys of kv_connector_extra_config (the package docstring says what each
-# does); with EngineStore's (engine.STORE_SETTINGS) they are all it accepts.
-VLLM_KEYS = ("blocks_per_value", "model_id", "save_queue_bytes", "load_mode", "layers_per_value",
-             "removals_url", "heads_per_value")
+# The connector's own keys of kv_connector_extra_config and their types (docs/integrations.md
+# says what each does); with EngineStore's (engine.STORE_SETTINGS) they are all it accepts.
+VLLM_KEYS = {"blocks_per_value": int, "model_id": str, "save_queue_bytes": int,
+             "load_mode": str, "layers_per_value": int, "removals_url": str,
+             "heads_per_value": int}
 
 
 @dataclass
@@ -107,14 +108,14 @@ class Plan:
     """What both sides derive from the vLLM config: value geometry and the key salt."""
 
     def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig"):
-        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-        check_keys(extra, VLLM_KEYS, "the gdkv connector's kv_connector_extra_config")
+        extra = read_config(vllm_config.kv_transfer_config.kv_connector_extra_config or {},
+                            VLLM_KEYS, "the gdkv connector's kv_connector_extra_config")
         self.extra = extra
         groups = kv_cache_config.kv_cache_groups
         spec = groups[0].kv_cache_spec if groups else None
         self.block_size = vllm_config.cache_config.block_size
         self.hash_block_size = kv_cache_config.hash_block_size or self.block_size
-        self.blocks_per_value = int(extra.get("blocks_per_value", 1))
+        self.blocks_per_value = extra.get("blocks_per_value", 1)
         # vLLM's KV cache groups: one of full attention, or with its hybrid allocator one per
         # attention type (full, sliding window), each with its own block table. A value holds
         # one group's layers; a sliding-window group's values are loaded only within the window.
@@ -168,7 +169,7 @@ class Plan:
         # (save_kv_layer). Values of fewer layers (layers_per_value) let the first layers
         # compute while the later ones load.
         self.layerwise = mode == "layerwise"
-        self.layers_per_value = int(extra.get("layers_per_value", 0))
+        self.layers_per_value = extra.get("layers_per_value", 0)
         if self.layers_per_value < 0:
             raise ValueError("gdkv: layers_per_value must be 0 (every layer) or more")
         # Values per block, unit of heads and group: chunks of layers_per_value layers; the
@@ -206,7 +207,7 @@ class Plan:
                       f"model={model_dtype}/quantization={mc.quantization or ''}")
         self.layout = (f"{type(spec).__name__}/{self.layout_name}/bs{self.block_size}/"
                        f"head{self.head_bytes}x{self.heads_per_value}/g{self.blocks_per_value}")
-        self.namespace = str(extra.get("namespace", ""))
+        self.namespace = extra.get("namespace", "")
 
     def _heads(self, extra: dict, spec, mc) -> None:
         """Which KV heads a value holds. A value holds ``heads_per_value`` consecutive KV heads
@@ -221,7 +222,7 @@ class Plan:
             log.warning("gdkv: %d KV heads per rank over %d ranks is not the model's %d; "
                         "running without gdkv", self.rank_heads, self.tp, self.total_heads)
         self.head_bytes = self.page_bytes // self.rank_heads
-        k = int(extra.get("heads_per_value", 1))
+        k = extra.get("heads_per_value", 1)
         if k < 1 or self.rank_heads % k:
             raise ValueError(f"gdkv: heads_per_value must divide the {self.rank_heads} KV "
                              f"heads a rank holds, not be {k}")
