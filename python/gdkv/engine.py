@@ -96,6 +96,22 @@ def _integer(value: Any) -> int:
 
 _CONVERT: dict[Any, Callable[[Any], Any]] = {int: _integer, float: float, bool: _boolean,
                                              str: str, None: lambda v: v}
+#: The store settings' ranges and choices (gdkv.settings()), and the least value of
+#: EngineStore's own numbers: a value out of range is refused when the config is read, not by
+#: the connect thread later.
+_SCHEMA = {s["name"]: s for s in _core.settings()}
+_LEAST = {"nsid": 1, "timeout_ms": 1, "shared_memory_bytes": 1, "staging_bytes": 1,
+          "retry_interval_s": 0}
+
+
+def _check_range(name: str, value: Any) -> None:
+    s = _SCHEMA.get(name, {})
+    if s.get("choices") and value not in s["choices"]:
+        raise ValueError(f"not one of {', '.join(s['choices'])}")
+    low, high = s.get("min", _LEAST.get(name)), s.get("max")
+    if low is not None and value < low or high is not None and value > high:
+        raise ValueError(f"out of range (at least {low}" +
+                         (f", at most {high})" if high is not None else ")"))
 
 
 def read_config(config: Mapping[str, Any], own: Mapping[str, Optional[type]],
@@ -103,8 +119,9 @@ def read_config(config: Mapping[str, Any], own: Mapping[str, Optional[type]],
     """``config`` with each value converted to its key's type: EngineStore's keys
     (:data:`STORE_SETTINGS`) and the connector's ``own`` (a type, or None for a key passed
     through as it is), without the keys whose value is None (their defaults hold). A key neither
-    names, or a value not of its type (text, as in a URL's query, is converted), is a ValueError
-    naming it: a misspelt setting must not fall back to its default in silence."""
+    names, a value not of its type (text, as in a URL's query, is converted), or a setting out
+    of its range or choices (gdkv.settings()) is a ValueError naming it: a misspelt setting must
+    not fall back to its default in silence, nor stop gdkv later."""
     types = {**STORE_SETTINGS, **own}
     unknown = sorted(set(config) - set(types))
     if unknown:
@@ -117,6 +134,8 @@ def read_config(config: Mapping[str, Any], own: Mapping[str, Optional[type]],
             continue
         try:
             out[name] = _CONVERT[types[name]](value)
+            if name in STORE_SETTINGS:
+                _check_range(name, out[name])
         except (TypeError, ValueError) as e:
             raise ValueError(f"gdkv: {name}={value!r} in {where}: {e}") from None
     return out
@@ -465,7 +484,7 @@ class EngineStore:
         while not self._closed.wait(delay):
             try:
                 client = self._open()
-            except errors.Error as e:
+            except Exception as e:   # a gdkv error, or settings that open() refused
                 # Said once per outage; the retries are logged at debug level.
                 log.log(logging.DEBUG if warned else logging.WARNING,
                         "gdkv: %s is unavailable (%s); running without it, retrying every "
@@ -582,11 +601,15 @@ class EngineStore:
     # ---- transfers: the batch calls every connector makes, with one failure rule ----
     # A key whose command failed fails only itself: it is noted (logged once per kind) and
     # counts as not stored, so it is recomputed, and put again. gdkv unavailable raises (call()
-    # drops the client).
+    # drops the client): the whole client failing, or one key's NotReadyError (82h: the store
+    # behind gdkv, a RADOS cluster, is not reachable now), which says nothing of the value.
     def _noted(self, results: list, what: str) -> list:
-        """Notes the first error of each kind in a batch's results (a missing key is none)."""
+        """Notes the first error of each kind in a batch's results (a missing key is none);
+        raises the first that means gdkv is unavailable (UNAVAILABLE)."""
         kinds = set()
         for r in results:
+            if isinstance(r, UNAVAILABLE):
+                raise r
             if isinstance(r, errors.Error) and not isinstance(r, errors.KeyNotFoundError):
                 kind = (type(r), r.status)
                 if kind not in kinds:
@@ -599,6 +622,8 @@ class EngineStore:
         missing key or at one whose Exist failed. ``hint``: the run is hinted to gdkv, in order
         (a load of it follows)."""
         n, error = client.lookup(keys)
+        if isinstance(error, UNAVAILABLE):
+            raise error
         if error is not None:
             self.note(error, "lookup")
         if hint and n:
@@ -613,13 +638,14 @@ class EngineStore:
              sizes: list[int]) -> tuple[list[bool], list[int]]:
         """Each value into its out (a buffer, or the buffers it is laid out across), in one
         batch. Returns (whole, held): whole[i] when value i arrived exactly ``sizes[i]`` bytes
-        long; held, the indices of values gdkv holds but did not deliver (their command failed,
-        or they have another length: not this engine's layout, never used). A missing value is
-        neither."""
+        long; held, the indices of values gdkv holds but cannot deliver (of another length: not
+        this engine's layout, never used; or whose Retrieve failed for the value itself). A
+        missing value is neither, nor one that failed for want of shared memory (CapacityError),
+        and gdkv unavailable raises (_noted)."""
         got = self._noted(client.get_many_into(keys, outs, partial=True), "load")
         whole = [n == size for n, size in zip(got, sizes)]
         held = [i for i, n in enumerate(got) if not whole[i] and
-                not isinstance(n, errors.KeyNotFoundError)]
+                not isinstance(n, (errors.KeyNotFoundError, errors.CapacityError))]
         for i in held:
             if isinstance(got[i], int):
                 self.note(errors.ValueSizeError(

@@ -2,6 +2,7 @@
 #include "gdkv/settings.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <limits>
 #include <type_traits>
 #include <utility>
@@ -32,7 +33,9 @@ Setting row(const char* name, const char* toml, const char* flag, const char* un
   return s;
 }
 
-constexpr uint64_t kAny = std::numeric_limits<uint64_t>::max();
+// No limit but the largest TOML integer, so that every value a flag or gdkv.open takes can be
+// written to gdkvd's configuration file (--check-config) and read back.
+constexpr uint64_t kAny = std::numeric_limits<int64_t>::max();
 constexpr uint64_t kHour = 3'600'000;
 
 std::vector<Setting> make_table() {
@@ -221,8 +224,16 @@ std::string Setting::text(const StoreSettings& s) const {
   if (const bool* b = std::get_if<bool>(&v)) return *b ? "true" : "false";
   std::string out = "\"";
   for (const char c : std::get<std::string>(v)) {
-    if (c == '"' || c == '\\') out += '\\';
-    out += c;
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) {  // a TOML \uXXXX escape
+      char esc[8];
+      std::snprintf(esc, sizeof esc, "\\u%04x", static_cast<unsigned>(c));
+      out += esc;
+    } else {
+      out += c;
+    }
   }
   return out + "\"";
 }

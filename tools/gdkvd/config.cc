@@ -333,6 +333,12 @@ int load(int argc, char** argv, Config& c, std::string* error) {
     c.config_file = file;
   }
 
+  // The one variable renamed, as its TOML key and flag were: set, it would be ignored in silence.
+  if (std::getenv("GDKVD_OP_TIMEOUT_MS") != nullptr) {
+    *error = "GDKVD_OP_TIMEOUT_MS: renamed GDKVD_CEPH_TIMEOUT_MS";
+    return 2;
+  }
+
   CLI::App app{"gdkvd: the gdkv controller as a vfio-user NVMe-KV device"};
   // A flag given twice: the last one wins (wrappers append overrides).
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);

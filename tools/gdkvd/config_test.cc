@@ -132,6 +132,12 @@ TEST(Config, FileThenEnvironmentThenFlags) {
   EXPECT_EQ(run({"--backend", "tape"}, bad, &err), 2);
   EXPECT_EQ(run({"--config", "/nonexistent/gdkvd.toml"}, bad, &err), 2);
   EXPECT_NE(err.find("cannot read config file"), std::string::npos);
+  // The RADOS timeout's old variable is refused, not ignored (as its TOML key and flag are).
+  ::setenv("GDKVD_OP_TIMEOUT_MS", "1000", 1);
+  EXPECT_EQ(run({"--backend", "memory"}, bad, &err), 2);
+  EXPECT_EQ(err, "GDKVD_OP_TIMEOUT_MS: renamed GDKVD_CEPH_TIMEOUT_MS");
+  ::unsetenv("GDKVD_OP_TIMEOUT_MS");
+  EXPECT_EQ(run({"--op-timeout-ms", "1000"}, bad, &err), 2);
   ::unlink(path);
 }
 
@@ -183,6 +189,25 @@ TEST(Config, EverySettingInEveryForm) {
     ASSERT_EQ(rc, 0) << env << ": " << err;
     EXPECT_EQ(x.get(from_env.store), v) << env;
   }
+}
+
+// What --check-config prints reads back as the same settings, whatever a flag or variable set:
+// strings with quotes, backslashes and control characters, and the largest sizes.
+TEST(Config, PrintedConfigurationReadsBack) {
+  Config c;
+  const gdkv::Setting* store = gdkv::find_setting("store");
+  const gdkv::Setting* capacity = gdkv::find_setting("capacity");
+  ASSERT_NE(store, nullptr);
+  ASSERT_NE(capacity, nullptr);
+  const std::string odd = "/a \"b\" \\c\nd\te\x01\x7f";
+  ASSERT_EQ(store->set(c.store, odd), "");
+  ASSERT_EQ(capacity->set(c.store, capacity->max), "");
+  EXPECT_NE(capacity->set(c.store, capacity->max + 1), "");
+  Config back;
+  std::string err;
+  ASSERT_TRUE(load_toml(to_toml(c), "printed.toml", back, &err)) << err << "\n" << to_toml(c);
+  EXPECT_EQ(store->get(back.store), gdkv::SettingValue{odd});
+  EXPECT_EQ(capacity->get(back.store), gdkv::SettingValue{capacity->max});
 }
 
 TEST(Config, SettingsRefuseBadValuesWithTheirReason) {

@@ -87,8 +87,9 @@ class SchedulerSide:
         p = self.plan
         if self.store is None or not p.usable or self.off:
             return 0, False
-        # The values vLLM's prefix cache holds were computed here, and saved then (or loaded
-        # from gdkv): no save gathers them again.
+        # The values vLLM's prefix cache holds are not saved again (that would gather the whole
+        # prefix on every request): they were computed or loaded here, and saved then unless
+        # that save was dropped; a dropped one is saved once vLLM evicts and recomputes it.
         first = num_computed // p.tokens_per_value
         st.lookup = (num_computed, first)
         # vLLM computes at least the prompt's last token itself.
