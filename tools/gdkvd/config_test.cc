@@ -216,7 +216,7 @@ TEST(Config, SettingsRefuseBadValuesWithTheirReason) {
   const std::pair<const char*, const char*> cases[] = {
       {"[backend]\nevict = 1\n", "s.toml:2: backend.evict: must be true or false"},
       {"[backend]\npool = 3\n", "s.toml:2: backend.pool: must be a string"},
-      {"[cache]\nbytes = -1\n", "s.toml:2: cache.bytes: must be in [0, 18446744073709551615]"},
+      {"[cache]\nbytes = -1\n", "s.toml:2: cache.bytes: must be in [0, 9223372036854775807]"},
       {"[cache]\nbytes = 1.5\n", "s.toml:2: cache.bytes: must be an integer"},
       {"[cache]\npolicy = \"mru\"\n", "s.toml:2: cache.policy: 'mru' is not one of adaptive, "},
       {"[backend]\nkind = \"disk\"\n",
