@@ -46,7 +46,7 @@ struct Setting {
   void* (*field)(StoreSettings&);  // where the value lives
 
   SettingValue get(const StoreSettings& s) const;
-  // Sets the value: "" on success, else why not ("must be in [1, 256]", "must be one of ...").
+  // Sets the value: "" on success, else why not ("must be in [1, 256]", "'x' is not one of ...").
   std::string set(StoreSettings& s, const SettingValue& v) const;
   // What set() says of a value of the wrong kind ("must be an integer", "must be true or
   // false", "must be a string") and of an integer out of range ("must be in [1, 256]"): the

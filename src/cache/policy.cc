@@ -4,8 +4,9 @@
 // owns its lists and byte counts and keeps its state in a part of the node. Engine<Experts...>
 // holds the experts and one hash map of nodes; a node inherits the part of each of its experts
 // and nothing else (an LRU node holds no LRU-K or ARC state). The engine calls every expert, in
-// the order of the template arguments, for each operation on a node, so a key costs one hash
-// lookup per reference however many experts keep it in step. The single-expert policies are
+// the order of the template arguments, for each operation on a node, so a hit costs one hash
+// lookup however many experts keep it in step (an insert costs a second one when an expert
+// looks for the key's history first, prepare_insert). The single-expert policies are
 // ExpertPolicy<E> (an Engine<E>); the adaptive policy is an Engine of all four, the prefix policy
 // kept in step beside it, and shadow caches that score the experts and choose whose evictions
 // it follows.
@@ -349,11 +350,11 @@ class AdaptivePolicy final : public EvictionPolicy {
   //
   // No single policy wins at every size on KV-cache traffic: LRU-2 (frequency) wins when the
   // cache is small next to the working set, LRU (recency) when it is large, ARC often in between.
-  // The adaptive policy keeps all three as experts ordering the cache's entries (its engine),
-  // and also runs each alone on a shadow cache of the same capacity that holds keys only and sees
-  // the same references. Shadow hits, halved every epoch (several turnovers of the cache), score
-  // each expert on the recent past, and evictions follow the best. In a steady workload the cache
-  // converges on the contents the best expert would have; a change of workload moves the lead
+  // The adaptive policy keeps all four (with S3-FIFO) as experts ordering the cache's entries (its
+  // engine), and also runs each alone on a shadow cache of the same capacity that holds keys only
+  // and sees the same references. Shadow hits, halved every epoch (several turnovers of the cache),
+  // score each expert on the recent past, and evictions follow the best. In a steady workload the
+  // cache converges on the contents the best expert would have; a change of workload moves the lead
   // within a few epochs. The shadows follow a fixed sample of the key space (SHARDS, spatial
   // sampling) once the cache holds many entries, so they cost a fraction of a lookup per reference.
 

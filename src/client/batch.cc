@@ -53,7 +53,7 @@ std::vector<CmdResult> Client::put_many(std::span<const Key> keys,
   for (size_t i = 0; i < keys.size(); ++i) {
     const auto& v = values[i];
     if (v.size() > std::numeric_limits<uint32_t>::max()) {
-      out[i] = CmdResult{nvme::Status::kInvalidValueSize, nvme::kSctCommandSpecific, 0};
+      out[i] = CmdResult{nvme::Status::kInvalidValueSize, nvme::kSctGeneric, 0};  // as put()
       continue;
     }
     BatchItem it;

@@ -7,13 +7,10 @@
 // and wait for CSTS.RDY, Identify Controller (the gdkv vendor area says counter doorbells are
 // offered), Set Features Number of Queues. I/O queue pairs are created on demand with counter
 // doorbells; the requester bookkeeping of gdkv::QueueRef stays in private memory.
-#include <linux/futex.h>
 #include <poll.h>
-#include <sched.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
-#include <sys/syscall.h>
 #include <sys/un.h>
 #include <unistd.h>
 
