@@ -62,10 +62,12 @@ UNAVAILABLE = (errors.ConnectionError, errors.TimeoutError, errors.ClosedError,
                errors.NotReadyError)
 
 _TYPES = {"int": int, "bool": bool, "str": str}
-#: gdkv.open's options (an in-process backend), with their types: the store's settings
-#: (gdkv.settings(), declared once in C++) and gdkv.open's own.
+# The store's settings (gdkv.settings(), declared once in C++), with their types.
+_SETTINGS = {s["name"]: _TYPES[s["type"]] for s in _core.settings()}
+#: gdkv.open's options (an in-process backend), with their types: the store's settings and
+#: gdkv.open's own.
 OPEN_SETTINGS: dict[str, type] = {
-    **{s["name"]: _TYPES[s["type"]] for s in _core.settings() if s["name"] != "backend"},
+    **{name: t for name, t in _SETTINGS.items() if name != "backend"},
     "queue_depth": int, "cuda_device": int,
 }
 #: Every key EngineStore reads from a connector's config, with its type: the one list each
@@ -96,22 +98,10 @@ def _integer(value: Any) -> int:
 
 _CONVERT: dict[Any, Callable[[Any], Any]] = {int: _integer, float: float, bool: _boolean,
                                              str: str, None: lambda v: v}
-#: The store settings' ranges and choices (gdkv.settings()), and the least value of
-#: EngineStore's own numbers: a value out of range is refused when the config is read, not by
-#: the connect thread later.
-_SCHEMA = {s["name"]: s for s in _core.settings()}
+#: The least value of EngineStore's own numbers (the store settings' ranges and choices are the
+#: C++ table's, checked by _core.effective_settings as gdkv.open checks them).
 _LEAST = {"nsid": 1, "timeout_ms": 1, "shared_memory_bytes": 1, "staging_bytes": 1,
           "retry_interval_s": 0}
-
-
-def _check_range(name: str, value: Any) -> None:
-    s = _SCHEMA.get(name, {})
-    if s.get("choices") and value not in s["choices"]:
-        raise ValueError(f"not one of {', '.join(s['choices'])}")
-    low, high = s.get("min", _LEAST.get(name)), s.get("max")
-    if low is not None and value < low or high is not None and value > high:
-        raise ValueError(f"out of range (at least {low}" +
-                         (f", at most {high})" if high is not None else ")"))
 
 
 def read_config(config: Mapping[str, Any], own: Mapping[str, Optional[type]],
@@ -120,8 +110,8 @@ def read_config(config: Mapping[str, Any], own: Mapping[str, Optional[type]],
     (:data:`STORE_SETTINGS`) and the connector's ``own`` (a type, or None for a key passed
     through as it is), without the keys whose value is None (their defaults hold). A key neither
     names, a value not of its type (text, as in a URL's query, is converted), or a setting out
-    of its range or choices (gdkv.settings()) is a ValueError naming it: a misspelt setting must
-    not fall back to its default in silence, nor stop gdkv later."""
+    of its range or choices (as gdkv.open refuses it) is a ValueError naming it: a misspelt
+    setting must not fall back to its default in silence, nor stop gdkv later."""
     types = {**STORE_SETTINGS, **own}
     unknown = sorted(set(config) - set(types))
     if unknown:
@@ -133,9 +123,11 @@ def read_config(config: Mapping[str, Any], own: Mapping[str, Optional[type]],
         if value is None:   # None keeps the default, as in gdkv.open
             continue
         try:
-            out[name] = _CONVERT[types[name]](value)
-            if name in STORE_SETTINGS:
-                _check_range(name, out[name])
+            out[name] = v = _CONVERT[types[name]](value)
+            if name in _LEAST and v < _LEAST[name]:
+                raise ValueError(f"must be at least {_LEAST[name]}")
+            if name in _SETTINGS:   # its range or choices, as gdkv.open checks them
+                _core.effective_settings({name: v})
         except (TypeError, ValueError) as e:
             raise ValueError(f"gdkv: {name}={value!r} in {where}: {e}") from None
     return out
@@ -617,17 +609,20 @@ class EngineStore:
                     self.note(r, what)
         return results
 
-    def leading(self, client: Client, keys: list[bytes], hint: bool = False) -> int:
-        """How many leading ``keys`` are stored (:meth:`Client.lookup`): the run ends at a
-        missing key or at one whose Exist failed. ``hint``: the run is hinted to gdkv, in order
-        (a load of it follows)."""
+    def leading(self, client: Client, keys: list[bytes], hint: bool = False,
+                per: int = 1) -> int:
+        """How many leading groups of ``per`` keys (a page's or a block's values, in order) are
+        stored whole (:meth:`Client.lookup`): the run ends at a missing key or at one whose
+        Exist failed. ``hint``: the keys of those groups are hinted to gdkv, in order (a load of
+        them follows)."""
         n, error = client.lookup(keys)
         if isinstance(error, UNAVAILABLE):
             raise error
         if error is not None:
             self.note(error, "lookup")
+        n //= per
         if hint and n:
-            self.hint(client, keys[:n])
+            self.hint(client, keys[:n * per])
         return n
 
     def present(self, client: Client, keys: list[bytes]) -> list[bool]:
@@ -654,8 +649,9 @@ class EngineStore:
         return whole, held
 
     def put(self, client: Client, keys: list[bytes], value: Callable[[int], Any]) -> list[bool]:
-        """Stores ``value(i)`` under ``keys[i]`` in one batch; whether each was stored. (Callers
-        ask :meth:`present` first, per value or per page, and put only what is missing.)"""
+        """Stores ``value(i)`` under ``keys[i]`` in one batch; whether each was stored. (The vLLM
+        and SGLang connectors ask :meth:`present` first and put only what is missing; LMCache's
+        sends every chunk.)"""
         if not keys:
             return []
         res = self._noted(client.put_many([(k, value(i)) for i, k in enumerate(keys)]), "put")

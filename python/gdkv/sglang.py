@@ -369,16 +369,9 @@ class GdkvStorage(HiCacheStorage):
     def _leading_pages(self, page_hashes: list[str], hint: bool) -> int:
         if not page_hashes or self.layout is None or self.keyspace is None:
             return 0
-        nparts = len(self.layout.parts)
         keys = self._keys(page_hashes)
-
-        def lookup(c: Client) -> int:
-            found = self.store.leading(c, keys) // nparts
-            if hint and found:
-                self.store.hint(c, keys[: found * nparts])
-            return found
-
-        return self._call(lookup, 0, "batch_exists")
+        return self._call(lambda c: self.store.leading(c, keys, hint, len(self.layout.parts)), 0,
+                          "batch_exists")
 
     # ---- SGLang's generic interface: flat data pages (its own copies) ----
     def _flat(self, t: torch.Tensor) -> Optional[np.ndarray]:
@@ -434,12 +427,13 @@ class GdkvStorage(HiCacheStorage):
         if any(f is None for f in flats):
             return False
         all_keys = self._keys(keys)
+        parts = [self._flat_parts(f) for f in flats]
 
         def put(c: Client) -> tuple[bool, int]:
             todo = self._missing(c, all_keys)
             if not todo:
                 return True, 0
-            ok = self._put_values(c, all_keys, todo, lambda i, j: self._flat_parts(flats[i])[j])
+            ok = self._put_values(c, all_keys, todo, lambda i, j: parts[i][j])
             return all(ok), len(todo)
 
         t0 = time.perf_counter()

@@ -887,6 +887,22 @@ gdkv::StoreSettings to_store_settings(const nb::dict& given) {
   return s;
 }
 
+// A setting's value as Python holds it.
+nb::object setting_value(const gdkv::SettingValue& v) {
+  if (const uint64_t* n = std::get_if<uint64_t>(&v)) return nb::int_(*n);
+  if (const bool* b = std::get_if<bool>(&v)) return nb::bool_(*b);
+  return nb::str(std::get<std::string>(v).c_str());
+}
+
+// _core.effective_settings(given): every setting's value once `given` is applied to the
+// defaults, as gdkv.open would open with them; refuses what gdkv.open refuses, with its errors.
+nb::dict effective_settings(const nb::dict& given) {
+  const gdkv::StoreSettings s = to_store_settings(given);
+  nb::dict out;
+  for (const gdkv::Setting& x : gdkv::store_settings()) out[x.name] = setting_value(x.get(s));
+  return out;
+}
+
 // gdkv.settings(): the table, each setting as a dict (its default is a default StoreSettings').
 nb::list settings_table() {
   const gdkv::StoreSettings defaults;
@@ -1030,6 +1046,7 @@ NB_MODULE(_core, m) {
   m.def("backends", &gdkv::available_backends);
 
   m.def("settings", &settings_table);
+  m.def("effective_settings", &effective_settings, nb::arg("given"));
   nb::class_<ConnectOptions>(m, "ConnectOptions")
       .def(nb::init<>())
       .def_rw("queue_depth", &ConnectOptions::queue_depth)

@@ -107,3 +107,30 @@ def require_ceph() -> str:
             pytest.fail("GDKV_REQUIRE_CEPH=1 but GDKV_CEPH_CONF is not set")
         pytest.skip("no Ceph cluster: GDKV_CEPH_CONF is not set (scripts/test starts one)")
     return CEPH_CONF
+
+
+def fail_for(client, monkeypatch, method: str, bad: bytes, err: gdkv.Error | None = None):
+    """client.<method> (put_many, get_many_into, exists_many, lookup) fails for ``bad`` as a
+    backend failing one key does: that key's result is ``err`` (default a gdkv.Error, 06h),
+    every other key's is its own (a put of ``bad`` stores nothing; a lookup's run ends at
+    ``bad``, with its error)."""
+    real = getattr(client, method)
+    if err is None:
+        err = gdkv.Error(f"{method} {bad!r}: checksum mismatch", 0x06, bad)
+
+    def wrapper(first, *args, **kw):
+        items = list(first)
+        keys = [k for k, _ in items] if method == "put_many" else items
+        if bad not in keys:
+            return real(items, *args, **kw)
+        at = keys.index(bad)
+        if method == "lookup":
+            n, e = real(keys[:at])
+            return (n, e) if n < at else (at, err)
+        if method == "put_many":
+            res = real(items[:at] + items[at + 1:])
+            return res[:at] + [err] + res[at:]
+        res = real(items, *args, **kw)
+        return res[:at] + [err] + res[at + 1:]
+
+    monkeypatch.setattr(client, method, wrapper)

@@ -14,6 +14,8 @@ import pytest
 import gdkv
 from gdkv.engine import EngineStore, Stats, read_config
 
+from conftest import fail_for
+
 
 def test_a_failed_key_fails_only_itself_in_every_transfer_call(caplog):
     store = EngineStore({"backend": "memory", "max_value_bytes": 4096})
@@ -35,32 +37,7 @@ def test_a_failed_key_fails_only_itself_in_every_transfer_call(caplog):
     assert store.put(c, [], lambda i: values[i]) == []
 
 
-class Answers:
-    """A client whose batch calls answer as ``client``'s do, but for the keys in ``errors``,
-    which get that error as their result (as a per-key failure from gdkvd would)."""
-
-    def __init__(self, client, errors: dict):
-        self.client, self.errors = client, errors
-
-    def _swap(self, keys, results):
-        return [self.errors.get(k, r) for k, r in zip(keys, results)]
-
-    def get_many_into(self, keys, outs, partial=False):
-        return self._swap(keys, self.client.get_many_into(keys, outs, partial=partial))
-
-    def exists_many(self, keys):
-        return self._swap(keys, self.client.exists_many(keys))
-
-    def put_many(self, items):
-        return self._swap([k for k, _ in items], self.client.put_many(items))
-
-    def lookup(self, keys):
-        n, _ = self.client.lookup(keys)
-        bad = next((i for i, k in enumerate(keys[:n]) if k in self.errors), None)
-        return (n, None) if bad is None else (bad, self.errors[keys[bad]])
-
-
-def test_a_key_that_finds_gdkv_unavailable_fails_the_batch_and_deletes_nothing():
+def test_a_key_that_finds_gdkv_unavailable_fails_the_batch_and_deletes_nothing(monkeypatch):
     """A key's NotReadyError (82h: the RADOS cluster behind gdkvd is not reachable) says nothing
     of the value: the whole call is a miss and the client is dropped (retried later), as when
     the whole client fails; a key that found no shared memory (CapacityError) is a miss, not a
@@ -70,28 +47,32 @@ def test_a_key_that_finds_gdkv_unavailable_fails_the_batch_and_deletes_nothing()
     keys = [bytes([i]) * 16 for i in range(3)]
     assert store.put(c, keys, lambda i: np.full(64, i, np.uint8)) == [True] * 3
     outs = [np.zeros(64, np.uint8) for _ in keys]
-    full = gdkv.CapacityError("no shared memory", 0x81, keys[1])
-    whole, held = store.load(Answers(c, {keys[1]: full}), keys, outs, [64, 64, 32])
+    with monkeypatch.context() as m:
+        fail_for(c, m, "get_many_into", keys[1],
+                 gdkv.CapacityError("no shared memory", 0x81, keys[1]))
+        whole, held = store.load(c, keys, outs, [64, 64, 32])
     assert whole == [True, False, False] and held == [2]
     not_ready = gdkv.NotReadyError("RADOS is not reachable", 0x82, keys[1])
-    for call in (lambda f: store.load(f, keys, outs, [64] * 3),
-                 lambda f: store.present(f, keys),
-                 lambda f: store.put(f, keys, lambda i: outs[i]),
-                 lambda f: store.leading(f, keys)):
+    for method, call in [("get_many_into", lambda cl: store.load(cl, keys, outs, [64] * 3)),
+                         ("exists_many", lambda cl: store.present(cl, keys)),
+                         ("put_many", lambda cl: store.put(cl, keys, lambda i: outs[i])),
+                         ("lookup", lambda cl: store.leading(cl, keys))]:
         assert store.client() is c
-        assert store.call(lambda cl: call(Answers(cl, {keys[1]: not_ready})), "miss") == "miss"
-        assert store.client() is None   # dropped: connected again retry_interval_s later
+        with monkeypatch.context() as m:
+            fail_for(c, m, method, keys[1], not_ready)
+            assert store.call(call, "miss") == "miss", method
+        assert store.client() is None, method   # dropped: connected again later
         store._client = c               # (this test's shortcut past the retry interval)
     assert store.present(c, keys) == [True] * 3   # nothing was deleted
     store.close()
 
 
 def test_settings_out_of_range_are_refused_when_read_and_never_stop_the_connect_thread(caplog):
-    for config, why in [({"capacity": 0}, "capacity=0 .*at least 1"),
+    for config, why in [({"capacity": 0}, r"capacity=0 .*must be in \[1, "),
                         ({"backend": "memroy"}, "backend='memroy' .*not one of"),
                         ({"cache_policy": "lfu"}, "cache_policy='lfu' .*not one of"),
                         ({"timeout_ms": 0}, "timeout_ms=0 .*at least 1"),
-                        ({"evict_high_percent": "101"}, "at most 100")]:
+                        ({"evict_high_percent": "101"}, r"must be in \[1, 100\]")]:
         with pytest.raises(ValueError, match=why):
             read_config(config, {}, "a test config")
     # A store opened with settings open() refuses (EngineStore itself reads no ranges): the

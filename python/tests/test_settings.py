@@ -64,6 +64,8 @@ def test_gdkv_open_takes_each_setting_and_refuses_bad_values(s):
     with open_with(other_value(s)) as c:  # the backend: memory
         c.put(b"k", b"v")
         assert c.get(b"k") == b"v"
+    # The settings gdkv.open builds from its keywords (the same conversion) hold the value.
+    assert gdkv._core.effective_settings({name: other_value(s)})[name] == other_value(s)
     with pytest.raises(TypeError, match=name):
         open_with("1" if s["type"] != "str" else 1)
     if s["type"] == "int":

@@ -23,7 +23,7 @@ pytest.importorskip("sglang")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from conftest import hint_gdkvd, hinted, record_hints  # noqa: E402
+from conftest import fail_for, hint_gdkvd, hinted, record_hints  # noqa: E402
 from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
@@ -226,7 +226,7 @@ def test_exists_counts_the_leading_run(gdkvd):
     assert torch.equal(pool_bytes(host), before)
 
 
-def test_a_page_is_found_only_once_all_its_values_are_stored(gdkvd):
+def test_a_page_is_found_only_once_all_its_values_are_stored(gdkvd, monkeypatch):
     host = host_pool("mha/page_first")
     s = storage(host, socket_dir=gdkvd.dir)
     keys = hashes(3)
@@ -249,13 +249,7 @@ def test_a_page_is_found_only_once_all_its_values_are_stored(gdkvd):
     more = hashes(2, seed=4)
     refused = s._page_keys(more[0])[1]   # page 0's V
 
-    def full(items):
-        items = list(items)
-        res = put_many([(k, v) for k, v in items if k != refused])
-        return [gdkv.CapacityError("full", 0x81, k) if k == refused else res.pop(0)
-                for k, _ in items]
-
-    c.put_many = full
+    fail_for(c, monkeypatch, "put_many", refused, gdkv.CapacityError("full", 0x81, refused))
     assert s.batch_set_v1(more, indices([3, 4])) == [False, True]
     assert not s.batch_set(more, [host.get_data_page(3 * PAGE)] * 2)
     assert s.batch_exists(more) == 0 and s.batch_exists(more[1:]) == 1
@@ -646,9 +640,9 @@ def test_an_unknown_extra_config_key_is_an_error(gdkvd):
     """A misspelt key must not fall back to its default in silence; SGLang's own keys of the
     same dict are accepted."""
     host = host_pool("mha/page_first")
-    with pytest.raises(Exception, match="unknown key 'shared_memory_byte'"):
+    with pytest.raises(ValueError, match="unknown key 'shared_memory_byte'"):
         storage(host, socket_dir=gdkvd.dir, shared_memory_byte=1 << 20)
-    with pytest.raises(Exception, match="nsid='one'"):
+    with pytest.raises(ValueError, match="nsid='one'"):
         storage(host, socket_dir=gdkvd.dir, nsid="one")
     s = storage(host, socket_dir=gdkvd.dir, prefetch_threshold=256, file_storage_path="/x")
     assert s.batch_set_v1(hashes(1), indices([0])) == [True]

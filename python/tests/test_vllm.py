@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 import gdkv  # noqa: E402
-from conftest import Gdkvd, hint_gdkvd, hinted, record_hints  # noqa: E402
+from conftest import Gdkvd, fail_for, hint_gdkvd, hinted, record_hints  # noqa: E402
 import gdkv.engine  # noqa: E402
 from gdkv.engine import EngineStore  # noqa: E402
 from gdkv.vllm import Transfer  # noqa: E402
@@ -739,30 +739,7 @@ def test_saves_leave_the_load_staging_alone(model_dir, monkeypatch):
         d.stop()
 
 
-# ---- a batch that fails for one key fails that key only ----
-def fail_for(client, monkeypatch, method: str, bad: bytes):
-    """client.<method> fails for ``bad`` as a backend failing one key does: that key's result is
-    its gdkv.Error (06h), every other key's is its own (a put of ``bad`` stores nothing; a
-    lookup's run ends at ``bad``, with its error)."""
-    real = getattr(client, method)
-    err = gdkv.Error(f"{method} {bad!r}: checksum mismatch", 0x06, bad)
-
-    def wrapper(first, *args, **kw):
-        items = list(first)
-        keys = [k for k, _ in items] if method == "put_many" else items
-        if bad not in keys:
-            return real(items, *args, **kw)
-        at = keys.index(bad)
-        if method == "lookup":
-            n, e = real(keys[:at])
-            return (n, e) if n < at else (at, err)
-        if method == "put_many":
-            res = real(items[:at] + items[at + 1:])
-            return res[:at] + [err] + res[at:]
-        res = real(items, *args, **kw)
-        return res[:at] + [err] + res[at + 1:]
-
-    monkeypatch.setattr(client, method, wrapper)
+# ---- a batch that fails for one key fails that key only (conftest.fail_for) ----
 
 
 def test_one_failing_key_fails_only_its_value(model_dir, tmp_path, monkeypatch):

@@ -39,8 +39,8 @@ MODEL = dict(layers=4, hidden=512, heads=8, kv_heads=4, intermediate=1024, vocab
 # vLLM's CPU platform runs one process per tensor-parallel rank.
 # Both ranks compute on core 0, as every engine of these tests does, leaving core 1 to gdkvd: a
 # vLLM worker waiting for its next step spins (sched_yield), and two ranks spinning on both cores
-# of this machine starved gdkvd for 20 s (measured on Linux 6.18), failing the loads they waited
-# for. docs/deployment.md: cores for gdkvd.
+# of this machine starved gdkvd for about 20 s (seen on Linux 6.18), failing the loads they
+# waited for. docs/deployment.md: cores for gdkvd, and how it was seen.
 TP2 = dict(args=("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"),
            env={"VLLM_CPU_OMP_THREADS_BIND": "0|0"})
 

@@ -26,7 +26,6 @@ log = logging.getLogger("gdkv.vllm")
 class RequestState:
     def __init__(self, request: "Request"):
         self.request = request
-        self.local_tokens = 0      # vLLM's own prefix-cache hit, as of the last allocation
         self.planned = 0           # leading values saved or known present
         # The latest get_num_new_matched_tokens answer: (local tokens, leading values known
         # present). Repeated calls overwrite it; update_state_after_alloc acts on it.
@@ -134,22 +133,23 @@ class SchedulerSide:
         (vLLM keeps no blocks for those further back: it never loads them)."""
         full = self.full_spaces
         keys = [ks.key(h) for h in hashes for ks in full]
-        found = self.store.leading(client, keys) // len(full) if full else len(hashes)
+        found = self.store.leading(client, keys, per=len(full)) if full else len(hashes)
         hit = keys[:found * len(full)]
         if not self.windows or not found:
             return found, hit
-        present = []
+        present, wkeys = [], []
         for _, spaces in self.windows:
-            wkeys = [ks.key(h) for h in hashes[:found] for ks in spaces]
-            there = self.store.present(client, wkeys)
+            wk = [ks.key(h) for h in hashes[:found] for ks in spaces]
+            there = self.store.present(client, wk)
             n = len(spaces)
             present.append([all(there[v * n:(v + 1) * n]) for v in range(found)])
+            wkeys.append(wk)
         while found and not all(all(ok[max(0, found - need):found])
                                 for (need, _), ok in zip(self.windows, present)):
             found -= 1
         hit = keys[:found * len(full)]
-        for need, spaces in self.windows:
-            hit += [ks.key(h) for h in hashes[max(0, found - need):found] for ks in spaces]
+        for (need, spaces), wk in zip(self.windows, wkeys):
+            hit += wk[max(0, found - need) * len(spaces):found * len(spaces)]
         return found, hit
 
     def _local_tokens(self, request: "Request") -> int:
@@ -174,15 +174,15 @@ class SchedulerSide:
         look, st.lookup = st.lookup, None
         if look is None:   # the second call, once the load is done
             return
-        st.local_tokens, known = look
+        local, known = look   # vLLM's own prefix-cache hit, and the values known present
         st.planned = max(st.planned, known)
         if external <= 0:
             return
         p = self.plan
         ids = blocks.get_block_ids()
-        local_blocks = st.local_tokens // p.block_size
-        first = st.local_tokens // p.tokens_per_value
-        end = (st.local_tokens + external) // p.tokens_per_value
+        local_blocks = local // p.block_size
+        first = local // p.tokens_per_value
+        end = (local + external) // p.tokens_per_value
         load = Transfer(request.request_id)
         for v in range(first, end):
             load.hashes.append(p.value_hash(request, v))

@@ -81,6 +81,7 @@ class WorkerSide:
                            gather_s=0.0, save_s=0.0, save_wait_s=0.0, layer_wait_s=0.0,
                            saves_queued=0)
         self._staging: Optional[tuple[Any, torch.Tensor]] = None   # (client, buffer)
+        self._staged_for: Optional[tuple[Any, bool]] = None   # (client, _needs_staging)
         self.stored: dict[bytes, int] = {}   # values put since the last report (KV events)
         # load_mode "layerwise": this step's loads, a future per chunk of layers (and by layer
         # index), the layers the forward pass waited for, the layers it computed and the
@@ -311,9 +312,12 @@ class WorkerSide:
 
     def _needs_staging(self, client) -> bool:
         """Whether loads go through a staging buffer: the pages are CUDA memory (scattered by
-        index_copy_), or memory the controller does not reach."""
-        return self.device.type != "cpu" or not self.store.reaches(
-            client, [p for pg in self.np_pages for p in (pg[0], pg[-1])])
+        index_copy_), or memory the controller does not reach. Asked once per client: the pages
+        are shared at registration, and with each client before it is used."""
+        if self._staged_for is None or self._staged_for[0] is not client:
+            self._staged_for = (client, self.device.type != "cpu" or not self.store.reaches(
+                client, [p for pg in self.np_pages for p in (pg[0], pg[-1])]))
+        return self._staged_for[1]
 
     def _stage(self, client) -> torch.Tensor:
         """The load staging of this client: rows of the largest value's size in memory gdkv
