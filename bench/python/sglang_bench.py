@@ -15,8 +15,12 @@ backend) and with an in-process gdkv (memory backend):
   calls), against numpy and torch copies of the same runs within the pool;
 - batch_set_v1 of the 64 pages (once: a second set finds them stored and sends nothing).
 
+--unshared: gdkvd is refused the host pool (gdkv.engine.prepare_shared_memory raises, as for a
+file mapping), so pages move through the connector's staging (EngineStore.load_staged and
+put_gathered for layer_first; the client's own staging for the other layouts).
+
 Usage: sglang_bench.py [--gdkvd build/release/tools/gdkvd/gdkvd] [--pages 64] [--page-size 64]
-    [--layout page_first] [--rounds 5] [--gdkvd-args "--never-sleep --reactors 1"]
+    [--layout page_first] [--rounds 5] [--gdkvd-args "--never-sleep --reactors 1"] [--unshared]
 Prints one line per figure and a JSON object at the end. Runs in the SGLang environment
 (~/.cache/gdkv/venv-sglang); well under a minute.
 """
@@ -166,14 +170,23 @@ def main() -> int:
     p.add_argument("--gdkvd-args", default="",
                    help='more gdkvd options, e.g. "--never-sleep --reactors 1" (a polling '
                         'reactor: one core)')
+    p.add_argument("--unshared", action="store_true",
+                   help="refuse to share the host pool with gdkvd: pages are staged")
     a = p.parse_args()
+    if a.unshared:
+        import gdkv.engine
+
+        def refuse(buf: Any) -> None:
+            raise ValueError("--unshared")
+
+        gdkv.engine.prepare_shared_memory = refuse
     with gdkvd("--backend", "memory", *a.gdkvd_args.split(), binary=a.gdkvd,
                prefix="gdkv-sglang-bench-") as sock:
         host = host_pool(a)
         page_mib = host.get_size_per_token() * a.page_size / 2**20
         print(f"SGLang {a.layout} host pool: {a.layers} layers x {a.heads} KV heads x "
               f"{a.head_dim} bf16, {a.page_size}-token pages of {page_mib:.0f} MiB")
-        result: dict[str, Any] = {"layout": a.layout, "pages": a.pages,
+        result: dict[str, Any] = {"layout": a.layout, "pages": a.pages, "unshared": a.unshared,
                                   "gdkvd_args": a.gdkvd_args,
                                   "page_size": a.page_size, "page_bytes": int(page_mib * 2**20)}
         result["gdkvd"] = measure(a, host, {"socket_dir": sock}, "through gdkvd")

@@ -397,6 +397,18 @@ class Stats:
                 log.warning("gdkv: cannot write the counters to %s: %s", path, e)
 
 
+def _copy(row: Any, pieces: Any, into_row: bool) -> None:
+    """Copies between a staging row and the buffer, or list of buffers, a value is laid out
+    across (numpy uint8 arrays): into the row (a gather), or out of it (a scatter)."""
+    at = 0
+    for piece in pieces if isinstance(pieces, (list, tuple)) else [pieces]:
+        if into_row:
+            row[at:at + piece.size] = piece
+        else:
+            piece[:] = row[at:at + piece.size]
+        at += piece.size
+
+
 def _close_quietly(client: Client) -> None:
     try:
         client.close()
@@ -434,6 +446,12 @@ class EngineStore:
         self._connecting: Optional[threading.Event] = None   # set once its first try ended
         self._closed = threading.Event()
         self.failures = 0
+        # The staging (load_staged, put_gathered): (client, memory), reserved at first use and
+        # kept while that client is the one in use; _staging_use, one staged batch at a time.
+        self._staging: Optional[tuple[Client, Any]] = None
+        self._staging_lock = threading.Lock()
+        self._staging_use = threading.Lock()
+        self.copied = Stats(values=0, bytes=0)   # what load_staged and put_gathered copied
         self._errors_seen: set[tuple[str, int]] = set()
         # The first connect, awaited here (engine start-up) so the first request finds gdkv; a
         # gdkvd that does not answer in time is left to the background thread.
@@ -671,6 +689,73 @@ class EngineStore:
         if client.remote:
             budget = min(budget, self.shared_memory_bytes // 2)
         return max(1, budget // max(1, row_bytes))
+
+    def staging(self, client: Client, row_bytes: int) -> Any:
+        """``client``'s staging as :meth:`staging_rows` rows of ``row_bytes`` (a numpy uint8
+        array, in memory gdkv reaches in place): one budget, reserved at the first call (so call
+        it before saves take the memory shared with gdkvd) and kept while the client lives; a row
+        larger than the memory kept reserves it anew."""
+        rows = self.staging_rows(client, row_bytes)
+        with self._staging_lock:
+            if self._staging is None or self._staging[0] is not client or \
+                    self._staging[1].nbytes < rows * row_bytes:
+                self._staging = (client, client.alloc(rows * row_bytes))
+            return self._staging[1][: rows * row_bytes].reshape(rows, row_bytes)
+
+    def load_staged(self, client: Client, keys: list[bytes], outs: Optional[list],
+                    sizes: list[int], scatter: Optional[Callable[[Any, list[int], list[int]],
+                                                             None]] = None
+                    ) -> tuple[list[bool], list[int]]:
+        """As :meth:`load`, for engine memory gdkv does not reach in place: the values arrive in
+        rounds in :meth:`staging`, a row each, and the whole ones are copied to their outs (a
+        numpy uint8 array, or the arrays a value is laid out across, in order); or, where only
+        the engine can copy (CUDA memory), ``scatter(stage, rows, indices)`` copies them: row
+        ``rows[n]`` of ``stage`` holds value ``indices[n]``."""
+        whole = [False] * len(keys)
+        held: list[int] = []
+        with self._staging_use:
+            stage = self.staging(client, max(sizes, default=1))
+            for start in range(0, len(keys), len(stage)):
+                n = min(len(stage), len(keys) - start)
+                got, bad = self.load(client, keys[start:start + n],
+                                     [stage[r][:sizes[start + r]] for r in range(n)],
+                                     sizes[start:start + n])
+                held += [start + r for r in bad]
+                rows = [r for r in range(n) if got[r]]
+                if scatter is not None:
+                    scatter(stage, rows, [start + r for r in rows])
+                for r in rows:
+                    whole[start + r] = True
+                    if scatter is None:
+                        _copy(stage[r], outs[start + r], into_row=False)
+                self.copied.add(values=len(rows), bytes=sum(sizes[start + r] for r in rows))
+        return whole, held
+
+    def put_gathered(self, client: Client, keys: list[bytes], parts: Callable[[int], list],
+                     row_bytes: int) -> list[bool]:
+        """As :meth:`put`, for values laid out across several buffers (``parts(i)``, numpy uint8
+        arrays of ``row_bytes`` in all, in order): a Store reads one run of memory, so each value
+        is gathered into a row of :meth:`staging` first, a round of rows at a time."""
+        stored: list[bool] = []
+        with self._staging_use:
+            stage = self.staging(client, row_bytes)
+            for start in range(0, len(keys), len(stage)):
+                n = min(len(stage), len(keys) - start)
+                for r in range(n):
+                    _copy(stage[r], parts(start + r), into_row=True)
+                self.copied.add(values=n, bytes=n * row_bytes)
+                stored += self.put(client, keys[start:start + n], lambda r: stage[r])
+        return stored
+
+    def copies(self) -> tuple[int, int]:
+        """(buffers, bytes) copied on the way: by :meth:`load_staged` and :meth:`put_gathered`,
+        and by the open client's own staging (:meth:`Client.copies`). (0, 0) when every value
+        moved in place."""
+        own = self.copied.snapshot()
+        with self._lock:
+            c = self._client
+        by_client = c.copies() if c is not None and not c.closed else (0, 0)
+        return int(own["values"]) + by_client[0], int(own["bytes"]) + by_client[1]
 
     def delete(self, client: Client, keys: list[bytes]) -> int:
         """Deletes ``keys`` (missing ones are fine); how many could not be deleted."""

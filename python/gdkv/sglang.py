@@ -27,7 +27,7 @@ from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorage
                                                   HiCacheStorageExtraInfo)
 
 from .client import Client
-from .engine import EngineStore, KeySpace, Stats, read_config
+from .engine import EngineStore, KeySpace, read_config
 
 log = logging.getLogger("gdkv.sglang")
 # SGLang's own keys of the extra config that may reach the backend (0.5.23: the dynamic
@@ -146,9 +146,6 @@ class GdkvStorage(HiCacheStorage):
         self.keyspace: Optional[KeySpace] = None
         self.layout: Optional[_PageLayout] = None
         self._lock = threading.Lock()
-        # Pages this connector copied itself (layer_first through staging), and their bytes.
-        self.stats = Stats(copied_pages=0, copied_bytes=0)
-        self._seen: Optional[Client] = None  # the last client used (its staging counters)
         self._metrics: dict[str, list] = {"prefetch_pgs": [], "backup_pgs": [],
                                           "prefetch_bandwidth": [], "backup_bandwidth": []}
         self.store.client()  # connect now (logged); a gdkvd that is down is retried later
@@ -221,24 +218,13 @@ class GdkvStorage(HiCacheStorage):
     def _call(self, fn: Callable[[Client], T], default: T, what: str) -> T:
         """``fn(client)``; ``default`` when gdkv is unavailable (the client is dropped and retried
         later) or a command fails (the store is full, shared memory is used up...)."""
-        if self.layout is None:
-            return default
-
-        def seen(c: Client) -> T:
-            self._seen = c
-            return fn(c)
-
-        return self.store.call(seen, default, what)
+        return default if self.layout is None else self.store.call(fn, default, what)
 
     def copies(self) -> tuple[int, int]:
-        """(buffers, bytes) copied on the way: by the gdkv client's staging through gdkvd
-        (``client.copies()``) and by this connector (layer_first pages gathered or scattered).
-        (0, 0) when every page moved in place."""
-        mine = self.stats.snapshot()
-        own = mine["copied_pages"], mine["copied_bytes"]
-        c = self._seen
-        staged = c.copies() if c is not None and not c.closed else (0, 0)
-        return own[0] + staged[0], own[1] + staged[1]
+        """(buffers, bytes) copied on the way (EngineStore.copies): layer_first pages gathered to
+        be stored, pages staged where gdkv does not reach the pool. (0, 0) when every page moved
+        in place."""
+        return self.store.copies()
 
     def _record(self, kind: str, pages: int, nbytes: int, seconds: float) -> None:
         if self.enable_metrics and pages:
@@ -251,33 +237,14 @@ class GdkvStorage(HiCacheStorage):
         """Loads each page's values into the host pool; a page is True once all arrived whole."""
         lay = self.layout
         nparts = len(lay.parts)
-        if not lay.scattered or self.store.reaches(c, [lay.host]):
-            outs: list[Any] = []
-            for p in pages:
-                for j in range(nparts):
-                    runs = lay.part_runs(p, j)
-                    outs.append(runs[0] if len(runs) == 1 else runs)
-            got, _ = self.store.load(c, keys, outs, lay.part_sizes * len(pages))
-            return [all(got[i * nparts:(i + 1) * nparts]) for i in range(len(pages))]
-        # layer_first through gdkvd: each page arrives in shared memory and is copied to its runs.
-        per = min(len(pages), self.store.staging_rows(c, lay.page_bytes))
-        stage = c.empty((per, lay.page_bytes), "uint8")
-        ok: list[bool] = []
-        for start in range(0, len(pages), per):
-            chunk = pages[start: start + per]
-            got, _ = self.store.load(c, keys[start: start + len(chunk)],
-                                     list(stage[: len(chunk)]), [lay.page_bytes] * len(chunk))
-            for row, (p, whole) in enumerate(zip(chunk, got)):
-                if not whole:
-                    ok.append(False)
-                    continue
-                at = 0
-                for run in lay.part_runs(p, 0):
-                    run[:] = stage[row, at: at + run.size]
-                    at += run.size
-                self.stats.add(copied_pages=1, copied_bytes=lay.page_bytes)
-                ok.append(True)
-        return ok
+        outs = [runs[0] if len(runs) == 1 else runs
+                for p in pages for runs in (lay.part_runs(p, j) for j in range(nparts))]
+        # A page spread over runs gdkvd does not reach (layer_first, the pool not shared) is
+        # staged; one run is staged by the client if need be.
+        load = self.store.load_staged if lay.scattered and not self.store.reaches(
+            c, [lay.host]) else self.store.load
+        got, _ = load(c, keys, outs, lay.part_sizes * len(pages))
+        return [all(got[i * nparts:(i + 1) * nparts]) for i in range(len(pages))]
 
     def _put_pages(self, c: Client, keys: list[bytes], pages: list[int]) -> tuple[list[bool], int]:
         """Stores each page's values from the host pool: (stored, how many were written);
@@ -288,26 +255,13 @@ class GdkvStorage(HiCacheStorage):
         if not todo:
             return stored, 0
         if not lay.scattered:  # each value is one run of the pool, read in place
-            for i, ok in zip(todo, self._put_values(c, keys, todo,
-                                                   lambda i, j: lay.run(pages[i], j))):
-                stored[i] = ok
-            return stored, len(todo)
-        # layer_first: each page's runs gathered into one buffer (shared memory through gdkvd).
-        per = min(len(todo), self.store.staging_rows(c, lay.page_bytes))
-        stage = c.empty((per, lay.page_bytes), "uint8")
-        for start in range(0, len(todo), per):
-            chunk = todo[start: start + per]
-            row_of = {}
-            for row, i in enumerate(chunk):
-                at = 0
-                for run in lay.part_runs(pages[i], 0):
-                    stage[row, at: at + run.size] = run
-                    at += run.size
-                row_of[i] = row
-                self.stats.add(copied_pages=1, copied_bytes=lay.page_bytes)
-            for i, ok in zip(chunk, self._put_values(c, keys, chunk,
-                                                    lambda i, j: stage[row_of[i]])):
-                stored[i] = ok
+            ok = self._put_values(c, keys, todo, lambda i, j: lay.run(pages[i], j))
+        else:  # layer_first: a page is one value, gathered from its runs
+            ok = self.store.put_gathered(c, [keys[i] for i in todo],
+                                         lambda n: lay.part_runs(pages[todo[n]], 0),
+                                         lay.page_bytes)
+        for i, page_ok in zip(todo, ok):
+            stored[i] = page_ok
         return stored, len(todo)
 
     def _pages_of(self, host_indices: torch.Tensor, count: int) -> Optional[list[int]]:

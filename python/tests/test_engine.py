@@ -112,6 +112,52 @@ def test_reaches_and_staging_rows_through_gdkvd(gdkvd):
         store.close()
 
 
+
+
+def test_staged_values_are_gathered_and_scattered_byte_exact_in_rounds(gdkvd, monkeypatch):
+    """put_gathered and load_staged: values laid out across buffers gdkvd does not reach move
+    through the staging (here three rows: rounds of three), byte-exact both ways; a value that
+    is missing, of another length or failing is not copied out, and one failing key fails only
+    itself. The staging is reserved once per client and counted in copies()."""
+    store = EngineStore({"socket_dir": gdkvd.dir, "staging_bytes": 3 * 1024})
+    try:
+        c = store.client()
+        rng = np.random.default_rng(7)
+        pools = [rng.integers(0, 256, 4096, dtype=np.uint8) for _ in range(2)]
+        assert not store.reaches(c, pools)
+
+        def parts(pool, i):   # value i: two runs of 256 bytes of each pool, 1024 in all
+            return [p[256 * i + 2048 * j:][:256] for p in pool for j in range(2)]
+
+        keys = [bytes([i]) * 16 for i in range(7)]
+        assert store.put_gathered(c, keys, lambda i: parts(pools, i), 1024) == [True] * 7
+        stage = store.staging(c, 1024)
+        assert stage.shape == (3, 1024) and store.reaches(c, [stage])
+        assert store.copies() == (7, 7 * 1024)
+        for i, k in enumerate(keys):
+            assert c.get(k) == np.concatenate(parts(pools, i)).tobytes()
+        c.put(keys[5], b"short")
+        fail_for(c, monkeypatch, "get_many_into", keys[3])
+        outs = [[np.zeros(256, np.uint8) for _ in range(4)] for _ in range(8)]
+        whole, held = store.load_staged(c, keys + [b"m" * 16], outs, [1024] * 8)
+        assert whole == [True, True, True, False, True, False, True, False]
+        assert held == [3, 5]
+        for i in (0, 1, 2, 4, 6):
+            assert np.array_equal(np.concatenate(outs[i]), np.concatenate(parts(pools, i)))
+        for i in (3, 5, 7):
+            assert not np.concatenate(outs[i]).any()   # nothing copied out
+        # ...and the client's own: the put of b"short" (a bytes object) was staged.
+        assert c.copies() == (1, 5) and store.copies() == (13, 12 * 1024 + 5)
+        # The engine's own scatter (CUDA pages): the rows of the whole values, and theirs.
+        seen = []
+        store.load_staged(c, keys[:4], None, [1024] * 4,
+                          lambda st, rows, idx: seen.extend(
+                              (i, st[r].tobytes()) for r, i in zip(rows, idx)))
+        assert [i for i, _ in seen] == [0, 1, 2]
+        assert all(v == c.get(keys[i]) for i, v in seen)
+        assert store.staging(c, 1024).ctypes.data == stage.ctypes.data   # kept, not reserved again
+    finally:
+        store.close()
 def test_stats_add_from_many_threads_and_write(tmp_path, caplog):
     stats = Stats(loaded=0, load_s=0.0)
     assert stats["loaded"] == 0 and stats["never_added"] == 0

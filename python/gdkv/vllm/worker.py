@@ -69,7 +69,6 @@ class WorkerSide:
         self.load_pool = ThreadPoolExecutor(1, thread_name_prefix="gdkv-vllm-load")
         self.save_pool = ThreadPoolExecutor(1, thread_name_prefix="gdkv-vllm-save")
         self.lock = threading.Lock()
-        self.stage_lock = threading.Lock()
         self.finished_loads: set[str] = set()
         self.load_errors: set[int] = set()
         self.reported_errors: set[int] = set()
@@ -80,7 +79,7 @@ class WorkerSide:
                            dropped_values=0, loaded_bytes=0, load_s=0.0, sync_wait_s=0.0,
                            gather_s=0.0, save_s=0.0, save_wait_s=0.0, layer_wait_s=0.0,
                            saves_queued=0)
-        self._staging: Optional[tuple[Any, torch.Tensor]] = None   # (client, buffer)
+        self._pinned = 0   # the address of the load staging pinned for CUDA copies
         self._staged_for: Optional[tuple[Any, bool]] = None   # (client, _needs_staging)
         self.stored: dict[bytes, int] = {}   # values put since the last report (KV events)
         # load_mode "layerwise": this step's loads, a future per chunk of layers (and by layer
@@ -286,29 +285,23 @@ class WorkerSide:
         (of the wrong size, or failing)."""
         ub = self.unit_bytes
         sizes = [sl.value_bytes for _, sl in items]
-        if not self._needs_staging(client):
+        if self.device.type == "cuda":   # staged, then scattered by the GPU
+            self._stage(client)
+            whole, held = self.store.load_staged(
+                client, keys, None, sizes, lambda stage, rows, idx: self._scatter(
+                    torch.from_numpy(stage), rows, [(self._ids(t, *items[i]), items[i][1])
+                                                    for i in idx]))
+        else:
             # numpy views of the CPU pages: a quarter of the cost of torch views, per page.
             scratch = np.empty(ub, dtype=np.uint8)
             outs = [[self.np_pages[l][b, sl.offset:sl.offset + ub] if b >= 0 else scratch
                      for b in self._ids(t, v, sl) for l in sl.layers] for v, sl in items]
-            whole, held = self.store.load(client, keys, outs, sizes)
-            self.stats.add(zero_copy_loads=1)
-            return [i for i, w in enumerate(whole) if not w], held
-        failed: list[int] = []
-        bad: list[int] = []
-        stage = self._stage(client)
-        per_round = stage.shape[0]
-        for start in range(0, len(keys), per_round):
-            end = min(start + per_round, len(keys))
-            whole, held = self.store.load(
-                client, keys[start:end], [stage[i][:sizes[start + i]] for i in range(end - start)],
-                sizes[start:end])
-            failed += [start + i for i, w in enumerate(whole) if not w]
-            bad += [start + i for i in held]
-            ok = [i for i, w in enumerate(whole) if w]
-            self._scatter(stage, ok, [(self._ids(t, *items[start + i]), items[start + i][1])
-                                      for i in ok])
-        return failed, bad
+            if self._needs_staging(client):   # pages gdkvd could not map
+                whole, held = self.store.load_staged(client, keys, outs, sizes)
+            else:
+                whole, held = self.store.load(client, keys, outs, sizes)
+                self.stats.add(zero_copy_loads=1)
+        return [i for i, w in enumerate(whole) if not w], held
 
     def _needs_staging(self, client) -> bool:
         """Whether loads go through a staging buffer: the pages are CUDA memory (scattered by
@@ -319,19 +312,15 @@ class WorkerSide:
                 client, [p for pg in self.np_pages for p in (pg[0], pg[-1])]))
         return self._staged_for[1]
 
-    def _stage(self, client) -> torch.Tensor:
-        """The load staging of this client: rows of the largest value's size in memory gdkv
-        reaches, reserved at the client's first transfer (before any save takes memory shared
-        with gdkvd) and kept while the client lives. Through gdkvd at most half the shared
-        memory."""
-        with self.stage_lock:
-            if self._staging is None or self._staging[0] is not client:
-                rows = self.store.staging_rows(client, self.value_bytes)
-                buf = client.empty((rows, self.value_bytes), torch.uint8)
-                if self.device.type == "cuda":   # pinned, so host<->device copies are DMA
-                    torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
-                self._staging = (client, buf)
-            return self._staging[1]
+    def _stage(self, client) -> Any:
+        """The load staging of this client (EngineStore.staging: rows of the largest value, kept
+        while the client lives), reserved at its first transfer, before any save takes memory
+        shared with gdkvd. For CUDA pages it is pinned, so host-to-device copies are DMA."""
+        stage = self.store.staging(client, self.value_bytes)
+        if self.device.type == "cuda" and stage.ctypes.data != self._pinned:
+            torch.cuda.cudart().cudaHostRegister(stage.ctypes.data, stage.nbytes, 0)
+            self._pinned = stage.ctypes.data
+        return stage
 
     def _save_budget(self, client) -> int:
         """Bytes of saves that may wait for gdkv: save_queue_bytes, and through gdkvd no more
@@ -339,27 +328,15 @@ class WorkerSide:
         the allocator's rounding)."""
         if not client.remote:
             return self.save_queue_bytes
-        staged = 0
-        if self._needs_staging(client):
-            staged = self._stage(client).numel()
+        staged = self._stage(client).nbytes if self._needs_staging(client) else 0
         shm = self.store.shared_memory_bytes
         return max(0, min(self.save_queue_bytes, shm - staged - shm // 16))
 
     def _scatter(self, stage: torch.Tensor, rows: list[int],
                  targets: list[tuple[list[int], Slot]]) -> None:
-        """Copies staged values (rows of ``stage``) into their blocks' pages: each row's target
-        is (its block ids, its slot)."""
+        """Copies staged values (rows of ``stage``) into their blocks' CUDA pages: each row's
+        target is (its block ids, its slot)."""
         ub = self.unit_bytes
-        if self.device.type == "cpu":
-            # One numpy copy per page: memcpy speed (torch's uint8 index_copy_ on CPU is an
-            # order of magnitude slower).
-            for r, (ids, sl) in zip(rows, targets):
-                src = stage[r][:sl.value_bytes].numpy().reshape(len(ids), len(sl.layers), ub)
-                for j, b in enumerate(ids):
-                    if b >= 0:
-                        for i, l in enumerate(sl.layers):
-                            self.np_pages[l][b, sl.offset:sl.offset + ub] = src[j, i]
-            return
         stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(stream):
             for sl in {id(sl): sl for _, sl in targets}.values():
