@@ -27,9 +27,10 @@ Config (each engine passes its own extra-config dict; keys are the same everywhe
     timeout_ms            a command gdkvd does not complete in time fails (default 5000);
                           in-process, the RADOS backend's op timeout (ceph_timeout_ms)
     shared_memory_bytes   memory shared with gdkvd for transfers (default 1 GiB, used on demand)
-    staging_bytes         the most memory one batch is copied through where gdkv does not reach
-                          the engine's memory in place (default 64 MiB; through gdkvd at most
-                          half of shared_memory_bytes; at least one value)
+    staging_bytes         the staging values are copied through where gdkv does not reach the
+                          engine's memory in place, reserved at first use and kept while the
+                          client lives (default 64 MiB; through gdkvd at most half of
+                          shared_memory_bytes; at least one value)
     retry_interval_s      after a failure, how long to wait before connecting again (default 5)
 
 Environment: ``GDKV_CACHE_DIR`` (default ``~/.cache/gdkv``) holds weights_fingerprint's cache,
