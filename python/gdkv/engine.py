@@ -28,8 +28,8 @@ Config (each engine passes its own extra-config dict; keys are the same everywhe
                           in-process, the RADOS backend's op timeout (ceph_timeout_ms)
     shared_memory_bytes   memory shared with gdkvd for transfers (default 1 GiB, used on demand)
     staging_bytes         the staging values are copied through where gdkv does not reach the
-                          engine's memory in place, reserved at first use and kept while the
-                          client lives (default 64 MiB; through gdkvd at most half of
+                          engine's memory in place, reserved at first use and kept for the
+                          client (default 64 MiB; through gdkvd at most half of
                           shared_memory_bytes; at least one value)
     retry_interval_s      after a failure, how long to wait before connecting again (default 5)
 
@@ -448,7 +448,7 @@ class EngineStore:
         self._closed = threading.Event()
         self.failures = 0
         # The staging (load_staged, put_gathered): (client, memory), reserved at first use and
-        # kept while that client is the one in use; _staging_use, one staged batch at a time.
+        # kept until a call with another client; _staging_use, one staged batch at a time.
         self._staging: Optional[tuple[Client, Any]] = None
         self._staging_lock = threading.Lock()
         self._staging_use = threading.Lock()
@@ -692,15 +692,17 @@ class EngineStore:
         return max(1, budget // max(1, row_bytes))
 
     def staging(self, client: Client, row_bytes: int) -> Any:
-        """``client``'s staging as :meth:`staging_rows` rows of ``row_bytes`` (a numpy uint8
-        array, in memory gdkv reaches in place): one budget, reserved at the first call (so call
-        it before saves take the memory shared with gdkvd) and kept while the client lives; a row
-        larger than the memory kept reserves it anew."""
+        """``client``'s staging as rows of ``row_bytes`` (a numpy uint8 array, in memory gdkv
+        reaches in place): one budget (:meth:`staging_rows`), reserved at the first call (so
+        call it before saves take the memory shared with gdkvd) and kept for later calls with
+        that client, as many rows of their size as it holds; only a row larger than the memory
+        kept, or another client, reserves it anew."""
         rows = self.staging_rows(client, row_bytes)
         with self._staging_lock:
             if self._staging is None or self._staging[0] is not client or \
-                    self._staging[1].nbytes < rows * row_bytes:
+                    self._staging[1].nbytes < row_bytes:
                 self._staging = (client, client.alloc(rows * row_bytes))
+            rows = min(rows, self._staging[1].nbytes // row_bytes)
             return self._staging[1][: rows * row_bytes].reshape(rows, row_bytes)
 
     def load_staged(self, client: Client, keys: list[bytes], outs: Optional[list],
@@ -711,9 +713,12 @@ class EngineStore:
         rounds in :meth:`staging`, a row each, and the whole ones are copied to their outs (a
         numpy uint8 array, or the arrays a value is laid out across, in order); or, where only
         the engine can copy (CUDA memory), ``scatter(stage, rows, indices)`` copies them: row
-        ``rows[n]`` of ``stage`` holds value ``indices[n]``."""
+        ``rows[n]`` of ``stage`` holds value ``indices[n]``. One staged batch at a time (the
+        staging is one)."""
         whole = [False] * len(keys)
         held: list[int] = []
+        if not keys:
+            return whole, held
         with self._staging_use:
             stage = self.staging(client, max(sizes, default=1))
             for start in range(0, len(keys), len(stage)):
@@ -738,6 +743,8 @@ class EngineStore:
         arrays of ``row_bytes`` in all, in order): a Store reads one run of memory, so each value
         is gathered into a row of :meth:`staging` first, a round of rows at a time."""
         stored: list[bool] = []
+        if not keys:
+            return stored
         with self._staging_use:
             stage = self.staging(client, row_bytes)
             for start in range(0, len(keys), len(stage)):

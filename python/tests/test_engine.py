@@ -112,8 +112,6 @@ def test_reaches_and_staging_rows_through_gdkvd(gdkvd):
         store.close()
 
 
-
-
 def test_staged_values_are_gathered_and_scattered_byte_exact_in_rounds(gdkvd, monkeypatch):
     """put_gathered and load_staged: values laid out across buffers gdkvd does not reach move
     through the staging (here three rows: rounds of three), byte-exact both ways; a value that
@@ -156,8 +154,18 @@ def test_staged_values_are_gathered_and_scattered_byte_exact_in_rounds(gdkvd, mo
         assert [i for i, _ in seen] == [0, 1, 2]
         assert all(v == c.get(keys[i]) for i, v in seen)
         assert store.staging(c, 1024).ctypes.data == stage.ctypes.data   # kept, not reserved again
+        # A smaller row takes as many rows of the memory kept as the budget allows; only a row
+        # larger than that memory reserves anew. An empty batch reserves nothing.
+        smaller = store.staging(c, 700)
+        assert smaller.shape == (4, 700) and smaller.ctypes.data == stage.ctypes.data
+        assert store.load_staged(c, [], [], []) == ([], [])
+        assert store.put_gathered(c, [], lambda i: [], 1024) == []
+        assert store.staging(c, 1024).ctypes.data == stage.ctypes.data
+        assert store.staging(c, 4096).shape == (1, 4096)
     finally:
         store.close()
+
+
 def test_stats_add_from_many_threads_and_write(tmp_path, caplog):
     stats = Stats(loaded=0, load_s=0.0)
     assert stats["loaded"] == 0 and stats["never_added"] == 0

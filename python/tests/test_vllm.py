@@ -3,6 +3,7 @@ vLLM's Scheduler, Request objects and KV cache allocator; the model runner's par
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -117,6 +118,40 @@ def test_zero_copy_in_process(model_dir, tmp_path):
     assert two.connector.store.client().copies() == (0, 0)
     one.close()
     two.close()
+
+
+def test_the_gpu_scatter_places_each_row_in_its_blocks(model_dir, tmp_path, monkeypatch):
+    """The worker's scatter for CUDA pages (staged rows to the device in one copy, then an
+    index_copy_ per layer), run on CPU tensors with its stream calls stubbed (no GPU here): each
+    whole row's blocks land in their pages, layer by layer, in the slot's bytes; the rows of
+    failed values, blocks marked -1 and every other byte are left alone."""
+    class Stream:
+        def __init__(self, device):
+            pass
+
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    inst = Instance(model_dir, {"backend": "memory", "namespace": str(tmp_path),
+                                "blocks_per_value": 2}, "LBHNC")
+    w = inst.worker
+    one, two = w.slots[0], w.slots[1]   # LBHNC: one slot per KV head, at their offsets
+    assert one.offset != two.offset and one.value_bytes == w.value_bytes
+    stage = torch.randint(0, 256, (5, w.value_bytes), dtype=torch.uint8)
+    targets = [([3, 4], one), ([-1, 7], two), ([9, 10], one)]
+    w._scatter(stage, [0, 2, 4], targets)
+    ub, expected = w.unit_bytes, [torch.zeros_like(pg) for pg in inst.pages]
+    for r, (ids, sl) in zip([0, 2, 4], targets):
+        value = stage[r].view(len(ids), len(sl.layers), ub)
+        for j, b in enumerate(ids):
+            for i, layer in enumerate(sl.layers):
+                if b >= 0:
+                    expected[layer][b, sl.offset:sl.offset + ub] = value[j, i]
+    assert all(torch.equal(pg, e) for pg, e in zip(inst.pages, expected))
+    assert int(expected[0].count_nonzero()) > 0
+    inst.close()
 
 
 def test_two_requests_in_one_step_save_once(model_dir, extra):

@@ -69,6 +69,7 @@ class WorkerSide:
         self.load_pool = ThreadPoolExecutor(1, thread_name_prefix="gdkv-vllm-load")
         self.save_pool = ThreadPoolExecutor(1, thread_name_prefix="gdkv-vllm-save")
         self.lock = threading.Lock()
+        self.pin_lock = threading.Lock()   # the load and engine threads both reach _stage
         self.finished_loads: set[str] = set()
         self.load_errors: set[int] = set()
         self.reported_errors: set[int] = set()
@@ -314,12 +315,14 @@ class WorkerSide:
 
     def _stage(self, client) -> Any:
         """The load staging of this client (EngineStore.staging: rows of the largest value, kept
-        while the client lives), reserved at its first transfer, before any save takes memory
-        shared with gdkvd. For CUDA pages it is pinned, so host-to-device copies are DMA."""
+        for the client), reserved at its first transfer, before any save takes memory shared
+        with gdkvd. For CUDA pages the worker pins it (cudaHostRegister, once per reservation),
+        so _scatter's host-to-device copy is DMA."""
         stage = self.store.staging(client, self.value_bytes)
-        if self.device.type == "cuda" and stage.ctypes.data != self._pinned:
-            torch.cuda.cudart().cudaHostRegister(stage.ctypes.data, stage.nbytes, 0)
-            self._pinned = stage.ctypes.data
+        with self.pin_lock:
+            if self.device.type == "cuda" and stage.ctypes.data != self._pinned:
+                torch.cuda.cudart().cudaHostRegister(stage.ctypes.data, stage.nbytes, 0)
+                self._pinned = stage.ctypes.data
         return stage
 
     def _save_budget(self, client) -> int:
@@ -335,18 +338,22 @@ class WorkerSide:
     def _scatter(self, stage: torch.Tensor, rows: list[int],
                  targets: list[tuple[list[int], Slot]]) -> None:
         """Copies staged values (rows of ``stage``) into their blocks' CUDA pages: each row's
-        target is (its block ids, its slot)."""
+        target is (its block ids, its slot). The round's rows go to the GPU in one copy of
+        pinned memory, and are placed there by index."""
+        if not rows:
+            return
         ub = self.unit_bytes
         stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(stream):
+            on_gpu = stage[:max(rows) + 1].to(self.device, non_blocking=True)
             for sl in {id(sl): sl for _, sl in targets}.values():
                 mine = [(r, ids) for r, (ids, s) in zip(rows, targets) if s is sl]
                 pairs = [(n * len(ids) + j, b) for n, (_, ids) in enumerate(mine)
                          for j, b in enumerate(ids) if b >= 0]
                 if not pairs:
                     continue
-                src = stage[torch.tensor([r for r, _ in mine])][:, :sl.value_bytes]
-                src = src.to(self.device, non_blocking=True).view(-1, len(sl.layers), ub)
+                pick_rows = torch.tensor([r for r, _ in mine], device=self.device)
+                src = on_gpu[pick_rows][:, :sl.value_bytes].reshape(-1, len(sl.layers), ub)
                 pick = torch.tensor([i for i, _ in pairs], device=self.device)
                 dst = torch.tensor([b for _, b in pairs], device=self.device)
                 for i, l in enumerate(sl.layers):
