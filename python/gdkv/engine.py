@@ -105,14 +105,15 @@ _LEAST = {"nsid": 1, "timeout_ms": 1, "shared_memory_bytes": 1, "staging_bytes":
           "retry_interval_s": 0}
 
 
-def read_config(config: Mapping[str, Any], own: Mapping[str, Optional[type]],
+def read_config(config: Mapping[str, Any], own: Mapping[str, Any],
                 where: str) -> dict[str, Any]:
     """``config`` with each value converted to its key's type: EngineStore's keys
-    (:data:`STORE_SETTINGS`) and the connector's ``own`` (a type, or None for a key passed
-    through as it is), without the keys whose value is None (their defaults hold). A key neither
-    names, a value not of its type (text, as in a URL's query, is converted), or a setting out
-    of its range or choices (as gdkv.open refuses it) is a ValueError naming it: a misspelt
-    setting must not fall back to its default in silence, nor stop gdkv later."""
+    (:data:`STORE_SETTINGS`) and the connector's ``own`` (a type, a (type, least value) pair, or
+    None for a key passed through as it is), without the keys whose value is None (their
+    defaults hold). A key neither names, a value not of its type (text, as in a URL's query, is
+    converted), below its least value, or a setting out of its range or choices (as gdkv.open
+    refuses it) is a ValueError naming it: a misspelt setting must not fall back to its default
+    in silence, nor stop gdkv later."""
     types = {**STORE_SETTINGS, **own}
     unknown = sorted(set(config) - set(types))
     if unknown:
@@ -123,10 +124,12 @@ def read_config(config: Mapping[str, Any], own: Mapping[str, Optional[type]],
     for name, value in config.items():
         if value is None:   # None keeps the default, as in gdkv.open
             continue
+        kind, least = types[name] if isinstance(types[name], tuple) else (
+            types[name], _LEAST.get(name))
         try:
-            out[name] = v = _CONVERT[types[name]](value)
-            if name in _LEAST and v < _LEAST[name]:
-                raise ValueError(f"must be at least {_LEAST[name]}")
+            out[name] = v = _CONVERT[kind](value)
+            if least is not None and v < least:
+                raise ValueError(f"must be at least {least}")
             if name in _SETTINGS:   # its range or choices, as gdkv.open checks them
                 _core.effective_settings({name: v})
         except (TypeError, ValueError) as e:
@@ -495,7 +498,7 @@ class EngineStore:
         while not self._closed.wait(delay):
             try:
                 client = self._open()
-            except Exception as e:   # a gdkv error, or settings that open() refused
+            except (errors.Error, ValueError, TypeError) as e:   # or settings open() refused
                 # Said once per outage; the retries are logged at debug level.
                 log.log(logging.DEBUG if warned else logging.WARNING,
                         "gdkv: %s is unavailable (%s); running without it, retrying every "
@@ -570,6 +573,9 @@ class EngineStore:
         """Drop ``client`` after ``error``; the connect thread tries again ``retry_interval_s``
         later. A gdkvd client is closed on a background thread (closing waits for a frozen
         gdkvd as long as a command does)."""
+        with self._staging_lock:   # its shared memory goes with it (a call in flight keeps it)
+            if self._staging is not None and self._staging[0] is client:
+                self._staging = None
         with self._lock:
             if self._client is client:
                 self._client = None
@@ -635,10 +641,7 @@ class EngineStore:
         Exist failed. ``hint``: the keys of those groups are hinted to gdkv, in order (a load of
         them follows)."""
         n, error = client.lookup(keys)
-        if isinstance(error, UNAVAILABLE):
-            raise error
-        if error is not None:
-            self.note(error, "lookup")
+        self._noted([error], "lookup")
         n //= per
         if hint and n:
             self.hint(client, keys[:n * per])

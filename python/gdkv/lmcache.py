@@ -84,17 +84,16 @@ def parse_url(url: str) -> dict[str, Any]:
 def _typed(options: dict[str, Any], where: str) -> dict[str, Any]:
     """``options`` read as EngineStore's settings and ``threads`` (engine.read_config: text,
     as in a URL's query, is converted to each option's type)."""
-    out = read_config(options, {"threads": int}, where)
+    out = read_config(options, {"threads": (int, 1)}, where)
     if out.get("socket_dir") and out.get("backend"):
         raise ValueError(f"gdkv: {where} sets both a socket directory (gdkvd) and backend="
                          f"{out['backend']} (in-process): one or the other")
-    if out.get("threads", 1) < 1:
-        raise ValueError(f"gdkv: threads must be at least 1 in {where}")
     return out
 
 
 def _settings(context: ConnectorContext) -> Optional[dict[str, Any]]:
-    """The connector's options, or None for a dormant connector (see the module's docstring)."""
+    """The connector's options, or None for a dormant one: a plugin without a url while
+    LMCache's remote_url is a gdkv:// URL (LMCache's own RemoteBackend serves that URL)."""
     config = context.config
     assert config is not None
     extra = dict(config.extra_config or {})
@@ -207,7 +206,7 @@ class GdkvConnector(RemoteConnector):
         layout = self.meta_fmt.name + ":" + "+".join(
             "x".join(str(n) for n in shape) for shape in self.meta_shapes)
         self.keyspace = KeySpace("lmcache", metadata.model_name, dtype, layout,
-                                 str((settings or {}).get("namespace", "")))
+                                 (settings or {}).get("namespace", ""))
         self.store: Optional[EngineStore] = EngineStore(settings) if settings is not None else None
         # LMCache's CPU memory (its allocator's one buffer, allocated before its backends are
         # created): through gdkvd, chunks then move where they lie in it (no staging copy).
@@ -216,7 +215,7 @@ class GdkvConnector(RemoteConnector):
                 and pool.device.type == "cpu" and pool.numel() > 0):
             self.store.share(pool)
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            int((settings or {}).get("threads", 4)), thread_name_prefix="gdkv-lmcache")
+            (settings or {}).get("threads", 4), thread_name_prefix="gdkv-lmcache")
         self._closed = False
         #: skipped_puts: chunks put() did not store (partial chunks, other layouts), logged
         #: once; rejected_values: values gdkv held that get() turned into misses (of the wrong

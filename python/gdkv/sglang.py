@@ -137,7 +137,7 @@ class GdkvStorage(HiCacheStorage):
         config = read_config(storage_config.extra_config or {}, dict.fromkeys(SGLANG_KEYS),
                              "SGLang's --hicache-storage-backend-extra-config")
         self.store = EngineStore(config)
-        self.namespace = str(config.get("namespace", ""))
+        self.namespace = config.get("namespace", "")
         self.enable_metrics = bool(storage_config.enable_storage_metrics)
         if not config.get("interface_v1"):
             log.warning("gdkv: \"interface_v1\" is not set in the extra config: SGLang will use "

@@ -108,8 +108,9 @@ def test_the_connectors_read_every_setting_with_its_type():
 
 def test_a_connector_config_is_read_with_its_types():
     """One reader for every connector's config: JSON values and text (a URL's query) give the
-    same settings; a value of the wrong type names its key; None keeps the default."""
-    own = {"threads": int, "label": None}
+    same settings; a value of the wrong type, or below a key's least value, names its key;
+    None keeps the default."""
+    own = {"threads": (int, 1), "label": None}
     text = {"nsid": "2", "retry_interval_s": "0.5", "evict": "false", "threads": "3",
             "label": 7, "namespace": None}
     typed = {"nsid": 2, "retry_interval_s": 0.5, "evict": False, "threads": 3, "label": 7}
@@ -117,7 +118,8 @@ def test_a_connector_config_is_read_with_its_types():
     assert engine.read_config(typed, own, "a test config") == typed
     for key, bad, why in [("nsid", True, "not an integer"), ("nsid", 1.5, "not an integer"),
                           ("nsid", "one", "invalid literal"), ("evict", "maybe", "true or false"),
-                          ("timeout_ms", [1], "")]:
+                          ("timeout_ms", [1], ""), ("threads", "0", "at least 1"),
+                          ("timeout_ms", 0, "at least 1")]:
         with pytest.raises(ValueError, match=f"gdkv: {key}=.* in a test config: .*{why}"):
             engine.read_config({key: bad}, own, "a test config")
 

@@ -658,6 +658,9 @@ def test_an_unknown_extra_config_key_is_an_error(model_dir, tmp_path):
         Instance(model_dir, {**cfg, "blocks_per_value": 1.5})
     with pytest.raises(ValueError, match=r"heads_per_value='one'"):
         Instance(model_dir, {**cfg, "heads_per_value": "one"})
+    for key, low in [("blocks_per_value", 0), ("layers_per_value", -1)]:
+        with pytest.raises(ValueError, match=f"{key}={low} .*must be at least {low + 1}"):
+            Instance(model_dir, {**cfg, key: low})
     inst = Instance(model_dir, {**cfg, "blocks_per_value": "2"})
     assert inst.connector.plan.blocks_per_value == 2
     inst.close()
@@ -786,6 +789,25 @@ def test_one_failing_key_fails_only_its_value(model_dir, tmp_path, monkeypatch):
     assert failed == {two.block_ids("b")[5]}          # not all 10 blocks
     assert two.worker.stats["loaded_values"] == 9
     assert not client.exists(bad) and two.worker.stats["dropped_values"] == 1
+    two.close()
+    one.close()
+
+
+@pytest.mark.parametrize("err", [gdkv.NotReadyError, gdkv.CapacityError])
+def test_a_key_gdkv_cannot_serve_now_is_a_miss_and_is_not_deleted(model_dir, tmp_path,
+                                                                 monkeypatch, err):
+    """A key whose Retrieve found the store behind gdkv unreachable (82h: the whole load is a
+    miss and the client is dropped) or no shared memory (81h: that value is a miss) says nothing
+    of the value: it is not deleted, unlike a value of the wrong size or one failing itself."""
+    cfg, one, two, b = a_stored_b_added(model_dir, tmp_path)
+    client = two.connector.store.client()
+    bad = two.worker.spaces[0].key(b.block_hashes[5])
+    fail_for(client, monkeypatch, "get_many_into", bad, err("cannot now", 0, bad))
+    out, failed = two.step()
+    ids = two.block_ids("b")
+    assert failed == (set(ids[:10]) if err is gdkv.NotReadyError else {ids[5]})
+    assert (two.connector.store.client() is None) == (err is gdkv.NotReadyError)
+    assert client.exists(bad) and two.worker.stats["dropped_values"] == 0
     two.close()
     one.close()
 

@@ -33,9 +33,9 @@ REMOVALS_POLL_S = 0.5
 EVENT_WAIT_S = 10.0
 # The connector's own keys of kv_connector_extra_config and their types (docs/integrations.md
 # says what each does); with EngineStore's (engine.STORE_SETTINGS) they are all it accepts.
-VLLM_KEYS = {"blocks_per_value": int, "model_id": str, "save_queue_bytes": int,
-             "load_mode": str, "layers_per_value": int, "removals_url": str,
-             "heads_per_value": int}
+VLLM_KEYS = {"blocks_per_value": (int, 1), "model_id": str, "save_queue_bytes": (int, 0),
+             "load_mode": str, "layers_per_value": (int, 0), "removals_url": str,
+             "heads_per_value": (int, 1)}
 
 
 @dataclass
@@ -169,15 +169,11 @@ class Plan:
         # (save_kv_layer). Values of fewer layers (layers_per_value) let the first layers
         # compute while the later ones load.
         self.layerwise = mode == "layerwise"
-        self.layers_per_value = extra.get("layers_per_value", 0)
-        if self.layers_per_value < 0:
-            raise ValueError("gdkv: layers_per_value must be 0 (every layer) or more")
+        self.layers_per_value = extra.get("layers_per_value", 0)   # 0: every layer
         # Values per block, unit of heads and group: chunks of layers_per_value layers; the
         # largest group's count (a group with fewer layers has fewer).
         self.chunks = max((len(g.chunks(self.layers_per_value)) for g in self.groups),
                           default=1)
-        if self.blocks_per_value < 1:
-            raise ValueError("gdkv: blocks_per_value must be at least 1")
         self.tokens_per_value = self.blocks_per_value * self.block_size
         if self.tokens_per_value % self.hash_block_size:
             self.usable = False
