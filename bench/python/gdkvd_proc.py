@@ -130,8 +130,38 @@ class Gdkvd:
 
     # (Last: in the class body, a method named signal hides the module in later defaults.)
     def signal(self, sig: int) -> None:
+        """Sends ``sig``. SIGSTOP returns once every thread of the daemon has stopped: the kernel
+        stops a process's threads one after another, and its reactor serves calls until then."""
         assert self.proc is not None
         self.proc.send_signal(sig)
+        if sig == signal.SIGSTOP:
+            wait_stopped(self.proc.pid)
+
+
+def thread_states(pid: int) -> list[str]:
+    """The state letter of each thread of ``pid`` (/proc/PID/task/*/stat; "T": stopped). A
+    thread that exits while read is left out."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        states.append(stat[stat.rindex(")") + 2])   # the name, in parentheses, may hold spaces
+    return states
+
+
+def wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
+    """Waits until every thread of ``pid`` is stopped (after a SIGSTOP); RuntimeError past
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = thread_states(pid)
+        if states and all(s in "Tt" for s in states):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"process {pid} did not stop: thread states {states}")
+        time.sleep(0.001)
 
 
 @contextlib.contextmanager

@@ -84,6 +84,29 @@ class Daemon {
   std::string socket_dir() const { return dir_ + "/sock"; }
   pid_t pid() const { return pid_; }
 
+  // SIGSTOP, and true once every thread has stopped (state T in /proc/PID/task/*/stat): the
+  // kernel stops a process's threads one after another, and a reactor serves calls until then.
+  bool freeze(int timeout_ms = 10000) {
+    if (::kill(pid_, SIGSTOP) != 0) return false;
+    const std::string tasks = "/proc/" + std::to_string(pid_) + "/task";
+    const auto end = Clock::now() + std::chrono::milliseconds(timeout_ms);
+    while (Clock::now() < end) {
+      bool all = true, any = false;
+      std::error_code ec;
+      for (const auto& t : std::filesystem::directory_iterator(tasks, ec)) {
+        std::ifstream in(t.path() / "stat");
+        std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+        const size_t paren = stat.rfind(')');  // the name, in parentheses, may hold spaces
+        if (paren == std::string::npos || paren + 2 >= stat.size()) continue;  // it exited
+        any = true;
+        all = all && (stat[paren + 2] == 'T' || stat[paren + 2] == 't');
+      }
+      if (!ec && any && all) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return false;
+  }
+
   // Waits until the daemon logged "ready".
   bool wait_ready(int timeout_ms = 20000) {
     const auto end = Clock::now() + std::chrono::milliseconds(timeout_ms);
@@ -263,8 +286,7 @@ TEST(GdkvdProcess, DaemonKilledMidCallFailsTheClientInBoundedTime) {
   auto c = dev->make_client().value();
   const Key k = *Key::from_string("k");
   ASSERT_TRUE(c->put(k, pattern(4096, 1)).ok());
-  ASSERT_EQ(::kill(d.pid(), SIGSTOP), 0);  // the next call is in flight when the daemon dies
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // delivered asynchronously
+  ASSERT_TRUE(d.freeze());  // the next call is in flight when the daemon dies
   std::vector<std::byte> out(4096);
   CmdResult r{};
   Clock::time_point done;
@@ -300,8 +322,7 @@ TEST(GdkvdProcess, FrozenDaemonTimesOut) {
   auto c = dev->make_client().value();
   const Key k = *Key::from_string("k");
   ASSERT_TRUE(c->put(k, pattern(100, 1)).ok());
-  ASSERT_EQ(::kill(d.pid(), SIGSTOP), 0);
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // delivered asynchronously
+  ASSERT_TRUE(d.freeze());
   const auto t0 = Clock::now();
   EXPECT_EQ(c->exists(k).status, Status::kAbortRequested);
   const auto waited = Clock::now() - t0;
