@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,16 @@ class Gdkvd(gdkvd_proc.Gdkvd):
     def __init__(self, *args: str, **kw):
         kw.setdefault("prefix", "gdkvd-py-")
         super().__init__("--reactors", "1", *args, binary=GDKVD, **kw)
+
+
+def until(cond, what: str, timeout_s: float = 10.0) -> None:
+    """Waits until ``cond()`` is true: for a state the test needs (a reconnect, a thread's
+    progress), not for a time guessed to be enough. Fails the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {timeout_s} s: {what}")
+        time.sleep(0.01)
 
 
 @pytest.fixture

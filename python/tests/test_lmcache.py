@@ -37,7 +37,7 @@ import gdkv  # noqa: E402
 import gdkv.engine  # noqa: E402
 from gdkv.lmcache import GdkvConnector, parse_url  # noqa: E402
 
-from conftest import Gdkvd, hint_gdkvd, hinted, record_hints  # noqa: E402
+from conftest import Gdkvd, hint_gdkvd, hinted, record_hints, until  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, CHUNK = 2, 2, 8, 16
 # One chunk: [2, layers, chunk tokens, heads * head dim] bf16 = 2 KiB.
@@ -447,10 +447,10 @@ def test_gdkvd_killed_then_replaced(gdkvd, tmp_path, stacks):
 
     t = threading.Thread(target=reader)
     t.start()
-    time.sleep(0.3)
+    until(lambda: seen["hits"] > 0 or seen["errors"], "the reader's first hit")
     gdkvd.signal(signal.SIGKILL)
     gdkvd.proc.wait()
-    time.sleep(0.3)
+    until(lambda: seen["misses"] > 0 or seen["errors"], "the reader's first miss")
     stop.set()
     t.join(30)
     assert seen["errors"] == [] and seen["hits"] > 0 and seen["misses"] > 0
@@ -465,7 +465,7 @@ def test_gdkvd_killed_then_replaced(gdkvd, tmp_path, stacks):
     # A new gdkvd on the same socket directory is picked up after retry_interval_s.
     gdkvd.start()   # the same command, on the same socket directory
     try:
-        time.sleep(0.6)
+        until(lambda: conn.store.client() is not None, "the connector reconnected")
         assert rb.batched_contains(keys) == 0  # the memory backend started empty
         put(rb, keys, objs)
         assert rb.batched_contains(keys) == 8
@@ -493,8 +493,8 @@ def test_frozen_gdkvd_is_a_miss_then_recovers(gdkvd, tmp_path, stacks, loop):
         assert rb.batched_get_blocking(keys) == [None] * 4
     finally:
         gdkvd.signal(signal.SIGCONT)
-    time.sleep(0.3)
-    assert rb.batched_contains(keys) == 4  # the same gdkvd, reconnected
+    until(lambda: conn.store.client() is not None, "the connector reconnected")
+    assert rb.batched_contains(keys) == 4  # the same gdkvd
     got = rb.batched_get_blocking(keys)
     assert all(same(g, o) for g, o in zip(got, objs))
     release(got)
@@ -505,7 +505,7 @@ def test_cancelled_calls_release_their_memory(gdkvd, tmp_path, stacks, loop):
     # still waits for the frozen gdkvd: the chunks loaded later, or not, must go back to LMCache's
     # allocator, and a cancelled put must drop the references it took.
     md = metadata()
-    url = f"gdkv://{gdkvd.dir}?timeout_ms=1500&retry_interval_s=0.2&threads=1"
+    url = f"gdkv://{gdkvd.dir}?timeout_ms=3000&retry_interval_s=0.2&threads=1"
     backends = stacks(plugin_config(tmp_path, url, "blocking_timeout_secs: 1\n"), md)
     rb, conn = remote(backends)
     keys = chunk_keys(md, range(4))
@@ -519,7 +519,7 @@ def test_cancelled_calls_release_their_memory(gdkvd, tmp_path, stacks, loop):
         assert time.monotonic() - t0 < 1.4
         # A put queued behind it (one connector thread), cancelled before it ran.
         fut = asyncio.run_coroutine_threadsafe(conn.batched_put(keys, objs), loop)
-        time.sleep(0.1)
+        until(lambda: objs[0].get_ref_count() == 2, "the put took its reference")
         fut.cancel()
         assert objs[0].get_ref_count() == 2  # ours, held until the put has run
     finally:

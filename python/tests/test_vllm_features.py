@@ -390,9 +390,14 @@ def test_kv_events_report_what_gdkvd_evicted(model):
                 for i in range(48):                              # 48 MiB of other values
                     c.put(b"filler-%08d" % i, bytes(1 << 20))
                 assert all(k.startswith(b"filler") for k in c.list())   # C is evicted
-            time.sleep(1.5)            # the connector reads the feed every 0.5 s
-            s.complete(WARM, 2)        # a step (an idle engine publishes nothing)
-            events = received(sub, lambda evs: len(ours(evs, BlockRemoved)) >= 7)
+            # The connector reads the feed every 0.5 s and publishes what it read at the
+            # engine's next step (an idle engine publishes nothing): steps until it has.
+            events = []
+            deadline = time.monotonic() + 60
+            while len(ours(events, BlockRemoved)) < 7 and time.monotonic() < deadline:
+                s.complete(WARM, 2)
+                events += received(sub, lambda evs: len(ours(events + evs, BlockRemoved)) >= 7,
+                                   timeout=2)
             removed = [e.block_hashes for e in ours(events, BlockRemoved)]
             assert sorted(removed) == sorted(stored), events
             assert not ours(events, BlockStored)

@@ -194,21 +194,28 @@ def test_close_of_an_idle_client_while_gdkvd_is_frozen(gdkvd):
 def test_close_waits_for_calls_in_flight(gdkvd):
     c = gdkv.connect(gdkvd.dir)
     errors = []
+    calling = threading.Event()
+    resumed = []
 
     def call():
+        calling.set()
         try:
             c.put(b"k", b"v")  # waits while gdkvd is stopped
         except Exception as e:  # noqa: BLE001 - checked below
             errors.append(e)
 
+    def resume():
+        resumed.append(time.monotonic())
+        gdkvd.signal(signal.SIGCONT)
+
     gdkvd.signal(signal.SIGSTOP)
     t = threading.Thread(target=call)
     t.start()
+    assert calling.wait(10)
     time.sleep(0.3)  # the put is waiting inside the client
-    threading.Timer(0.5, lambda: gdkvd.signal(signal.SIGCONT)).start()
-    t0 = time.monotonic()
+    threading.Timer(0.5, resume).start()
     c.close()  # waits for the put, which completes once gdkvd runs again
-    assert time.monotonic() - t0 >= 0.4
+    assert resumed and time.monotonic() > resumed[0]
     t.join()
     assert errors == []
     with pytest.raises(gdkv.ClosedError):

@@ -256,13 +256,18 @@ TEST_F(LinuxHost, UnmapWhileCommandsRunOnAQueueInThatMemory) {
   const Key slow = *Key::from_string("slow");
   const nvme::Sqe st = cmd::store(slow.bytes, slow.len, kDataPtr, 4096);
   uint16_t status = 0xFFFF;
-  std::thread io([&] { status = nvme::status_code(h.io(st).status) == Status::kSuccess ? 0 : 1; });
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the Store is in the backend
-  const DmaUnmapMsg u{24, 0, RawHost::kIova, RawHost::kDefaultSize};
   const auto t0 = std::chrono::steady_clock::now();
+  std::thread io([&] { status = nvme::status_code(h.io(st).status) == Status::kSuccess ? 0 : 1; });
+  // The Store is in the backend.
+  for (int i = 0; i < 10000 && ctl_->in_flight() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_EQ(ctl_->in_flight(), 1u);
+  const DmaUnmapMsg u{24, 0, RawHost::kIova, RawHost::kDefaultSize};
   EXPECT_EQ(h.call(Cmd::kDmaUnmap, test::RawClient::bytes_of(u)), 0);
-  // The reply came once the Store had completed (its CQE posted while the memory was mapped).
-  EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(100));
+  // The reply came once the Store had completed (its CQE posted while the memory was mapped):
+  // not before the backend's 300 ms.
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(300));
   io.join();
   EXPECT_EQ(status, 0);
   EXPECT_TRUE(h.reg_read(reg::kCsts) & kCstsCfs);  // enabled, and its queues lost their memory

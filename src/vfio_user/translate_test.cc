@@ -329,7 +329,11 @@ TEST(DmaSpace, UnmapWaitsForCommandsAndRefusesQueues) {
     EXPECT_EQ(d.unmap(0x10000, 0x2000), 0);
     done = true;
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  // unmap detaches the map first (lookups no longer find it), then waits for the pin.
+  for (int i = 0; i < 100000 && d.count() != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  EXPECT_EQ(d.count(), 0u);
   EXPECT_FALSE(done.load());
   // Still writable while pinned, even though lookups no longer find it.
   std::memset(out[0].addr, 1, 64);
@@ -337,6 +341,7 @@ TEST(DmaSpace, UnmapWaitsForCommandsAndRefusesQueues) {
   DataSegments out2;
   EXPECT_EQ(d.resolve(0x10000, 64, true, out2, other), Status::kDataTransferError);
   DmaSpace::unpin(refs);
+  DmaSpace::unpin(other);  // (nothing, unless the check above failed: then unmap waits for it)
   t.join();
   EXPECT_TRUE(done.load());
 }

@@ -106,6 +106,14 @@ TEST(RadosNotify, ADeleteOnOneNodeDropsTheOtherNodesCachedCopy) {
   EXPECT_LT(bounds[4], 1000);
   EXPECT_EQ(metric(*b_rados, "rados_remote_deletes_total"), 5);
   EXPECT_EQ(metric(*a, "rados_delete_notifies_total"), 5);
+  // B's watch tells its removal handler after it has dropped the block from B's cache.
+  EXPECT_GE(ms_until(
+                [&] {
+                  std::lock_guard lk(mu);
+                  return removed_b.size() == 5;
+                },
+                std::chrono::seconds(5)),
+            0);
   a->set_removal_handler(nullptr);
   b->set_removal_handler(nullptr);
   {
