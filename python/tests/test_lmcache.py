@@ -524,11 +524,8 @@ def test_cancelled_calls_release_their_memory(gdkvd, tmp_path, stacks, loop):
         assert objs[0].get_ref_count() == 2  # ours, held until the put has run
     finally:
         gdkvd.signal(signal.SIGCONT)
-    deadline = time.monotonic() + 10
-    while (active(backends) != base or objs[0].get_ref_count() != 1) and \
-            time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert active(backends) == base and all(o.get_ref_count() == 1 for o in objs)
+    until(lambda: active(backends) == base and all(o.get_ref_count() == 1 for o in objs),
+          "LMCache's memory and our references released")
 
 
 def test_chunks_larger_than_gdkvds_max_value(tmp_path, stacks, caplog):

@@ -53,6 +53,15 @@ Key key_of(const std::string& prefix, int i) {
   return *Key::from_string(s);
 }
 
+// The fields of a /proc stat file after the command name (in parentheses, which may hold
+// spaces), from field 3 (the state) on; empty if the file is gone (a thread or process exited).
+std::string stat_fields(const std::filesystem::path& stat_file) {
+  std::ifstream in(stat_file);
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t paren = stat.rfind(')');
+  return paren == std::string::npos || paren + 2 >= stat.size() ? "" : stat.substr(paren + 2);
+}
+
 // A gdkvd child process; its stderr goes to <dir>/gdkvd-<n>.log.
 class Daemon {
  public:
@@ -94,12 +103,10 @@ class Daemon {
       bool all = true, any = false;
       std::error_code ec;
       for (const auto& t : std::filesystem::directory_iterator(tasks, ec)) {
-        std::ifstream in(t.path() / "stat");
-        std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-        const size_t paren = stat.rfind(')');  // the name, in parentheses, may hold spaces
-        if (paren == std::string::npos || paren + 2 >= stat.size()) continue;  // it exited
+        const std::string fields = stat_fields(t.path() / "stat");
+        if (fields.empty()) continue;  // it exited
         any = true;
-        all = all && (stat[paren + 2] == 'T' || stat[paren + 2] == 't');
+        all = all && (fields[0] == 'T' || fields[0] == 't');
       }
       if (!ec && any && all) return true;
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -564,10 +571,7 @@ TEST(GdkvdProcess, ConfigErrorsExitTwo) {
 
 // Minor page faults of process `pid` so far, all its threads (/proc/PID/stat field 10).
 uint64_t minor_faults(pid_t pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  // Fields after the command name (in parentheses, which may hold spaces): state is field 3.
-  std::istringstream rest(stat.substr(stat.rfind(')') + 2));
+  std::istringstream rest(stat_fields("/proc/" + std::to_string(pid) + "/stat"));
   std::string f;
   for (int field = 3; field < 10; ++field) rest >> f;
   uint64_t minflt = 0;

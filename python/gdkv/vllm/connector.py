@@ -44,8 +44,8 @@ def _ranks() -> tuple[int, int]:
 
 class GdkvConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's KV connector for gdkv (its contract: the package docstring; its configuration:
-    docs/integrations.md). It supports vLLM's hybrid KV cache manager (SupportsHMA): models with sliding-window layers
-    keep one KV cache group per attention type."""
+    docs/integrations.md). It supports vLLM's hybrid KV cache manager (SupportsHMA): models with
+    sliding-window layers keep one KV cache group per attention type."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig"):
