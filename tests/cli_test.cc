@@ -25,7 +25,7 @@ struct CliRun {
 };
 
 class Cli : public ::testing::Test {
- protected:
+ public:
   void SetUp() override {
     dir_ = fs::temp_directory_path() /
            ("gdkv-cli-" + std::to_string(::getpid()) + "-" +
@@ -115,30 +115,40 @@ TEST_F(Cli, UsageErrorsExitTwo) {
   }
 }
 
-// Every setting of the table (gdkv/settings.h) is a flag of the CLI: listed in the help, taking a
-// valid value, refusing a bad one with exit 2.
-TEST_F(Cli, EverySettingIsAFlag) {
-  const std::string help = gdkv("--help").out;
-  const gdkv::StoreSettings defaults;
-  for (const gdkv::Setting& x : gdkv::store_settings()) {
+template <class T>
+void every_setting_is_a_flag(Cli& cli, const std::vector<gdkv::Setting<T>>& table) {
+  const std::string help = cli.gdkv("--help").out;
+  const T defaults;
+  for (const gdkv::Setting<T>& x : table) {
     EXPECT_TRUE(help.find(std::string(x.flag) + " ") != std::string::npos ||
                 help.find(std::string(x.flag) + ",") != std::string::npos)
         << x.flag;
     const gdkv::SettingValue v = gdkv::testing::other_value(x, defaults);
     std::string flag = x.flag;
-    if (x.type == gdkv::Setting::Type::kBool) {
+    if (x.type == gdkv::SettingInfo::Type::kBool) {
       if (!std::get<bool>(v)) flag = "--no-" + flag.substr(2);
     } else {
-      flag += " '" + gdkv::testing::as_argument(v) + "'";
+      flag += " '" + gdkv::testing::as_argument(x, v) + "'";
     }
     const std::string memory = std::string(x.name) == "backend" ? "" : "--backend memory ";
-    CliRun r = gdkv(memory + flag + " stat");
+    CliRun r = cli.gdkv(memory + flag + " stat");
     EXPECT_EQ(r.code, 0) << flag << ": " << r.err;
-    if (x.type == gdkv::Setting::Type::kU32 || x.type == gdkv::Setting::Type::kU64) {
-      r = gdkv("--backend memory " + std::string(x.flag) + " x stat");
+    if (x.is_integer()) {
+      r = cli.gdkv("--backend memory " + std::string(x.flag) + " x stat");
       EXPECT_EQ(r.code, 2) << x.flag;
+      r = cli.gdkv("--backend memory " + std::string(x.flag) + " " +
+                   std::to_string(x.min - 1) + " stat");
+      EXPECT_EQ(r.code, 2) << x.flag;
+      EXPECT_NE(r.err.find(x.range_error()), std::string::npos) << r.err;
     }
   }
+}
+
+// Every setting of the store's and a connection's tables (gdkv/settings.h) is a flag of the CLI:
+// listed in the help, taking a valid value, refusing a bad one with exit 2.
+TEST_F(Cli, EverySettingIsAFlag) {
+  every_setting_is_a_flag(*this, gdkv::store_settings());
+  every_setting_is_a_flag(*this, gdkv::client_settings());
   EXPECT_EQ(gdkv("--reactors 257 stat").code, 2);
   EXPECT_EQ(gdkv("--cache-policy mru stat").code, 2);
 }

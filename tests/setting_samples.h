@@ -2,15 +2,21 @@
 // one `s` holds, as TOML, flag and Python would write it.
 #pragma once
 
+#include <cstdio>
 #include <string>
+#include <string_view>
 
 #include "gdkv/settings.h"
 
 namespace gdkv::testing {
 
-inline SettingValue other_value(const Setting& x, const StoreSettings& s) {
+template <class T>
+SettingValue other_value(const Setting<T>& x, const T& s) {
   const SettingValue now = x.get(s);
-  if (const uint64_t* n = std::get_if<uint64_t>(&now)) return *n < x.max ? *n + 1 : *n - 1;
+  if (const uint64_t* n = std::get_if<uint64_t>(&now)) {
+    return static_cast<int64_t>(*n) < x.max ? *n + 1 : *n - 1;
+  }
+  if (const int64_t* n = std::get_if<int64_t>(&now)) return *n < x.max ? *n + 1 : *n - 1;
   if (const bool* b = std::get_if<bool>(&now)) return !*b;
   for (const std::string& c : x.choices) {
     if (c != std::get<std::string>(now)) return c;
@@ -19,9 +25,15 @@ inline SettingValue other_value(const Setting& x, const StoreSettings& s) {
   return text.empty() ? "other" : text + "-other";
 }
 
-// As a command line or environment variable spells it.
-inline std::string as_argument(const SettingValue& v) {
-  if (const uint64_t* n = std::get_if<uint64_t>(&v)) return std::to_string(*n);
+// As a command line or environment variable spells it (octal for permissions).
+inline std::string as_argument(const SettingInfo& x, const SettingValue& v) {
+  if (const uint64_t* n = std::get_if<uint64_t>(&v)) {
+    if (std::string_view(x.unit) != "octal") return std::to_string(*n);
+    char text[32];
+    std::snprintf(text, sizeof text, "0%llo", static_cast<unsigned long long>(*n));
+    return text;
+  }
+  if (const int64_t* n = std::get_if<int64_t>(&v)) return std::to_string(*n);
   if (const bool* b = std::get_if<bool>(&v)) return *b ? "true" : "false";
   return std::get<std::string>(v);
 }

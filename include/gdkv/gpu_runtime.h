@@ -34,7 +34,7 @@ struct GpuOptions {
   // Per copy engine: a pinned bounce buffer (bytes, default 32 MiB) for copies between device
   // memory and pageable host memory (a Store into a pageable staging vector, a value served from
   // the heap). Copies to or from pinned memory go straight through without it.
-  size_t staging_bytes = size_t{32} << 20;
+  size_t bounce_bytes = size_t{32} << 20;
 };
 
 // CUDA devices usable by this process: 0 without a driver or a GPU. Never throws.

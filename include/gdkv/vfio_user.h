@@ -119,16 +119,18 @@ class VfioUserServer {
 
 // ---- Client driver -----------------------------------------------------------------------------
 
+// A client's connection to gdkvd. Each field is a row of gdkv::client_settings() (gdkv/settings.h),
+// so gdkv.connect, the CLI's --connect and the connectors take it by the same name and default.
 struct VfioUserClientOptions {
-  uint32_t queue_depth = 256;  // I/O queue entries, a power of two in [2, 4096]
+  uint32_t queue_depth = 1024;  // I/O queue entries, a power of two in [2, 4096]
   // Bytes of memory shared with gdkvd (a sealed memfd): queues and staged buffers. Pages are only
   // committed when touched. Values larger than this cannot be staged.
-  size_t shared_memory_bytes = size_t{256} << 20;
+  size_t shared_memory_bytes = size_t{1} << 30;
   uint32_t admin_queue_depth = 32;
-  uint32_t timeout_ms = 10000;  // controller enable/disable and admin commands
+  uint32_t admin_timeout_ms = 10000;  // controller enable/disable and admin commands
   // One I/O command, after which the Client fails for good (ClientFailure::kTimeout); 0 = no limit.
   // A gdkvd that exits or dies is noticed within ~10 ms whatever this is.
-  uint32_t io_timeout_ms = 30000;
+  uint32_t timeout_ms = 5000;
   // Wake-ups, used when gdkvd offers them (docs/vfio-user.md "Wake-ups"): a doorbell that finds
   // the reactor asleep signals its ioeventfd, and a waiting Client spins for wait_spin_us (not
   // when it just woke the reactor), then blocks on its queue's completion interrupt (an

@@ -231,11 +231,6 @@ std::vector<Buffer> get_buffers(nb::handle obj, bool writable, const char* what)
   return out;
 }
 
-struct ConnectOptions {
-  uint32_t queue_depth = 1024;
-  uint64_t shared_memory_bytes = uint64_t{1} << 30;
-  uint32_t timeout_ms = 30000;  // one I/O command; admin commands: 10 s
-};
 
 // Memory from alloc(): freed when the last array viewing it goes.
 struct Allocation {
@@ -851,22 +846,24 @@ class PyClient {
   std::multimap<uintptr_t, nb::object> host_;  // host memory registered: address -> the buffer
 };
 
-// gdkv.open's settings, name -> value (gdkv/settings.h; None keeps the default): an unknown name
-// or a value of the wrong type raises TypeError, a value out of range ValueError.
-gdkv::StoreSettings to_store_settings(const nb::dict& given) {
-  gdkv::StoreSettings s;
+// Settings by name, name -> value, applied to a default T through `table` (gdkv/settings.h;
+// None keeps the default): an unknown name or a value of the wrong type raises TypeError, a value
+// out of range ValueError.
+template <class T>
+T to_settings(const std::vector<gdkv::Setting<T>>& table, const nb::dict& given) {
+  T s;
   for (auto [k, v] : given) {
     const std::string name = nb::cast<std::string>(k);
-    const gdkv::Setting* x = gdkv::find_setting(name);
+    const gdkv::Setting<T>* x = gdkv::find_setting(table, name);
     if (x == nullptr) raise_type("unknown setting '" + name + "' (gdkv.settings() lists them)");
     if (v.is_none()) continue;
     gdkv::SettingValue value;
     switch (x->type) {
-      case gdkv::Setting::Type::kBool:
+      case gdkv::SettingInfo::Type::kBool:
         if (!PyBool_Check(v.ptr())) raise_type(name + " is a bool, not " + py_type_name(v));
         value = v.ptr() == Py_True;
         break;
-      case gdkv::Setting::Type::kString:
+      case gdkv::SettingInfo::Type::kString:
         if (!PyUnicode_Check(v.ptr())) raise_type(name + " is a str, not " + py_type_name(v));
         value = nb::cast<std::string>(v);
         break;
@@ -874,12 +871,12 @@ gdkv::StoreSettings to_store_settings(const nb::dict& given) {
         if (!PyLong_Check(v.ptr()) || PyBool_Check(v.ptr())) {
           raise_type(name + " is an int, not " + py_type_name(v));
         }
-        const unsigned long long n = PyLong_AsUnsignedLongLong(v.ptr());
-        if (n == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
-          PyErr_Clear();  // negative or past 64 bits
+        const long long n = PyLong_AsLongLong(v.ptr());
+        if (n == -1 && PyErr_Occurred()) {
+          PyErr_Clear();  // past 64 bits
           raise_value(name + ": " + x->range_error());
         }
-        value = uint64_t{n};
+        value = int64_t{n};
       }
     }
     if (const std::string err = x->set(s, value); !err.empty()) raise_value(name + ": " + err);
@@ -890,56 +887,71 @@ gdkv::StoreSettings to_store_settings(const nb::dict& given) {
 // A setting's value as Python holds it.
 nb::object setting_value(const gdkv::SettingValue& v) {
   if (const uint64_t* n = std::get_if<uint64_t>(&v)) return nb::int_(*n);
+  if (const int64_t* n = std::get_if<int64_t>(&v)) return nb::int_(*n);
   if (const bool* b = std::get_if<bool>(&v)) return nb::bool_(*b);
   return nb::str(std::get<std::string>(v).c_str());
 }
 
-// _core.effective_settings(given): every setting's value once `given` is applied to the
-// defaults, as gdkv.open would open with them; refuses what gdkv.open refuses, with its errors.
-nb::dict effective_settings(const nb::dict& given) {
-  const gdkv::StoreSettings s = to_store_settings(given);
+// Every row's value once `given` is applied to the defaults, as gdkv.open or gdkv.connect would
+// open with them; refuses what they refuse, with their errors.
+template <class T>
+nb::dict effective(const std::vector<gdkv::Setting<T>>& table, const nb::dict& given) {
+  const T s = to_settings(table, given);
   nb::dict out;
-  for (const gdkv::Setting& x : gdkv::store_settings()) out[x.name] = setting_value(x.get(s));
+  for (const gdkv::Setting<T>& x : table) out[x.name] = setting_value(x.get(s));
   return out;
 }
 
-// gdkv.settings(): the table, each setting as a dict (its default is a default StoreSettings').
-nb::list settings_table() {
-  const gdkv::StoreSettings defaults;
-  nb::list out;
-  for (const gdkv::Setting& x : gdkv::store_settings()) {
+// The rows of `table` as dicts, each with its default (a default T's value) and `kind`.
+template <class T>
+void describe(const std::vector<gdkv::Setting<T>>& table, const char* kind, nb::list& out) {
+  const T defaults;
+  for (const gdkv::Setting<T>& x : table) {
     nb::dict d;
     d["name"] = x.name;
+    d["kind"] = kind;
     d["toml"] = x.toml;
     d["flag"] = x.flag;
-    const gdkv::SettingValue v = x.get(defaults);
-    if (const uint64_t* n = std::get_if<uint64_t>(&v)) {
+    d["default"] = setting_value(x.get(defaults));
+    if (x.is_integer()) {
       d["type"] = "int";
-      d["default"] = *n;
       d["min"] = x.min;
       d["max"] = x.max;
-    } else if (const bool* b = std::get_if<bool>(&v)) {
+    } else if (x.type == gdkv::SettingInfo::Type::kBool) {
       d["type"] = "bool";
-      d["default"] = *b;
     } else {
       d["type"] = "str";
-      d["default"] = std::get<std::string>(v);
       d["choices"] = x.choices;
     }
     d["unit"] = x.unit;
     d["help"] = x.help;
     out.append(d);
   }
+}
+
+// _core.effective_settings(given, kind): see effective(); kind "store" (gdkv.open's) or
+// "client" (gdkv.connect's).
+nb::dict effective_settings(const nb::dict& given, const std::string& kind) {
+  if (kind == "client") return effective(gdkv::client_settings(), given);
+  if (kind != "store") raise_value("kind is store or client, not '" + kind + "'");
+  return effective(gdkv::store_settings(), given);
+}
+
+// gdkv.settings(): every table, the store's, a client's and gdkvd's, each row a dict.
+nb::list settings_table() {
+  nb::list out;
+  describe(gdkv::store_settings(), "store", out);
+  describe(gdkv::client_settings(), "client", out);
+  describe(gdkv::daemon_settings(), "daemon", out);
   return out;
 }
 
 std::unique_ptr<PyClient> open_in_process(const nb::dict& settings, uint32_t nsid,
                                           uint32_t queue_depth, int cuda_device) {
-  gdkv::StoreSettings o = to_store_settings(settings);
+  gdkv::StoreSettings o = to_settings(gdkv::store_settings(), settings);
   gdkv::ClientOptions co;
-  co.controller.reactors = o.reactors;
+  co.controller = o.controller;
   co.controller.namespaces = nsid;
-  co.controller.max_value_bytes = o.max_value_bytes;
   co.queue.depth = queue_depth;
   const bool cuda = cuda_device >= 0;
   if (cuda) {
@@ -977,14 +989,11 @@ std::unique_ptr<PyClient> open_in_process(const nb::dict& settings, uint32_t nsi
   return std::make_unique<PyClient>(std::move(c), nullptr, nsid, where, cuda);
 }
 
-std::unique_ptr<PyClient> connect(const std::string& socket_dir, const ConnectOptions& o,
+std::unique_ptr<PyClient> connect(const std::string& socket_dir, const nb::dict& settings,
                                   uint32_t nsid) {
-  gdkv::VfioUserClientOptions vo;
-  vo.queue_depth = o.queue_depth;
-  vo.shared_memory_bytes = o.shared_memory_bytes;
-  vo.io_timeout_ms = o.timeout_ms;
-  // Admin commands and register access (bring-up, teardown) wait as long, at most 10 s.
-  if (o.timeout_ms > 0) vo.timeout_ms = std::min<uint32_t>(o.timeout_ms, vo.timeout_ms);
+  gdkv::VfioUserClientOptions vo = to_settings(gdkv::client_settings(), settings);
+  // Bring-up and teardown wait no longer than one command may (at most admin_timeout_ms).
+  if (vo.timeout_ms > 0) vo.admin_timeout_ms = std::min(vo.timeout_ms, vo.admin_timeout_ms);
   std::shared_ptr<gdkv::VfioUserDevice> dev;
   std::unique_ptr<gdkv::Client> c;
   std::string error;
@@ -1005,7 +1014,7 @@ std::unique_ptr<PyClient> connect(const std::string& socket_dir, const ConnectOp
   }
   if (!c) raise_error("connect", nullptr, -1, kConnectFailed, error);
   return std::make_unique<PyClient>(std::move(c), std::move(dev), nsid, "gdkvd at " + socket_dir,
-                                    false, o.timeout_ms);
+                                    false, vo.timeout_ms);
 }
 
 std::vector<uint32_t> to_tokens(nb::handle tokens) {
@@ -1046,12 +1055,7 @@ NB_MODULE(_core, m) {
   m.def("backends", &gdkv::available_backends);
 
   m.def("settings", &settings_table);
-  m.def("effective_settings", &effective_settings, nb::arg("given"));
-  nb::class_<ConnectOptions>(m, "ConnectOptions")
-      .def(nb::init<>())
-      .def_rw("queue_depth", &ConnectOptions::queue_depth)
-      .def_rw("shared_memory_bytes", &ConnectOptions::shared_memory_bytes)
-      .def_rw("timeout_ms", &ConnectOptions::timeout_ms);
+  m.def("effective_settings", &effective_settings, nb::arg("given"), nb::arg("kind") = "store");
 
   nb::class_<PyClient>(m, "Core")
       .def("put", &PyClient::put, nb::arg("key"), nb::arg("value"), nb::arg("must_exist"),
@@ -1085,7 +1089,7 @@ NB_MODULE(_core, m) {
 
   m.def("open", &open_in_process, nb::arg("settings"), nb::arg("nsid"), nb::arg("queue_depth"),
         nb::arg("cuda_device"));
-  m.def("connect", &connect, nb::arg("socket_dir"), nb::arg("options"), nb::arg("nsid"));
+  m.def("connect", &connect, nb::arg("socket_dir"), nb::arg("settings"), nb::arg("nsid"));
   m.def(
       "chain_keys",
       [](nb::handle tokens, size_t block_tokens, nb::handle salt, nb::handle parent) {

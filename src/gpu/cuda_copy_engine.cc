@@ -97,7 +97,7 @@ class CudaCopyEngine final : public CopyEngine {
  public:
   explicit CudaCopyEngine(const GpuOptions& o)
       : device_(o.device),
-        staging_(std::max<size_t>(o.staging_bytes, size_t{1} << 20)),
+        staging_(std::max<size_t>(o.bounce_bytes, size_t{1} << 20)),
         chunk_(staging_.capacity() / 4) {
     // Set up on the constructing thread without changing its current device for good.
     int prev = 0;

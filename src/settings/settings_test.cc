@@ -12,26 +12,56 @@
 namespace gdkv {
 namespace {
 
+// Names, TOML keys and flags are unique across the three tables: gdkvd and the CLI take two of
+// them on one command line, and gdkv.connect and the connectors read store and client names
+// from one dict.
 TEST(Settings, NamesAreUniqueInEveryFrontEnd) {
   std::set<std::string> names, keys, flags;
-  for (const Setting& x : store_settings()) {
+  auto check = [&](const SettingInfo& x) {
     EXPECT_TRUE(names.insert(x.name).second) << x.name;
-    EXPECT_TRUE(keys.insert(x.toml).second) << x.toml;
+    if (*x.toml != '\0') {
+      EXPECT_TRUE(keys.insert(x.toml).second) << x.toml;
+    }
     EXPECT_TRUE(flags.insert(x.flag).second) << x.flag;
     EXPECT_EQ(std::string(x.flag).rfind("--", 0), 0u) << x.flag;
-    EXPECT_NE(std::string(x.toml).find('.'), std::string::npos) << x.toml;
+    EXPECT_LE(x.min, x.max) << x.name;
+  };
+  for (const StoreSetting& x : store_settings()) {
+    check(x);
+    EXPECT_NE(std::string(x.toml).find('.'), std::string::npos) << x.toml;  // in a table
     EXPECT_EQ(find_setting(x.name), &x);
+  }
+  for (const DaemonSetting& x : daemon_settings()) {
+    check(x);
+    EXPECT_EQ(std::string(x.toml).find('.'), std::string::npos) << x.toml;  // the top level
+    EXPECT_EQ(find_setting(daemon_settings(), x.name), &x);
+  }
+  for (const ClientSetting& x : client_settings()) {
+    check(x);
+    EXPECT_STREQ(x.toml, "") << x.name;  // gdkvd's file has no client settings
+    EXPECT_EQ(find_setting(client_settings(), x.name), &x);
   }
   EXPECT_EQ(find_setting("op_timeout_ms"), nullptr);
   EXPECT_NE(find_setting("ceph_timeout_ms"), nullptr);
 }
 
-TEST(Settings, DefaultsAreValidValues) {
-  const StoreSettings defaults;
-  for (const Setting& x : store_settings()) {
-    StoreSettings s;
+template <class T>
+void expect_defaults_valid(const std::vector<Setting<T>>& table) {
+  const T defaults;
+  for (const Setting<T>& x : table) {
+    T s;
     EXPECT_EQ(x.set(s, x.get(defaults)), "") << x.name;
+    const SettingValue v = testing::other_value(x, defaults);
+    ASSERT_EQ(x.set(s, v), "") << x.name;
+    EXPECT_EQ(x.get(s), v) << x.name;
   }
+}
+
+TEST(Settings, DefaultsAreValidValues) {
+  expect_defaults_valid(store_settings());
+  expect_defaults_valid(daemon_settings());
+  expect_defaults_valid(client_settings());
+  const StoreSettings defaults;
   EXPECT_EQ(find_setting("backend")->text(defaults), "\"local\"");
   EXPECT_EQ(find_setting("ceph_timeout_ms")->text(defaults), "5000");
   EXPECT_EQ(find_setting("cache_bytes")->text(defaults), "0");
@@ -41,7 +71,7 @@ TEST(Settings, DefaultsAreValidValues) {
 
 TEST(Settings, EachValueIsSetAndReadBack) {
   StoreSettings s;
-  for (const Setting& x : store_settings()) {
+  for (const StoreSetting& x : store_settings()) {
     const SettingValue v = testing::other_value(x, s);
     ASSERT_EQ(x.set(s, v), "") << x.name;
     EXPECT_EQ(x.get(s), v) << x.name;
@@ -49,18 +79,19 @@ TEST(Settings, EachValueIsSetAndReadBack) {
   // The fields themselves, for a few.
   EXPECT_EQ(s.backend.rados.ceph_timeout_ms, 5001u);
   EXPECT_TRUE(s.backend.rados.evict);
-  EXPECT_EQ(s.reactors, 2u);
+  EXPECT_EQ(s.controller.reactors, 2u);
   EXPECT_EQ(s.backend.kind, "memory");
 }
 
 TEST(Settings, BadValuesAreRefusedWithTheReason) {
   StoreSettings s;
-  const Setting& reactors = *find_setting("reactors");
+  const StoreSetting& reactors = *find_setting("reactors");
   EXPECT_EQ(reactors.set(s, uint64_t{0}), "must be in [1, 256]");
   EXPECT_EQ(reactors.set(s, uint64_t{257}), "must be in [1, 256]");
   EXPECT_EQ(reactors.set(s, std::string("2")), "must be an integer");
   EXPECT_EQ(reactors.set(s, true), "must be an integer");
-  EXPECT_EQ(s.reactors, 1u);  // unchanged
+  EXPECT_EQ(reactors.set(s, int64_t{-1}), "must be in [1, 256]");
+  EXPECT_EQ(s.controller.reactors, 1u);  // unchanged
   EXPECT_EQ(find_setting("evict")->set(s, uint64_t{1}), "must be true or false");
   EXPECT_EQ(find_setting("pool")->set(s, uint64_t{1}), "must be a string");
   EXPECT_EQ(find_setting("backend")->set(s, std::string("disk")),
@@ -72,6 +103,42 @@ TEST(Settings, BadValuesAreRefusedWithTheReason) {
             "must be in [0, 4294967295]");
   EXPECT_EQ(find_setting("pool")->set(s, std::string("p\"q")), "");
   EXPECT_EQ(find_setting("pool")->text(s), "\"p\\\"q\"");
+}
+
+// gdkvd's settings: a signed port with -1 for off, octal permissions, a 16-bit count.
+TEST(Settings, DaemonRowsOfEveryType) {
+  DaemonSettings d;
+  const DaemonSetting& port = *find_setting(daemon_settings(), "metrics_port");
+  EXPECT_EQ(port.text(d), "9464");
+  EXPECT_EQ(port.set(d, int64_t{-1}), "");
+  EXPECT_EQ(d.metrics_port, -1);
+  EXPECT_EQ(port.get(d), SettingValue{int64_t{-1}});
+  EXPECT_EQ(port.set(d, int64_t{-2}), "must be in [-1, 65535]");
+  EXPECT_EQ(port.set(d, uint64_t{65536}), "must be in [-1, 65535]");
+  EXPECT_EQ(port.set(d, uint64_t{1} << 63), "must be in [-1, 65535]");
+  const DaemonSetting& mode = *find_setting(daemon_settings(), "socket_mode");
+  EXPECT_EQ(mode.text(d), "0o660");
+  EXPECT_EQ(mode.set(d, uint64_t{01000}), "must be in [0o0, 0o777]");
+  const DaemonSetting& msix = *find_setting(daemon_settings(), "msix_vectors");
+  EXPECT_EQ(msix.set(d, uint64_t{256}), "");
+  EXPECT_EQ(d.server.msix_vectors, 256);
+  EXPECT_EQ(msix.set(d, uint64_t{257}), "must be in [1, 256]");
+  EXPECT_EQ(find_setting(daemon_settings(), "socket_dir")->text(d), "\"/run/gdkvd\"");
+}
+
+// The defaults are the structs' own: one place each.
+TEST(Settings, DefaultsAreTheStructsOwn) {
+  const VfioUserClientOptions client;
+  EXPECT_EQ(std::get<uint64_t>(find_setting(client_settings(), "shared_memory_bytes")->get(client)),
+            client.shared_memory_bytes);
+  EXPECT_EQ(std::get<uint64_t>(find_setting(client_settings(), "timeout_ms")->get(client)),
+            client.timeout_ms);
+  const DaemonSettings daemon;
+  EXPECT_EQ(std::get<uint64_t>(find_setting(daemon_settings(), "max_clients")->get(daemon)),
+            VfioUserServerOptions{}.max_clients);
+  const StoreSettings store;
+  EXPECT_EQ(std::get<uint64_t>(find_setting("idle_spin_us")->get(store)),
+            ControllerOptions{}.idle_spin_us);
 }
 
 }  // namespace

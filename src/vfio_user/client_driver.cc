@@ -220,9 +220,9 @@ class Driver final : public VfioUserDevice {
     for (;;) {
       // A gdkvd that stopped answering must not hang the caller (a destructor, say).
       pollfd pf{sock_.get(), POLLIN, 0};
-      const int ready = ::poll(&pf, 1, static_cast<int>(options_.timeout_ms));
+      const int ready = ::poll(&pf, 1, static_cast<int>(options_.admin_timeout_ms));
       if (ready == 0)
-        fail(where_ + ": no reply within " + std::to_string(options_.timeout_ms) + " ms");
+        fail(where_ + ": no reply within " + std::to_string(options_.admin_timeout_ms) + " ms");
       if (ready < 0 && errno != EINTR) fail(where_ + ": connection lost");
       if (ready < 0) continue;
       Message m;
@@ -444,7 +444,7 @@ class Driver final : public VfioUserDevice {
   }
 
   void wait_csts(uint32_t mask, uint32_t want) {
-    const auto deadline = Clock::now() + std::chrono::milliseconds(options_.timeout_ms);
+    const auto deadline = Clock::now() + std::chrono::milliseconds(options_.admin_timeout_ms);
     for (;;) {
       const uint32_t csts = read_reg32(reg::kCsts);
       if (csts & kCstsCfs) fail(where_ + ": controller fatal status (CSTS.CFS)");
@@ -569,7 +569,7 @@ CmdResult Driver::admin(nvme::Sqe sqe, void* data, size_t len) {
   void* buf = nullptr;
   void* list = nullptr;
   if (len > 0) {
-    buf = alloc_.alloc_wait(len, kPageSize, std::chrono::milliseconds(options_.timeout_ms));
+    buf = alloc_.alloc_wait(len, kPageSize, std::chrono::milliseconds(options_.admin_timeout_ms));
     if (buf == nullptr || !build_prps(buf, len, sqe, &list)) {
       alloc_.free(buf);
       return CmdResult{nvme::Status::kDataTransferError, nvme::kSctGeneric, 0};
@@ -586,7 +586,7 @@ CmdResult Driver::admin(nvme::Sqe sqe, void* data, size_t len) {
     atomic::fence();
     __atomic_store_n(db_, atail_, __ATOMIC_RELEASE);  // SQ 0 tail
     wake_after_doorbell();
-    const auto deadline = Clock::now() + std::chrono::milliseconds(options_.timeout_ms);
+    const auto deadline = Clock::now() + std::chrono::milliseconds(options_.admin_timeout_ms);
     uint32_t spins = 0;
     for (;;) {
       nvme::Cqe* e = &acq_[ahead_];
@@ -736,7 +736,7 @@ std::unique_ptr<Client> Driver::open_client(uint32_t depth) {
   auto client = std::make_unique<Client>(ref, q, nullptr, &stager_);
   if (max_value_bytes_ > 0) client->set_max_value_bytes(max_value_bytes_);
   if (q->waiter) client->set_waiter(q->waiter.get());
-  client->set_timeout(std::chrono::milliseconds(options_.io_timeout_ms));
+  client->set_timeout(std::chrono::milliseconds(options_.timeout_ms));
   // The client's queue (its owner) keeps the driver alive, so the check may name it.
   Driver* self = this;
   client->set_liveness([self] { return !self->peer_gone(); });

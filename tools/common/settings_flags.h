@@ -1,10 +1,12 @@
-// The store's settings (gdkv/settings.h) as CLI11 flags: one per setting, as the table names it,
-// for gdkvd and the gdkv CLI alike. Header-only: both programs link CLI11, the library does not.
+// The settings tables (gdkv/settings.h) as CLI11 flags: one per row, as the row names it, for
+// gdkvd and the gdkv CLI alike. Header-only: both programs link CLI11, the library does not.
 #pragma once
 
 #include <CLI/CLI.hpp>
 #include <cctype>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "gdkv/settings.h"
 
@@ -19,35 +21,53 @@ inline std::string env_name(const std::string& prefix, const char* flag) {
   return e;
 }
 
-// Adds every setting's flag, bound to its field in `s` (a flag not given leaves the field as it
-// is, so a configuration file read before keeps its values). Booleans get --name and --no-name.
-// `env_prefix` non-empty: each flag also reads the environment variable env_name(prefix, flag).
-// The help text ends with the value `s` holds now (the default, unless a file set it).
-inline void add_setting_flags(CLI::App& app, gdkv::StoreSettings& s,
-                              const std::string& env_prefix = {}) {
-  for (const gdkv::Setting& x : gdkv::store_settings()) {
+// Adds every row's flag, bound to its field in `s` (a flag not given leaves the field as it is,
+// so a configuration file read before keeps its values). Booleans get --name and --no-name; an
+// integer takes decimal, or octal where the row's unit is "octal" (0660). `env_prefix`
+// non-empty: each flag also reads the environment variable env_name(prefix, flag). The help
+// text ends with the value `s` holds now (the default, unless a file set it).
+template <class T>
+void add_setting_flags(CLI::App& app, const std::vector<gdkv::Setting<T>>& table, T& s,
+                       const std::string& env_prefix = {}) {
+  for (const gdkv::Setting<T>& x : table) {
     std::string help = std::string(x.help) + " (";
     if (*x.unit != '\0') help += std::string(x.unit) + ", ";
     help += "now " + x.text(s) + ")";
     CLI::Option* o = nullptr;
     void* field = x.field(s);
+    const gdkv::SettingInfo* info = &x;
+    // Integers go through set_at, so every front end gives the same range message.
+    const CLI::callback_t integer = [info, field](const CLI::results_t& r) {
+      const std::string& text = r.back();
+      const bool octal = std::string_view(info->unit) == "octal";
+      size_t used = 0;
+      long long n = 0;
+      try {
+        n = std::stoll(text, &used, octal ? 8 : 10);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used == 0 || used != text.size()) {
+        throw CLI::ValidationError(info->flag, "'" + text + "': " +
+                                                   (octal ? "not octal permissions"
+                                                          : info->type_error()));
+      }
+      if (const std::string err = info->set_at(field, int64_t{n}); !err.empty()) {
+        throw CLI::ValidationError(info->flag, "'" + text + "' " + err);
+      }
+      return true;
+    };
     switch (x.type) {
-      case gdkv::Setting::Type::kU32:
-        o = app.add_option(x.flag, *static_cast<uint32_t*>(field), help)
-                ->check(CLI::Range(x.min, x.max));
-        break;
-      case gdkv::Setting::Type::kU64:
-        o = app.add_option(x.flag, *static_cast<uint64_t*>(field), help)
-                ->check(CLI::Range(x.min, x.max));
-        break;
-      case gdkv::Setting::Type::kBool:
+      case gdkv::SettingInfo::Type::kBool:
         o = app.add_flag(std::string(x.flag) + ",!--no-" + (x.flag + 2), *static_cast<bool*>(field),
                          help);
         break;
-      case gdkv::Setting::Type::kString:
+      case gdkv::SettingInfo::Type::kString:
         o = app.add_option(x.flag, *static_cast<std::string*>(field), help);
         if (!x.choices.empty()) o->check(CLI::IsMember(x.choices));
         break;
+      default:
+        o = app.add_option(x.flag, integer, help)->type_name("INT")->allow_extra_args(false);
     }
     if (!env_prefix.empty()) o->envname(env_name(env_prefix, x.flag));
   }

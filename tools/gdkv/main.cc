@@ -42,6 +42,8 @@ struct Options {
   // The backend, the host cache (off unless asked: one CLI command rarely rereads a block),
   // reactors and the largest value: the settings table's flags (gdkv/settings.h).
   gdkv::StoreSettings store;
+  // With --connect: the connection's settings (shared memory, queue depth, timeouts).
+  gdkv::VfioUserClientOptions client;
   uint32_t nsid = 1;
   bool hex = false;
   std::string connect;    // a running gdkvd's socket directory
@@ -97,16 +99,12 @@ std::vector<std::byte> read_all(std::istream& in) {
 
 std::unique_ptr<gdkv::Client> open_client(const Options& o) {
   if (!o.connect.empty()) {
-    gdkv::VfioUserClientOptions vo;
-    vo.queue_depth = 1024;
-    vo.shared_memory_bytes = size_t{1} << 30;  // committed only when touched
     // A failure to open is this program's error: value() throws it to main's handler.
-    g_device = gdkv::VfioUserDevice::open(o.connect, vo).value();
+    g_device = gdkv::VfioUserDevice::open(o.connect, o.client).value();
     return g_device->make_client().value();
   }
   gdkv::ClientOptions co;
-  co.controller.reactors = o.store.reactors;
-  co.controller.max_value_bytes = o.store.max_value_bytes;
+  co.controller = o.store.controller;
   co.controller.namespaces = std::max<uint32_t>(o.nsid, 1);
   co.queue.depth = 1024;
   return gdkv::Client::open(gdkv::open_store(o.store).value(), co).value();
@@ -404,7 +402,8 @@ int main(int argc, char** argv) {
   // A flag given twice (a default in an alias, then the user's own) takes the last value.
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   Options o;
-  gdkv_tools::add_setting_flags(app, o.store);
+  gdkv_tools::add_setting_flags(app, gdkv::store_settings(), o.store);
+  gdkv_tools::add_setting_flags(app, gdkv::client_settings(), o.client);
   app.add_option("--metrics-port", o.metrics_port,
                  "serve Prometheus text on /metrics while the command runs (0: any free port)");
   app.add_option("--nsid", o.nsid, "NVMe namespace (default 1)")->check(CLI::Range(1u, 1024u));
@@ -476,10 +475,10 @@ int main(int argc, char** argv) {
         if (!in) throw UsageError("cannot read '" + file + "': " + std::strerror(errno));
         value = read_all(in);
       }
-      if (value.size() > o.store.max_value_bytes) {
+      if (value.size() > o.store.controller.max_value_bytes) {
         std::fprintf(stderr, "gdkv: put '%s': value of %zu bytes is over the %llu-byte limit\n",
                      show_key(key, o.hex).c_str(), value.size(),
-                     static_cast<unsigned long long>(o.store.max_value_bytes));
+                     static_cast<unsigned long long>(o.store.controller.max_value_bytes));
         return kExitFailure;
       }
     }

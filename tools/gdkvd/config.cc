@@ -48,30 +48,29 @@ class Reader {
     }
   }
 
-  // The settings table's keys of TOML table `name` ([backend], [controller], [cache]) into `s`;
-  // `own` are the other keys gdkvd reads from that table itself.
-  void settings(const toml::table& t, const std::string& name, gdkv::StoreSettings& s,
-                std::vector<std::string> own) {
-    const std::string prefix = name + ".";
-    std::vector<const gdkv::Setting*> here;
-    for (const gdkv::Setting& x : gdkv::store_settings()) {
-      if (std::string(x.toml).rfind(prefix, 0) == 0) {
+  // The rows of `table` that live in TOML table `name` (the top level: "") into `s`; `own` are
+  // the other keys of that table (its subtables, or keys gdkvd reads itself).
+  template <class T>
+  void settings(const toml::table& t, const std::string& name,
+                const std::vector<gdkv::Setting<T>>& table, T& s, std::vector<std::string> own) {
+    const std::string prefix = name.empty() ? "" : name + ".";
+    std::vector<const gdkv::Setting<T>*> here;
+    for (const gdkv::Setting<T>& x : table) {
+      const std::string key = x.toml;
+      const bool in_table = name.empty() ? !key.empty() && key.find('.') == std::string::npos
+                                         : key.rfind(prefix, 0) == 0;
+      if (in_table) {
         here.push_back(&x);
-        own.emplace_back(x.toml + prefix.size());
+        own.push_back(key.substr(prefix.size()));
       }
     }
     known_keys(t, prefix, own);
-    for (const gdkv::Setting* x : here) {
+    for (const gdkv::Setting<T>* x : here) {
       const toml::node* n = t.get(x->toml + prefix.size());
       if (n == nullptr) continue;
       gdkv::SettingValue v;
       if (const auto i = n->value_exact<int64_t>()) {
-        if (*i < 0) {
-          fail(n, x->toml,
-               x->type == gdkv::Setting::Type::kString ? x->type_error() : x->range_error());
-          continue;
-        }
-        v = static_cast<uint64_t>(*i);
+        v = *i;  // set() takes either sign, and says what is out of range
       } else if (const auto b = n->value_exact<bool>()) {
         v = *b;
       } else if (const auto str = n->value_exact<std::string>()) {
@@ -100,16 +99,6 @@ class Reader {
       return;
     }
     out = static_cast<T>(*v);
-  }
-
-  void boolean(const toml::table& t, const std::string& prefix, const char* key, bool& out) {
-    const toml::node* n = t.get(key);
-    if (n == nullptr) return;
-    if (!n->is_boolean()) {
-      fail(n, prefix + key, "must be true or false");
-      return;
-    }
-    out = *n->value<bool>();
   }
 
   void string(const toml::table& t, const std::string& prefix, const char* key, std::string& out) {
@@ -181,44 +170,19 @@ bool load_toml(const std::string& text, const std::string& name, Config& c, std:
     return false;
   }
   Reader r(name, error);
-  r.known_keys(
-      root, "",
-      {"socket_dir", "socket_mode", "metrics_port", "metrics_bind", "max_clients", "max_dma_maps",
-       "dma_reply_timeout_ms", "message_bounce_bytes", "allow_unsealed_memory", "msix_vectors",
-       "gpu", "backend", "controller", "cache", "namespace"});
-  r.string(root, "", "socket_dir", c.socket_dir);
-  r.uint(root, "", "socket_mode", c.socket_mode, 0, 0777);
-  if (const toml::node* n = root.get("metrics_port")) {
-    const auto v = n->value<int64_t>();
-    if (!n->is_integer() || !v || *v < -1 || *v > 65535) {
-      r.fail(n, "metrics_port", "must be -1 (off) or a port in [0, 65535]");
-    } else {
-      c.metrics_port = static_cast<int32_t>(*v);
+  r.settings(root, "", gdkv::daemon_settings(), c.daemon,
+             {"backend", "controller", "cache", "namespace"});
+  for (const char* table : {"backend", "controller", "cache"}) {
+    if (const toml::table* t = r.table(root, table)) {
+      r.settings(*t, table, gdkv::store_settings(), c.store, {});
     }
   }
-  r.string(root, "", "metrics_bind", c.metrics_bind);
-  r.uint(root, "", "max_clients", c.max_clients, 1, 4096);
-  r.uint(root, "", "max_dma_maps", c.max_dma_maps, 1, 65535);
-  r.uint(root, "", "dma_reply_timeout_ms", c.dma_reply_timeout_ms, 1, 3600000);
-  r.uint(root, "", "message_bounce_bytes", c.message_bounce_bytes, uint64_t{1} << 20,
-         uint64_t{1} << 40);
-  r.boolean(root, "", "allow_unsealed_memory", c.allow_unsealed_memory);
-  r.uint(root, "", "msix_vectors", c.msix_vectors, 1, 256);
-  r.boolean(root, "", "gpu", c.gpu);
-
-  if (const toml::table* t = r.table(root, "backend")) r.settings(*t, "backend", c.store, {});
-  if (const toml::table* t = r.table(root, "controller")) {
-    r.settings(*t, "controller", c.store, {"idle_spin_us", "never_sleep"});
-    r.uint(*t, "controller.", "idle_spin_us", c.idle_spin_us);
-    r.boolean(*t, "controller.", "never_sleep", c.never_sleep);
-  }
-  if (const toml::table* t = r.table(root, "cache")) r.settings(*t, "cache", c.store, {});
   if (const toml::node* n = root.get("namespace")) {
     const toml::array* a = n->as_array();
     if (a == nullptr || !a->is_array_of_tables()) {
       r.fail(n, "namespace", "must be an array of tables ([[namespace]])");
     } else {
-      c.namespaces.clear();
+      c.daemon.server.namespaces.clear();
       for (const toml::node& e : *a) {
         const toml::table& t = *e.as_table();
         gdkv::VfioUserNamespace ns;
@@ -230,7 +194,7 @@ bool load_toml(const std::string& text, const std::string& name, Config& c, std:
         r.uint_list(t, "namespace.", "uids", ns.uids);
         r.uint_list(t, "namespace.", "gids", ns.gids);
         if (ns.name.empty()) ns.name = "ns" + std::to_string(ns.backend_namespace);
-        c.namespaces.push_back(std::move(ns));
+        c.daemon.server.namespaces.push_back(std::move(ns));
       }
     }
   }
@@ -248,12 +212,13 @@ bool validate(Config& c, std::string* error) {
     *error = "backend '" + c.store.backend.kind + "' is not available (this build has " + all + ")";
     return false;
   }
-  if (c.socket_dir.empty()) {
+  const std::string& socket_dir = c.daemon.server.socket_dir;
+  if (socket_dir.empty()) {
     *error = "socket_dir must not be empty";
     return false;
   }
-  if (c.socket_dir.size() + 6 > 107) {
-    *error = "socket_dir is too long for a UNIX socket path: " + c.socket_dir;
+  if (socket_dir.size() + 6 > 107) {
+    *error = "socket_dir is too long for a UNIX socket path: " + socket_dir;
     return false;
   }
   if (c.store.backend.rados.evict &&
@@ -266,10 +231,11 @@ bool validate(Config& c, std::string* error) {
   }
   // Within one tenant's view every nsid must be unique; entries for different tenants may share
   // an nsid (each peer sees the first entry it is allowed).
-  for (size_t i = 0; i < c.namespaces.size(); ++i) {
-    for (size_t j = i + 1; j < c.namespaces.size(); ++j) {
-      const auto& a = c.namespaces[i];
-      const auto& b = c.namespaces[j];
+  const auto& namespaces = c.daemon.server.namespaces;
+  for (size_t i = 0; i < namespaces.size(); ++i) {
+    for (size_t j = i + 1; j < namespaces.size(); ++j) {
+      const auto& a = namespaces[i];
+      const auto& b = namespaces[j];
       if (a.nsid == b.nsid && a.uids.empty() && a.gids.empty()) {
         *error = "namespace " + std::to_string(a.nsid) +
                  " is open to everyone and configured again: the later entry would never be seen";
@@ -282,33 +248,21 @@ bool validate(Config& c, std::string* error) {
 
 std::string to_toml(const Config& c) {
   std::ostringstream s;
-  s << "socket_dir = \"" << c.socket_dir << "\"\n";
-  s << "socket_mode = 0o" << std::oct << c.socket_mode << std::dec << "\n";
-  s << "metrics_port = " << c.metrics_port << "\n";
-  s << "metrics_bind = \"" << c.metrics_bind << "\"\n";
-  s << "max_clients = " << c.max_clients << "\n";
-  s << "max_dma_maps = " << c.max_dma_maps << "\n";
-  s << "dma_reply_timeout_ms = " << c.dma_reply_timeout_ms << "\n";
-  s << "message_bounce_bytes = " << c.message_bounce_bytes << "\n";
-  s << "allow_unsealed_memory = " << (c.allow_unsealed_memory ? "true" : "false") << "\n";
-  s << "msix_vectors = " << c.msix_vectors << "\n";
-  s << "gpu = " << (c.gpu ? "true" : "false") << "\n";
+  for (const gdkv::DaemonSetting& x : gdkv::daemon_settings()) {
+    s << x.toml << " = " << x.text(c.daemon) << "\n";
+  }
   for (const std::string table : {"backend", "controller", "cache"}) {
     s << "\n[" << table << "]\n";
-    for (const gdkv::Setting& x : gdkv::store_settings()) {
+    for (const gdkv::StoreSetting& x : gdkv::store_settings()) {
       const std::string key = x.toml;
       if (key.rfind(table + ".", 0) == 0) {
         s << key.substr(table.size() + 1) << " = " << x.text(c.store) << "\n";
       }
     }
-    if (table == "controller") {
-      s << "idle_spin_us = " << c.idle_spin_us
-        << "\nnever_sleep = " << (c.never_sleep ? "true" : "false") << "\n";
-    }
   }
-  for (const auto& ns : c.namespaces) {
+  for (const auto& ns : c.daemon.server.namespaces) {
     s << "\n[[namespace]]\nnsid = " << ns.nsid << "\nbackend_namespace = " << ns.backend_namespace
-      << "\nname = \"" << ns.name << "\"\nuids = [";
+      << "\nname = " << gdkv::toml_string(ns.name) << "\nuids = [";
     for (size_t i = 0; i < ns.uids.size(); ++i) s << (i ? ", " : "") << ns.uids[i];
     s << "]\ngids = [";
     for (size_t i = 0; i < ns.gids.size(); ++i) s << (i ? ", " : "") << ns.gids[i];
@@ -344,43 +298,10 @@ int load(int argc, char** argv, Config& c, std::string* error) {
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   std::string dummy;
   app.add_option("--config", dummy, "TOML configuration file (GDKVD_CONFIG)");
-  auto opt = [&](const char* flag, auto& var, const char* help, const char* env) {
-    return app.add_option(flag, var, help)->envname(env);
-  };
-  opt("--socket-dir", c.socket_dir, "directory of the vfio-user socket <dir>/cntrl",
-      "GDKVD_SOCKET_DIR");
-  opt("--socket-mode", c.socket_mode, "permissions of the socket (octal, e.g. 0660)",
-      "GDKVD_SOCKET_MODE")
-      ->transform([](const std::string& s) {
-        size_t used = 0;
-        unsigned long v = 01000;
-        try {
-          v = std::stoul(s, &used, 8);
-        } catch (const std::exception&) {
-        }
-        if (used != s.size() || v > 0777) {
-          throw CLI::ValidationError("--socket-mode", "'" + s + "' is not octal permissions");
-        }
-        return std::to_string(v);
-      });
-  opt("--metrics-port", c.metrics_port, "/metrics port (-1: off, 0: any free port)",
-      "GDKVD_METRICS_PORT")
-      ->check(CLI::Range(-1, 65535));
-  opt("--metrics-bind", c.metrics_bind, "address /metrics listens on", "GDKVD_METRICS_BIND");
-  // The settings table: --backend, --capacity, --cache-bytes, ... with GDKVD_BACKEND, ...
-  gdkv_tools::add_setting_flags(app, c.store, "GDKVD_");
-  opt("--idle-spin-us", c.idle_spin_us, "microseconds a reactor spins idle before sleeping",
-      "GDKVD_IDLE_SPIN_US");
-  app.add_flag("--never-sleep,!--may-sleep", c.never_sleep,
-               "reactors poll without ever sleeping (lowest latency, one core each)")
-      ->envname("GDKVD_NEVER_SLEEP");
-  opt("--max-clients", c.max_clients, "vfio-user connections at once", "GDKVD_MAX_CLIENTS")
-      ->check(CLI::Range(1u, 4096u));
-  app.add_flag("--allow-unsealed-memory", c.allow_unsealed_memory,
-               "accept DMA memory a client could shrink (SPDK hugepages; trusted clients only)")
-      ->envname("GDKVD_ALLOW_UNSEALED_MEMORY");
-  app.add_flag("--gpu,!--no-gpu", c.gpu, "use the GPU when this build and machine have one")
-      ->envname("GDKVD_GPU");
+  // The tables: --socket-dir, --max-clients, ... and --backend, --capacity, --cache-bytes, ...
+  // with GDKVD_SOCKET_DIR, GDKVD_BACKEND, ...
+  gdkv_tools::add_setting_flags(app, gdkv::daemon_settings(), c.daemon, "GDKVD_");
+  gdkv_tools::add_setting_flags(app, gdkv::store_settings(), c.store, "GDKVD_");
   app.add_flag("--check-config", c.check_only, "print the effective configuration and exit");
   try {
     app.parse(argc, argv);

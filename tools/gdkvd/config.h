@@ -10,42 +10,28 @@
 #include <vector>
 
 #include "gdkv/settings.h"
-#include "gdkv/vfio_user.h"
 
 namespace gdkvd {
 
-// A long-running node's settings: the library's (gdkv/settings.h), except that the RADOS pool
-// evicts like a cache, two reactors serve, and a 1 GiB host cache sits in front.
-inline gdkv::StoreSettings daemon_settings() {
+// A long-running node's store settings: the library's (gdkv/settings.h), except that the RADOS
+// pool evicts like a cache, two reactors serve, and a 1 GiB host cache sits in front.
+inline gdkv::StoreSettings daemon_store_settings() {
   gdkv::StoreSettings s;
   s.backend.rados.evict = true;
-  s.reactors = 2;
+  s.controller.reactors = 2;
   s.cache.capacity_bytes = uint64_t{1} << 30;
   return s;
 }
 
+// Every value is a row of a settings table (gdkv/settings.h) except the namespaces.
 struct Config {
-  std::string config_file;                // --config / GDKVD_CONFIG
-  std::string socket_dir = "/run/gdkvd";  // the vfio-user socket is <socket_dir>/cntrl
-  uint32_t socket_mode = 0660;
-  int32_t metrics_port = 9464;  // -1: no /metrics; 0: any free port (logged)
-  std::string metrics_bind = "0.0.0.0";
-
-  // The backend, the host cache, reactors and the largest value: the settings table's keys
-  // ([backend], [cache], [controller]), flags and variables.
-  gdkv::StoreSettings store = daemon_settings();
-  uint32_t idle_spin_us = 200;
-  bool never_sleep = false;
-  bool gpu = true;  // CUDA builds: use the GPU copy engine and accept device memory when a GPU is
-
-  uint32_t max_clients = 64;
-  uint32_t max_dma_maps = 1024;
-  uint32_t dma_reply_timeout_ms = 10000;                // DMA_READ/DMA_WRITE replies (no-fd memory)
-  uint64_t message_bounce_bytes = uint64_t{256} << 20;  // bounce memory per client (no-fd memory)
-  bool allow_unsealed_memory = false;
-  uint16_t msix_vectors = 32;
-  std::vector<gdkv::VfioUserNamespace> namespaces;  // empty: nsid 1 for everyone
-
+  std::string config_file;  // --config / GDKVD_CONFIG
+  // The socket, clients, /metrics, the GPU (gdkv::daemon_settings(): the file's top-level keys);
+  // daemon.server.namespaces are the [[namespace]] tables (empty: nsid 1 for everyone).
+  gdkv::DaemonSettings daemon;
+  // The backend, the host cache and the controller (gdkv::store_settings(): [backend], [cache],
+  // [controller]).
+  gdkv::StoreSettings store = daemon_store_settings();
   bool check_only = false;  // --check-config: validate, print, exit
 };
 

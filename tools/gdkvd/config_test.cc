@@ -53,18 +53,19 @@ gids = [20]
 )",
                         "t.toml", c, &err))
       << err;
-  EXPECT_EQ(c.socket_dir, "/tmp/x");
-  EXPECT_EQ(c.socket_mode, 0666u);
-  EXPECT_EQ(c.metrics_port, -1);
-  EXPECT_EQ(c.store.reactors, 3u);
-  EXPECT_EQ(c.dma_reply_timeout_ms, 250u);
-  EXPECT_EQ(c.message_bounce_bytes, 16u << 20);
-  EXPECT_TRUE(c.never_sleep);
-  ASSERT_EQ(c.namespaces.size(), 2u);
-  EXPECT_EQ(c.namespaces[0].backend_namespace, 4u);
-  EXPECT_EQ(c.namespaces[0].uids, (std::vector<uint32_t>{1000, 1001}));
-  EXPECT_EQ(c.namespaces[0].name, "ns4");
-  EXPECT_EQ(c.namespaces[1].gids, (std::vector<uint32_t>{20}));
+  EXPECT_EQ(c.daemon.server.socket_dir, "/tmp/x");
+  EXPECT_EQ(c.daemon.server.socket_mode, 0666u);
+  EXPECT_EQ(c.daemon.metrics_port, -1);
+  EXPECT_EQ(c.store.controller.reactors, 3u);
+  EXPECT_EQ(c.daemon.server.dma_reply_timeout_ms, 250u);
+  EXPECT_EQ(c.daemon.server.message_bounce_bytes, 16u << 20);
+  EXPECT_TRUE(c.store.controller.never_sleep);
+  const auto& namespaces = c.daemon.server.namespaces;
+  ASSERT_EQ(namespaces.size(), 2u);
+  EXPECT_EQ(namespaces[0].backend_namespace, 4u);
+  EXPECT_EQ(namespaces[0].uids, (std::vector<uint32_t>{1000, 1001}));
+  EXPECT_EQ(namespaces[0].name, "ns4");
+  EXPECT_EQ(namespaces[1].gids, (std::vector<uint32_t>{20}));
   EXPECT_TRUE(validate(c, &err)) << err;
   // The effective configuration reads back the same.
   Config again;
@@ -97,7 +98,7 @@ TEST(Config, ErrorsNameTheLine) {
   EXPECT_FALSE(validate(v, &err));
   v = Config{};
   v.store.backend.kind = "memory";
-  v.namespaces = {{1, 1, "a", {}, {}}, {1, 2, "b", {5}, {}}};
+  v.daemon.server.namespaces = {{1, 1, "a", {}, {}}, {1, 2, "b", {5}, {}}};
   EXPECT_FALSE(validate(v, &err));  // the second entry could never be seen
 }
 
@@ -116,10 +117,10 @@ TEST(Config, FileThenEnvironmentThenFlags) {
   Config c;
   std::string err;
   ASSERT_EQ(run({"--config", path, "--reactors", "7", "--socket-mode", "0600"}, c, &err), 0) << err;
-  EXPECT_EQ(c.socket_dir, "/from/file");  // file
-  EXPECT_EQ(c.metrics_port, 2222);        // environment over file
-  EXPECT_EQ(c.store.reactors, 7u);        // flag over environment
-  EXPECT_EQ(c.socket_mode, 0600u);
+  EXPECT_EQ(c.daemon.server.socket_dir, "/from/file");  // file
+  EXPECT_EQ(c.daemon.metrics_port, 2222);               // environment over file
+  EXPECT_EQ(c.store.controller.reactors, 7u);           // flag over environment
+  EXPECT_EQ(c.daemon.server.socket_mode, 0600u);
   EXPECT_EQ(c.store.backend.memory.capacity_bytes, 1000u);  // file
   Config m;
   ASSERT_EQ(run({"--config", path, "--memory-capacity", "268435456"}, m, &err), 0) << err;
@@ -141,73 +142,104 @@ TEST(Config, FileThenEnvironmentThenFlags) {
   ::unlink(path);
 }
 
-// Every setting of the table (gdkv/settings.h) reaches gdkvd through its TOML key, its flag and
-// its GDKVD_ variable, and the effective configuration prints it.
-TEST(Config, EverySettingInEveryForm) {
+// Every row of `table` reaches gdkvd through its TOML key, its flag and its GDKVD_ variable, and
+// the effective configuration prints it. `part` picks the table's struct out of a Config.
+template <class T, class Part>
+void every_setting_in_every_form(const std::vector<gdkv::Setting<T>>& table, Part part) {
   using gdkv::testing::as_argument;
   using gdkv::testing::other_value;
-  const Config defaults;
-  EXPECT_EQ(defaults.store.reactors, 2u);  // daemon_settings(): what a node changes
-  EXPECT_TRUE(defaults.store.backend.rados.evict);
-  EXPECT_EQ(defaults.store.cache.capacity_bytes, uint64_t{1} << 30);
-  for (const gdkv::Setting& x : gdkv::store_settings()) {
-    const gdkv::SettingValue v = other_value(x, defaults.store);
+  Config defaults;
+  for (const gdkv::Setting<T>& x : table) {
+    const gdkv::SettingValue v = other_value(x, part(defaults));
     const std::string key = x.toml;
     const size_t dot = key.find('.');
+    const std::string table_line = dot == std::string::npos ? "" : "[" + key.substr(0, dot) + "]\n";
+    const std::string name = dot == std::string::npos ? key : key.substr(dot + 1);
     std::string err;
     Config file;
-    gdkv::StoreSettings expect = defaults.store;
+    T expect = part(defaults);
     ASSERT_EQ(x.set(expect, v), "");
-    ASSERT_TRUE(load_toml(
-        "[" + key.substr(0, dot) + "]\n" + key.substr(dot + 1) + " = " + x.text(expect) + "\n",
-        "s.toml", file, &err))
+    ASSERT_TRUE(load_toml(table_line + name + " = " + x.text(expect) + "\n", "s.toml", file, &err))
         << key << ": " << err;
-    EXPECT_EQ(x.get(file.store), v) << key;
-    EXPECT_NE(to_toml(file).find(key.substr(dot + 1) + " = " + x.text(expect) + "\n"),
-              std::string::npos)
+    EXPECT_EQ(x.get(part(file)), v) << key;
+    EXPECT_NE(to_toml(file).find(name + " = " + x.text(expect) + "\n"), std::string::npos)
         << key;
 
     Config flag;
-    const bool is_bool = x.type == gdkv::Setting::Type::kBool;
+    const bool is_bool = x.type == gdkv::SettingInfo::Type::kBool;
     std::vector<std::string> args{"--backend", "memory"};
     if (is_bool) {
       args.push_back(std::get<bool>(v) ? x.flag : "--no-" + std::string(x.flag + 2));
     } else {
-      args.insert(args.end(), {x.flag, as_argument(v)});
+      args.insert(args.end(), {x.flag, as_argument(x, v)});
     }
     if (key == "backend.kind") args.erase(args.begin(), args.begin() + 2);
     ASSERT_EQ(run(args, flag, &err), 0) << x.flag << ": " << err;
-    EXPECT_EQ(x.get(flag.store), v) << x.flag;
+    EXPECT_EQ(x.get(part(flag)), v) << x.flag;
 
     const std::string env = gdkv_tools_env(x.flag);
-    ::setenv(env.c_str(), as_argument(v).c_str(), 1);
+    ::setenv(env.c_str(), as_argument(x, v).c_str(), 1);
     Config from_env;
     const int rc = run(key == "backend.kind" ? std::vector<std::string>{}
                                              : std::vector<std::string>{"--backend", "memory"},
                        from_env, &err);
     ::unsetenv(env.c_str());
     ASSERT_EQ(rc, 0) << env << ": " << err;
-    EXPECT_EQ(x.get(from_env.store), v) << env;
+    EXPECT_EQ(x.get(part(from_env)), v) << env;
   }
+}
+
+TEST(Config, EverySettingInEveryForm) {
+  const Config defaults;
+  EXPECT_EQ(defaults.store.controller.reactors, 2u);  // daemon_store_settings()
+  EXPECT_TRUE(defaults.store.backend.rados.evict);
+  EXPECT_EQ(defaults.store.cache.capacity_bytes, uint64_t{1} << 30);
+  every_setting_in_every_form(gdkv::store_settings(), [](Config& c) -> auto& { return c.store; });
+  every_setting_in_every_form(gdkv::daemon_settings(), [](Config& c) -> auto& { return c.daemon; });
 }
 
 // What --check-config prints reads back as the same settings, whatever a flag or variable set:
 // strings with quotes, backslashes and control characters, and the largest sizes.
 TEST(Config, PrintedConfigurationReadsBack) {
   Config c;
-  const gdkv::Setting* store = gdkv::find_setting("store");
-  const gdkv::Setting* capacity = gdkv::find_setting("capacity");
+  const gdkv::StoreSetting* store = gdkv::find_setting("store");
+  const gdkv::StoreSetting* capacity = gdkv::find_setting("capacity");
   ASSERT_NE(store, nullptr);
   ASSERT_NE(capacity, nullptr);
   const std::string odd = "/a \"b\" \\c\nd\te\x01\x7f";
   ASSERT_EQ(store->set(c.store, odd), "");
   ASSERT_EQ(capacity->set(c.store, capacity->max), "");
-  EXPECT_NE(capacity->set(c.store, capacity->max + 1), "");
+  EXPECT_NE(capacity->set(c.store, uint64_t(capacity->max) + 1), "");
+  // gdkvd's own strings too: the socket directory, the metrics address, a namespace's name.
+  const std::string dir = "/tmp/a\"b\\c";
+  c.daemon.server.socket_dir = dir;
+  c.daemon.metrics_bind = "x\"y";
+  c.daemon.server.namespaces = {{1, 1, "n\"s\n", {}, {}}};
   Config back;
   std::string err;
   ASSERT_TRUE(load_toml(to_toml(c), "printed.toml", back, &err)) << err << "\n" << to_toml(c);
   EXPECT_EQ(store->get(back.store), gdkv::SettingValue{odd});
-  EXPECT_EQ(capacity->get(back.store), gdkv::SettingValue{capacity->max});
+  EXPECT_EQ(capacity->get(back.store), gdkv::SettingValue{uint64_t(capacity->max)});
+  EXPECT_EQ(back.daemon.server.socket_dir, dir);
+  EXPECT_EQ(back.daemon.metrics_bind, "x\"y");
+  ASSERT_EQ(back.daemon.server.namespaces.size(), 1u);
+  EXPECT_EQ(back.daemon.server.namespaces[0].name, "n\"s\n");
+  EXPECT_EQ(to_toml(back), to_toml(c));
+}
+
+// A variable set to a string TOML must escape (the socket directory with a quote) comes back from
+// --check-config's output unchanged.
+TEST(Config, CheckConfigOfAnEnvironmentValueReadsBack) {
+  ::setenv("GDKVD_SOCKET_DIR", "/tmp/a\"b", 1);
+  Config c;
+  std::string err;
+  const int rc = run({"--backend", "memory", "--check-config"}, c, &err);
+  ::unsetenv("GDKVD_SOCKET_DIR");
+  ASSERT_EQ(rc, 0) << err;
+  EXPECT_TRUE(c.check_only);
+  Config back;
+  ASSERT_TRUE(load_toml(to_toml(c), "checked.toml", back, &err)) << err << "\n" << to_toml(c);
+  EXPECT_EQ(back.daemon.server.socket_dir, "/tmp/a\"b");
 }
 
 TEST(Config, SettingsRefuseBadValuesWithTheirReason) {

@@ -287,8 +287,8 @@ TEST(GdkvdProcess, DaemonKilledMidCallFailsTheClientInBoundedTime) {
   Daemon d(dir.path(), {"--backend", "memory"});
   ASSERT_TRUE(d.wait_ready()) << d.log();
   gdkv::VfioUserClientOptions o;
-  o.timeout_ms = 500;
-  o.io_timeout_ms = 60000;  // far longer than the test may take: the liveness check must act
+  o.admin_timeout_ms = 500;
+  o.timeout_ms = 60000;  // far longer than the test may take: the liveness check must act
   auto dev = gdkv::VfioUserDevice::open(d.socket_dir(), o).value();
   auto c = dev->make_client().value();
   const Key k = *Key::from_string("k");
@@ -323,8 +323,8 @@ TEST(GdkvdProcess, FrozenDaemonTimesOut) {
   Daemon d(dir.path(), {"--backend", "memory"});
   ASSERT_TRUE(d.wait_ready()) << d.log();
   gdkv::VfioUserClientOptions o;
-  o.timeout_ms = 500;
-  o.io_timeout_ms = 300;
+  o.admin_timeout_ms = 500;
+  o.timeout_ms = 300;
   auto dev = gdkv::VfioUserDevice::open(d.socket_dir(), o).value();
   auto c = dev->make_client().value();
   const Key k = *Key::from_string("k");

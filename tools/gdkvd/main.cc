@@ -69,30 +69,17 @@ int main(int argc, char** argv) {
     // On the outermost backend: the host cache registers on the store and passes them on.
     backend->set_removal_handler(
         [&removals](uint32_t nsid, const gdkv::Key& key) { removals.add(nsid, key); });
-    gdkv::ControllerOptions co;
-    co.reactors = cfg.store.reactors;
-    co.max_value_bytes = cfg.store.max_value_bytes;
-    co.idle_spin_us = cfg.idle_spin_us;
-    co.never_sleep = cfg.never_sleep;
+    gdkv::ControllerOptions co = cfg.store.controller;
     co.measure_dma_peak = [](gdkv::CopyEngine& e) { return gdkv::measure_copy_peak_bps(e); };
     co.namespaces = 1;
-    for (const auto& ns : cfg.namespaces)
+    for (const auto& ns : cfg.daemon.server.namespaces)
       co.namespaces = std::max(co.namespaces, ns.backend_namespace);
 
-    gdkv::VfioUserServerOptions so;
-    so.socket_dir = cfg.socket_dir;
-    so.socket_mode = cfg.socket_mode;
-    so.namespaces = cfg.namespaces;
-    so.max_clients = cfg.max_clients;
-    so.max_dma_maps = cfg.max_dma_maps;
-    so.dma_reply_timeout_ms = cfg.dma_reply_timeout_ms;
-    so.message_bounce_bytes = cfg.message_bounce_bytes;
-    so.allow_unsealed_memory = cfg.allow_unsealed_memory;
-    so.msix_vectors = cfg.msix_vectors;
+    gdkv::VfioUserServerOptions so = cfg.daemon.server;
     so.log = log;
 #ifdef GDKVD_WITH_CUDA
     std::unique_ptr<gdkv::DeviceMemoryImporter> importer;
-    if (cfg.gpu && gdkv::gpu::device_count() > 0) {
+    if (cfg.daemon.gpu && gdkv::gpu::device_count() > 0) {
       co = gdkv::gpu::controller_options(co);
       importer = gdkvd::make_cuda_importer();
       so.device_memory = importer.get();
@@ -104,18 +91,18 @@ int main(int argc, char** argv) {
     gdkv::VfioUserServer server(ctl, so);
     server.start().value();
     std::unique_ptr<gdkv::MetricsServer> metrics;
-    if (cfg.metrics_port >= 0) {
+    if (cfg.daemon.metrics_port >= 0) {
       metrics = gdkv::MetricsServer::start(
-                    static_cast<uint16_t>(cfg.metrics_port),
+                    static_cast<uint16_t>(cfg.daemon.metrics_port),
                     [&ctl, &server] {
                       gdkv::MetricList m;
                       ctl.collect(m);
                       server.collect(m);
                       return m;
                     },
-                    cfg.metrics_bind, &removals)
+                    cfg.daemon.metrics_bind, &removals)
                     .value();
-      log("metrics on http://" + cfg.metrics_bind + ":" + std::to_string(metrics->port()) +
+      log("metrics on http://" + cfg.daemon.metrics_bind + ":" + std::to_string(metrics->port()) +
           "/metrics, removed keys at /removed");
     }
     log("ready: backend " + cfg.store.backend.kind + ", " + std::to_string(co.reactors) +
