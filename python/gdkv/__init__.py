@@ -47,19 +47,21 @@ def backends() -> list[str]:
     return _core.backends()
 
 
-def settings() -> list[dict[str, Any]]:
-    """The store's settings, declared once in C++ (``include/gdkv/settings.h``), in the order the
-    docs list them. Each is a dict: ``name`` (gdkv.open's keyword, a connector's key), ``type``
-    (``"int"``, ``"bool"`` or ``"str"``), ``default``, ``unit``, ``help``, gdkvd's TOML key
-    (``toml``) and flag (``flag``), and ``min``/``max`` (int) or ``choices`` (str, empty: any).
+def settings(kind: Optional[str] = None) -> list[dict[str, Any]]:
+    """gdkv's settings, declared once in C++ (``include/gdkv/settings.h``), in the order the docs
+    list them: ``kind`` ``"store"`` (gdkv.open's and gdkvd's store), ``"client"``
+    (gdkv.connect's), ``"daemon"`` (gdkvd's own), or None for all. Each is a dict: ``name``
+    (the keyword, a connector's key), ``kind``, ``type`` (``"int"``, ``"bool"`` or ``"str"``),
+    ``default``, ``unit``, ``help``, gdkvd's TOML key (``toml``, "" for a client's) and flag
+    (``flag``), and ``min``/``max`` (int) or ``choices`` (str, empty: any).
 
-    >>> {s["name"]: s["default"] for s in gdkv.settings()}["ceph_timeout_ms"]
+    >>> {s["name"]: s["default"] for s in gdkv.settings("store")}["ceph_timeout_ms"]
     5000
     """
-    return _core.settings()
+    return [s for s in _core.settings() if kind is None or s["kind"] == kind]
 
 
-def open(backend: str = "local", *, nsid: int = 1, queue_depth: int = 1024,
+def open(backend: str = "local", *, nsid: int = 1, queue_depth: Optional[int] = None,
          cuda_device: Optional[int] = None, **settings: Any) -> Client:
     """A client with a controller in this process, over ``backend``.
 
@@ -84,26 +86,26 @@ def open(backend: str = "local", *, nsid: int = 1, queue_depth: int = 1024,
     """
     settings["backend"] = backend
     cuda = -1 if cuda_device is None else cuda_device
-    return Client(_core.open(settings, nsid, queue_depth, cuda))
+    # The in-process queue's depth is a connection's (gdkv.connect's queue_depth).
+    depth = _core.effective_settings({"queue_depth": queue_depth}, "client")["queue_depth"]
+    return Client(_core.open(settings, nsid, depth, cuda))
 
 
-def connect(socket_dir: str, *, nsid: int = 1, queue_depth: int = 1024,
-            shared_memory_bytes: int = 1 << 30, timeout_ms: int = 30000) -> Client:
+def connect(socket_dir: str, *, nsid: int = 1, **settings: Any) -> Client:
     """A client of the gdkvd serving ``socket_dir`` (its socket is ``socket_dir/cntrl``).
 
-    ``shared_memory_bytes`` of memory are shared with gdkvd (committed only when used): queues,
-    :meth:`Client.empty` arrays and staged buffers. A command gdkvd does not complete within
-    ``timeout_ms`` raises gdkv.TimeoutError (connecting and closing wait as long, at most 10 s); a
-    gdkvd that exits or dies raises gdkv.ConnectionError within about 10 ms. Either way the client
-    stays unusable: connect again.
+    ``settings`` are a connection's settings by name (``settings("client")`` lists each with its
+    type, default and range; docs/settings.md too); None keeps a default. ``shared_memory_bytes``
+    of memory are shared with gdkvd (committed only when used): queues, :meth:`Client.empty`
+    arrays and staged buffers. A command gdkvd does not complete within ``timeout_ms`` raises
+    gdkv.TimeoutError (connecting and closing wait as long, at most ``admin_timeout_ms``); a gdkvd
+    that exits or dies raises gdkv.ConnectionError within about 10 ms. Either way the client stays
+    unusable: connect again. An unknown name or a value of the wrong type raises TypeError, a
+    value out of range ValueError.
 
-    >>> c = gdkv.connect("/run/gdkvd")
+    >>> c = gdkv.connect("/run/gdkvd", timeout_ms=2000)
     """
-    o = _core.ConnectOptions()
-    o.queue_depth = queue_depth
-    o.shared_memory_bytes = shared_memory_bytes
-    o.timeout_ms = timeout_ms
-    return Client(_core.connect(socket_dir, o, nsid))
+    return Client(_core.connect(socket_dir, settings, nsid))
 
 
 def chain_keys(token_ids: Iterable[int], block_tokens: int, salt: str | bytes = "",

@@ -17,21 +17,8 @@
   otherwise :meth:`EngineStore.client` returns None until a connect has succeeded, so a frozen
   gdkvd never holds up the caller's thread for more than a lock acquisition.
 
-Config (each engine passes its own extra-config dict; keys are the same everywhere)::
-
-    socket_dir            gdkvd's socket directory (default $GDKV_SOCKET_DIR); or
-    backend               an in-process controller: "local" | "memory" | "rados", with
-                          gdkv.open's options as further keys (store, capacity, pool, ceph_conf...)
-    nsid                  NVMe namespace (default 1)
-    namespace             a string mixed into every key (default ""): separate key spaces
-    timeout_ms            a command gdkvd does not complete in time fails (default 5000);
-                          in-process, the RADOS backend's op timeout (ceph_timeout_ms)
-    shared_memory_bytes   memory shared with gdkvd for transfers (default 1 GiB, used on demand)
-    staging_bytes         the staging values are copied through where gdkv does not reach the
-                          engine's memory in place, reserved at first use and kept for the
-                          client (default 64 MiB; through gdkvd at most half of
-                          shared_memory_bytes; at least one value)
-    retry_interval_s      after a failure, how long to wait before connecting again (default 5)
+Config: each engine passes its own extra-config dict, read by :func:`gdkv.config.read_config`;
+the keys are the same everywhere (:data:`gdkv.config.ENGINE_KEYS`, listed in docs/settings.md).
 
 Environment: ``GDKV_CACHE_DIR`` (default ``~/.cache/gdkv``) holds weights_fingerprint's cache,
 ``weights-fingerprints.json``.
@@ -50,6 +37,10 @@ from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar
 from . import _core, connect, errors, hash128, prepare_shared_memory
 from . import open as open_client
 from .client import Client
+from .config import CLIENT_KEYS, ENGINE_KEYS, OPEN_KEYS, STORE_KEYS, defaults, read_config
+
+__all__ = ["EngineStore", "KeySpace", "RemovalFeed", "Stats", "read_config",
+           "weights_fingerprint"]
 
 log = logging.getLogger("gdkv.engine")
 _IN_PROCESS: dict[tuple, Client] = {}
@@ -61,81 +52,6 @@ HINT_BATCH = 2048
 #: The failures that mean "gdkv is not there right now": the caller falls back to recompute.
 UNAVAILABLE = (errors.ConnectionError, errors.TimeoutError, errors.ClosedError,
                errors.NotReadyError)
-
-_TYPES = {"int": int, "bool": bool, "str": str}
-# The store's settings (gdkv.settings(), declared once in C++), with their types.
-_SETTINGS = {s["name"]: _TYPES[s["type"]] for s in _core.settings()}
-#: gdkv.open's options (an in-process backend), with their types: the store's settings and
-#: gdkv.open's own.
-OPEN_SETTINGS: dict[str, type] = {
-    **{name: t for name, t in _SETTINGS.items() if name != "backend"},
-    "queue_depth": int, "cuda_device": int,
-}
-#: Every key EngineStore reads from a connector's config, with its type: the one list each
-#: connector's config is read with (read_config), the LMCache URL's options included.
-STORE_SETTINGS: dict[str, type] = {
-    "socket_dir": str, "backend": str, "nsid": int, "namespace": str, "timeout_ms": int,
-    "shared_memory_bytes": int, "staging_bytes": int, "retry_interval_s": float,
-    **OPEN_SETTINGS,
-}
-
-
-def _boolean(value: Any) -> bool:
-    """A flag from JSON or YAML (a bool) or from text (a URL's query): true/false or 1/0."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).lower()
-    if text not in ("true", "false", "1", "0"):
-        raise ValueError("not true or false")
-    return text in ("true", "1")
-
-
-def _integer(value: Any) -> int:
-    """An int from JSON (an int, or a float without a fraction) or from text; a bool is not."""
-    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-        raise ValueError("not an integer")
-    return int(value)
-
-
-_CONVERT: dict[Any, Callable[[Any], Any]] = {int: _integer, float: float, bool: _boolean,
-                                             str: str, None: lambda v: v}
-#: The least value of EngineStore's own numbers (the store settings' ranges and choices are the
-#: C++ table's, checked by _core.effective_settings as gdkv.open checks them).
-_LEAST = {"nsid": 1, "timeout_ms": 1, "shared_memory_bytes": 1, "staging_bytes": 1,
-          "retry_interval_s": 0}
-
-
-def read_config(config: Mapping[str, Any], own: Mapping[str, Any],
-                where: str) -> dict[str, Any]:
-    """``config`` with each value converted to its key's type: EngineStore's keys
-    (:data:`STORE_SETTINGS`) and the connector's ``own`` (a type, a (type, least value) pair, or
-    None for a key passed through as it is), without the keys whose value is None (their
-    defaults hold). A key neither names, a value not of its type (text, as in a URL's query, is
-    converted), below its least value, or a setting out of its range or choices (as gdkv.open
-    refuses it) is a ValueError naming it: a misspelt setting must not fall back to its default
-    in silence, nor stop gdkv later."""
-    types = {**STORE_SETTINGS, **own}
-    unknown = sorted(set(config) - set(types))
-    if unknown:
-        raise ValueError(f"gdkv: unknown key{'s' if len(unknown) > 1 else ''} "
-                         f"{', '.join(map(repr, unknown))} in {where} (known: "
-                         f"{', '.join(sorted(types))})")
-    out: dict[str, Any] = {}
-    for name, value in config.items():
-        if value is None:   # None keeps the default, as in gdkv.open
-            continue
-        kind, least = types[name] if isinstance(types[name], tuple) else (
-            types[name], _LEAST.get(name))
-        try:
-            out[name] = v = _CONVERT[kind](value)
-            if least is not None and v < least:
-                raise ValueError(f"must be at least {least}")
-            if name in _SETTINGS:   # its range or choices, as gdkv.open checks them
-                _core.effective_settings({name: v})
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"gdkv: {name}={value!r} in {where}: {e}") from None
-    return out
-
 
 def _as_bytes(h: Any) -> bytes:
     if isinstance(h, (bytes, bytearray, memoryview)):
@@ -420,19 +336,26 @@ def _close_quietly(client: Client) -> None:
         pass
 
 
+_ENGINE_DEFAULTS = defaults(ENGINE_KEYS)
+_OPEN_NAMES = [k.name for k in STORE_KEYS if k.name != "backend"] + list(OPEN_KEYS)
+
+
 class EngineStore:
     """A gdkv client opened from an engine connector's config, and dropped when it fails."""
 
     def __init__(self, config: Optional[Mapping[str, Any]] = None):
-        config = dict(config or {})
-        self.socket_dir = str(config.get("socket_dir") or os.environ.get("GDKV_SOCKET_DIR", ""))
-        self.backend = config.get("backend")
-        self.nsid = int(config.get("nsid", 1))
-        self.timeout_ms = int(config.get("timeout_ms", 5000))
-        self.shared_memory_bytes = int(config.get("shared_memory_bytes", 1 << 30))
-        self.staging_bytes = int(config.get("staging_bytes", 64 << 20))
-        self.retry_interval_s = float(config.get("retry_interval_s", 5.0))
-        self.open_options = {k: config[k] for k in OPEN_SETTINGS if k in config}
+        given = {k: v for k, v in (config or {}).items() if v is not None}
+        c = {**_ENGINE_DEFAULTS, **given}
+        self.socket_dir = str(c["socket_dir"] or os.environ.get("GDKV_SOCKET_DIR", ""))
+        self.backend = c["backend"]
+        self.nsid = int(c["nsid"])
+        self.timeout_ms = int(c["timeout_ms"])
+        self.shared_memory_bytes = int(c["shared_memory_bytes"])
+        self.staging_bytes = int(c["staging_bytes"])
+        self.retry_interval_s = float(c["retry_interval_s"])
+        # gdkv.connect's settings, and gdkv.open's: the store's settings given, and its own.
+        self.connect_options = {k.name: c[k.name] for k in CLIENT_KEYS}
+        self.open_options = {k: given[k] for k in _OPEN_NAMES if k in given}
         if self.backend in ("rados", "tiered"):
             # In-process calls wait for the backend; RADOS ops fail after ceph_timeout_ms with
             # NotReadyError (gdkv unavailable). The local store and memory backends do not time
@@ -478,8 +401,7 @@ class EngineStore:
                     _IN_PROCESS[ident] = open_client(self.backend, nsid=self.nsid,
                                                      **self.open_options)
                 return _IN_PROCESS[ident]
-        return connect(self.socket_dir, nsid=self.nsid, timeout_ms=self.timeout_ms,
-                       shared_memory_bytes=self.shared_memory_bytes)
+        return connect(self.socket_dir, nsid=self.nsid, **self.connect_options)
 
     def _start_connect(self, delay: float) -> threading.Event:
         """Starts the background thread that connects (the caller holds the lock): after

@@ -38,7 +38,8 @@ from lmcache.v1.storage_backend.connector import (ConnectorAdapter, ConnectorCon
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from .client import Client
-from .engine import EngineStore, KeySpace, Stats, read_config
+from .config import LMCACHE_KEYS, defaults, read_config
+from .engine import EngineStore, KeySpace, Stats
 
 __all__ = ["GdkvConnectorAdapter", "GdkvConnector", "parse_url", "PLUGIN_TYPE"]
 
@@ -84,7 +85,7 @@ def parse_url(url: str) -> dict[str, Any]:
 def _typed(options: dict[str, Any], where: str) -> dict[str, Any]:
     """``options`` read as EngineStore's settings and ``threads`` (engine.read_config: text,
     as in a URL's query, is converted to each option's type)."""
-    out = read_config(options, {"threads": (int, 1)}, where)
+    out = read_config(options, LMCACHE_KEYS, where)
     if out.get("socket_dir") and out.get("backend"):
         raise ValueError(f"gdkv: {where} sets both a socket directory (gdkvd) and backend="
                          f"{out['backend']} (in-process): one or the other")
@@ -215,7 +216,7 @@ class GdkvConnector(RemoteConnector):
                 and pool.device.type == "cpu" and pool.numel() > 0):
             self.store.share(pool)
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            (settings or {}).get("threads", 4), thread_name_prefix="gdkv-lmcache")
+            (settings or defaults(LMCACHE_KEYS))["threads"], thread_name_prefix="gdkv-lmcache")
         self._closed = False
         #: skipped_puts: chunks put() did not store (partial chunks, other layouts), logged
         #: once; rejected_values: values gdkv held that get() turned into misses (of the wrong

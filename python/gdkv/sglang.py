@@ -27,15 +27,17 @@ from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorage
                                                   HiCacheStorageExtraInfo)
 
 from .client import Client
-from .engine import EngineStore, KeySpace, read_config
+from .config import Key, read_config
+from .engine import EngineStore, KeySpace
 
 log = logging.getLogger("gdkv.sglang")
 # SGLang's own keys of the extra config that may reach the backend (0.5.23: the dynamic
 # loader's, the controller's interface_v1, and those its parser pops but a config built by hand
-# keeps); with EngineStore's (engine.STORE_SETTINGS) they are all it accepts.
+# keeps); with every connector's (gdkv.config.ENGINE_KEYS) they are all it accepts.
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "file_storage_path",
                "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
                "hicache_storage_pass_prefix_keys", "tp_lcm_size")
+_PASSED_THROUGH = [Key(k, None, None, "SGLang's own") for k in SGLANG_KEYS]
 T = TypeVar("T")
 
 #: A page of at most this many contiguous runs stores one value per run (zero copy both ways);
@@ -134,10 +136,10 @@ class GdkvStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig,
                  kwargs: Optional[Mapping[str, Any]] = None):
         self.storage_config = storage_config
-        config = read_config(storage_config.extra_config or {}, dict.fromkeys(SGLANG_KEYS),
+        config = read_config(storage_config.extra_config or {}, _PASSED_THROUGH,
                              "SGLang's --hicache-storage-backend-extra-config")
         self.store = EngineStore(config)
-        self.namespace = config.get("namespace", "")
+        self.namespace = config["namespace"]
         self.enable_metrics = bool(storage_config.enable_storage_metrics)
         if not config.get("interface_v1"):
             log.warning("gdkv: \"interface_v1\" is not set in the extra config: SGLang will use "

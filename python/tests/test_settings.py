@@ -1,6 +1,7 @@
-"""The store's settings, declared once in C++ (include/gdkv/settings.h), against every front end
-that reads them: gdkv.open, the connectors' config and LMCache's URL, gdkvd's flags and TOML,
-and the table in docs/settings.md. (The C++ tests check gdkvd's TOML keys, flags and GDKVD_
+"""gdkv's settings, declared once (the C++ tables in include/gdkv/settings.h; the connectors' keys
+in gdkv.config), against every front end that reads them: gdkv.open, gdkv.connect, the
+connectors' config and LMCache's URL, gdkvd's flags and TOML, and the tables in
+docs/settings.md. (The C++ tests check gdkvd's TOML keys, flags and GDKVD_
 variables one by one, and the CLI's flags: tools/gdkvd/config_test.cc, tests/cli_test.cc.)"""
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ from typing import Any
 import pytest
 
 import gdkv
-from gdkv import engine, lmcache
+from gdkv import config as gconfig
+from gdkv import lmcache
 
 from conftest import GDKVD, ROOT
 
-SETTINGS = gdkv.settings()
+SETTINGS = gdkv.settings("store")
+CLIENT = gdkv.settings("client")
 TYPES = {"int": int, "bool": bool, "str": str}
 
 
@@ -89,17 +92,21 @@ def test_gdkv_open_refuses_an_unknown_setting_and_none_keeps_the_default():
 
 
 def test_the_connectors_read_every_setting_with_its_type():
-    for s in SETTINGS:
-        assert engine.STORE_SETTINGS[s["name"]] is TYPES[s["type"]], s["name"]
-    config = {s["name"]: other_value(s) for s in SETTINGS}
-    assert engine.read_config(config, {}, "a test config") == config
+    for s in SETTINGS + CLIENT:
+        if s["name"] == "backend":   # a connector's: none unless given (gdkvd serves it)
+            continue
+        key = gconfig.keys_by_name(gconfig.STORE_KEYS, gconfig.ENGINE_KEYS)[s["name"]]
+        assert key.type is TYPES[s["type"]] and key.default == s["default"], s["name"]
+    config = {s["name"]: other_value(s) for s in SETTINGS + CLIENT}
+    read = gconfig.read_config(config, [], "a test config")
+    assert {k: read[k] for k in config} == config
     with pytest.raises(ValueError, match="'ceph_timeout'"):
-        engine.read_config({"ceph_timeout": 1}, {}, "a test config")
+        gconfig.read_config({"ceph_timeout": 1}, [], "a test config")
     # LMCache's URL: every setting as a query option, converted to its type.
-    query = "&".join(f"{s['name']}={as_text(other_value(s))}" for s in SETTINGS
+    query = "&".join(f"{s['name']}={as_text(other_value(s))}" for s in SETTINGS + CLIENT
                      if s["name"] != "backend")
     parsed = lmcache.parse_url("gdkv://?backend=memory&" + query)
-    for s in SETTINGS:
+    for s in SETTINGS + CLIENT:
         if s["name"] != "backend":
             assert parsed[s["name"]] == other_value(s), s["name"]
     with pytest.raises(ValueError, match="evict=.*not true or false"):
@@ -109,58 +116,85 @@ def test_the_connectors_read_every_setting_with_its_type():
 def test_a_connector_config_is_read_with_its_types():
     """One reader for every connector's config: JSON values and text (a URL's query) give the
     same settings; a value of the wrong type, or below a key's least value, names its key;
-    None keeps the default."""
-    own = {"threads": (int, 1), "label": None}
+    None keeps the default; every connector key not given gets its default."""
+    own = [gconfig.Key("threads", int, 4, "", 1), gconfig.Key("label", None, None, "")]
     text = {"nsid": "2", "retry_interval_s": "0.5", "evict": "false", "threads": "3",
             "label": 7, "namespace": None}
     typed = {"nsid": 2, "retry_interval_s": 0.5, "evict": False, "threads": 3, "label": 7}
-    assert engine.read_config(text, own, "a test config") == typed
-    assert engine.read_config(typed, own, "a test config") == typed
+    for given in (text, typed):
+        read = gconfig.read_config(given, own, "a test config")
+        assert {k: read[k] for k in typed} == typed
+        # The connector's keys and a connection's get their defaults; the store's stay unset.
+        assert read["namespace"] == "" and read["staging_bytes"] == 64 << 20
+        assert read["timeout_ms"] == {s["name"]: s for s in CLIENT}["timeout_ms"]["default"]
+        assert "capacity" not in read
     for key, bad, why in [("nsid", True, "not an integer"), ("nsid", 1.5, "not an integer"),
                           ("nsid", "one", "invalid literal"), ("evict", "maybe", "true or false"),
                           ("timeout_ms", [1], ""), ("threads", "0", "at least 1"),
-                          ("timeout_ms", 0, "at least 1")]:
+                          ("timeout_ms", 0, r"must be in \[1, "),
+                          ("retry_interval_s", "nan", "finite"),
+                          ("retry_interval_s", float("inf"), "finite"),
+                          ("namespace", ["a"], "not a string")]:
         with pytest.raises(ValueError, match=f"gdkv: {key}=.* in a test config: .*{why}"):
-            engine.read_config({key: bad}, own, "a test config")
+            gconfig.read_config({key: bad}, own, "a test config")
+
+
+@pytest.mark.parametrize("s", CLIENT, ids=[s["name"] for s in CLIENT])
+def test_gdkv_connect_takes_each_setting_and_refuses_bad_values(s):
+    """gdkv.connect reads a connection's settings through the C++ table, as the connectors and
+    the CLI do: the value held, a wrong type a TypeError, a value out of range a ValueError."""
+    name = s["name"]
+    v = other_value(s)
+    assert gdkv._core.effective_settings({name: v}, "client")[name] == v
+    with pytest.raises(TypeError, match=name):
+        gdkv.connect("/nonexistent", **{name: "1" if s["type"] != "str" else 1})
+    if s["type"] == "int":
+        with pytest.raises(ValueError, match=rf"{name}: must be in \[{s['min']}, "):
+            gdkv.connect("/nonexistent", **{name: s["max"] + 1})
+    with pytest.raises(TypeError, match="unknown setting 'timeout'"):
+        gdkv.connect("/nonexistent", timeout=1)
+
+
+def test_one_default_for_a_connection_everywhere(gdkvd):
+    """The CLI, gdkv.connect and the connectors open a connection with the client table's
+    defaults: one row each, nothing written again beside it."""
+    by_name = {s["name"]: s for s in CLIENT}
+    assert by_name["shared_memory_bytes"]["default"] == 1 << 30
+    engine_defaults = gconfig.defaults(gconfig.ENGINE_KEYS)
+    for s in CLIENT:
+        assert engine_defaults[s["name"]] == s["default"], s["name"]
+    store = gdkv.engine.EngineStore({"socket_dir": gdkvd.dir})
+    try:
+        assert store.connect_options == {s["name"]: s["default"] for s in CLIENT}
+        assert store.client() is not None
+    finally:
+        store.close()
 
 
 def test_gdkvd_takes_every_flag_and_prints_every_key():
+    daemon = gdkv.settings("daemon")
     args = [str(GDKVD), "--check-config"]
-    for s in SETTINGS:
+    for s in SETTINGS + daemon:
         v = other_value(s)
         if s["type"] == "bool":
             args.append(s["flag"] if v else "--no-" + s["flag"][2:])
         else:
-            args += [s["flag"], as_text(v)]
+            args += [s["flag"], oct(v).replace("0o", "0") if s["unit"] == "octal" else as_text(v)]
     out = subprocess.run(args, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     printed = tomllib.loads(out.stdout)
     for s in SETTINGS:
         table, key = s["toml"].split(".")
         assert printed[table][key] == other_value(s), s["toml"]
+    for s in daemon:
+        assert printed[s["toml"]] == other_value(s), s["toml"]
 
 
-def doc_table() -> str:
-    """docs/settings.md's table, as the settings table gives it."""
-    rows = ["| setting | gdkvd TOML | flag | type | default | accepted | meaning |",
-            "|---|---|---|---|---|---|---|"]
-    for s in SETTINGS:
-        if s["type"] == "int":
-            accepted = f"{s['min']}..{s['max']}"
-        elif s["type"] == "str" and s["choices"]:
-            accepted = ", ".join(s["choices"])
-        else:
-            accepted = ""
-        default = as_text(s["default"]) if s["type"] != "str" else f'"{s["default"]}"'
-        unit = f" ({s['unit']})" if s["unit"] else ""
-        rows.append(f"| `{s['name']}` | `{s['toml']}` | `{s['flag']}` | {s['type']}{unit} | "
-                    f"`{default}` | {accepted} | {s['help']} |")
-    return "\n".join(rows) + "\n"
-
-
-def test_the_docs_table_is_the_settings_table():
-    text = (ROOT / "docs" / "settings.md").read_text()
-    begin, end = "<!-- settings table -->\n", "<!-- end of the settings table -->"
-    assert begin in text and end in text
-    documented = text[text.index(begin) + len(begin):text.index(end)]
-    assert documented == doc_table(), "docs/settings.md's table should read:\n" + doc_table()
+def test_the_docs_tables_are_the_settings_tables():
+    """docs/settings.md's tables are generated from the rows (python -m gdkv.config FILE)."""
+    path = ROOT / "docs" / "settings.md"
+    text = path.read_text()
+    assert text == gconfig.render(text), (
+        f"docs/settings.md's tables differ from the settings: run python -m gdkv.config {path}")
+    for key in gconfig.VLLM_KEYS + gconfig.LMCACHE_KEYS + gconfig.ENGINE_KEYS:
+        assert f"| `{key.name}` |" in text, key.name

@@ -213,8 +213,8 @@ std::vector<ClientSetting> make_client_table() {
       "queue_depth", "", "--queue-depth", "", 2, 4096, {},
       "I/O queue entries (a power of two)", [](C & c) -> auto& { return c.queue_depth; }));
   t.push_back(row<C>(
-      "timeout_ms", "", "--timeout-ms", "ms", 0, kHour, {},
-      "an I/O command gdkvd does not complete by then fails, and the client with it (0: none)",
+      "timeout_ms", "", "--timeout-ms", "ms", 1, kHour, {},
+      "an I/O command gdkvd does not complete by then fails, and the client with it",
       [](C & c) -> auto& { return c.timeout_ms; }));
   t.push_back(row<C>(
       "admin_timeout_ms", "", "--admin-timeout-ms", "ms", 1, kHour, {},

@@ -14,7 +14,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorMetada
                                                                KVConnectorWorkerMetadata)
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
-from ..engine import KeySpace, read_config, weights_fingerprint
+from ..config import VLLM_KEYS, read_config
+from ..engine import KeySpace, weights_fingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -31,11 +32,6 @@ MEDIUM = "GDKV"
 REMOVALS_POLL_S = 0.5
 # How long a planned save's event waits for the workers' reports before it is given up.
 EVENT_WAIT_S = 10.0
-# The connector's own keys of kv_connector_extra_config and their types (docs/integrations.md
-# says what each does); with EngineStore's (engine.STORE_SETTINGS) they are all it accepts.
-VLLM_KEYS = {"blocks_per_value": (int, 1), "model_id": str, "save_queue_bytes": (int, 0),
-             "load_mode": str, "layers_per_value": (int, 0), "removals_url": str,
-             "heads_per_value": (int, 1)}
 
 
 @dataclass
@@ -115,7 +111,7 @@ class Plan:
         spec = groups[0].kv_cache_spec if groups else None
         self.block_size = vllm_config.cache_config.block_size
         self.hash_block_size = kv_cache_config.hash_block_size or self.block_size
-        self.blocks_per_value = extra.get("blocks_per_value", 1)
+        self.blocks_per_value = extra["blocks_per_value"]
         # vLLM's KV cache groups: one of full attention, or with its hybrid allocator one per
         # attention type (full, sliding window), each with its own block table. A value holds
         # one group's layers; a sliding-window group's values are loaded only within the window.
@@ -159,17 +155,12 @@ class Plan:
             log.warning("gdkv: vLLM's prefix caching is off, so this engine may not compute "
                         "past cached KV: it saves to gdkv but loads nothing")
             self.loads = False
-        mode = extra.get("load_mode", "async")
-        self.load_async = {"async": True, "sync": False, "layerwise": False}.get(mode)
-        if self.load_async is None:
-            raise ValueError(f"gdkv: load_mode must be \"async\", \"sync\" or \"layerwise\", "
-                             f"not {mode!r}")
-        # layerwise: as sync (a request runs in the step that loads it), but the step's forward
-        # pass waits layer by layer (wait_for_layer_load), and saves start layer by layer
-        # (save_kv_layer). Values of fewer layers (layers_per_value) let the first layers
-        # compute while the later ones load.
-        self.layerwise = mode == "layerwise"
-        self.layers_per_value = extra.get("layers_per_value", 0)   # 0: every layer
+        # One of async, sync, layerwise (gdkv.config.VLLM_KEYS). layerwise: as sync (a request
+        # runs in the step that loads it), but the step's forward pass waits layer by layer
+        # (wait_for_layer_load), and saves start layer by layer (save_kv_layer). Values of fewer
+        # layers (layers_per_value) let the first layers compute while the later ones load.
+        self.load_mode = extra["load_mode"]
+        self.layers_per_value = extra["layers_per_value"]   # 0: every layer
         # Values per block, unit of heads and group: chunks of layers_per_value layers; the
         # largest group's count (a group with fewer layers has fewer).
         self.chunks = max((len(g.chunks(self.layers_per_value)) for g in self.groups),
@@ -183,7 +174,7 @@ class Plan:
         self.pp = pc.pipeline_parallel_size
         mc = vllm_config.model_config
         self._heads(extra, spec, mc)
-        model_id = extra.get("model_id")
+        model_id = extra["model_id"]
         if not model_id:
             # The path names the model only as long as nobody writes other weights there: the
             # weight files' fingerprint names the weights themselves ("" for a hub name, whose
@@ -203,7 +194,16 @@ class Plan:
                       f"model={model_dtype}/quantization={mc.quantization or ''}")
         self.layout = (f"{type(spec).__name__}/{self.layout_name}/bs{self.block_size}/"
                        f"head{self.head_bytes}x{self.heads_per_value}/g{self.blocks_per_value}")
-        self.namespace = extra.get("namespace", "")
+        self.namespace = extra["namespace"]
+
+    @property
+    def load_async(self) -> bool:
+        """Loads that span steps (load_mode async): vLLM waits for them, other requests run."""
+        return self.load_mode == "async"
+
+    @property
+    def layerwise(self) -> bool:
+        return self.load_mode == "layerwise"
 
     def _heads(self, extra: dict, spec, mc) -> None:
         """Which KV heads a value holds. A value holds ``heads_per_value`` consecutive KV heads
@@ -218,7 +218,7 @@ class Plan:
             log.warning("gdkv: %d KV heads per rank over %d ranks is not the model's %d; "
                         "running without gdkv", self.rank_heads, self.tp, self.total_heads)
         self.head_bytes = self.page_bytes // self.rank_heads
-        k = extra.get("heads_per_value", 1)
+        k = extra["heads_per_value"]
         if k < 1 or self.rank_heads % k:
             raise ValueError(f"gdkv: heads_per_value must divide the {self.rank_heads} KV "
                              f"heads a rank holds, not be {k}")

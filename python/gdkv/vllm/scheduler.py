@@ -66,7 +66,7 @@ class SchedulerSide:
         # gdkvd's removals, read by a thread of their own (an HTTP call has no place on the
         # scheduler's step); None in the queue: removals were missed.
         self.removals: deque[Optional[list[bytes]]] = deque()
-        url = plan.extra.get("removals_url")
+        url = plan.extra["removals_url"]
         if plan.events and url:
             feed = RemovalFeed(str(url))
             threading.Thread(target=self._follow, args=(feed,), name="gdkv-removals",

@@ -59,7 +59,7 @@ class WorkerSide:
         self.spaces = [sl.space for sl in self.slots]
         self.chunk_slots = [[sl for sl in self.slots if sl.chunk == c]
                             for c in range(plan.chunks)]
-        self.save_queue_bytes = plan.extra.get("save_queue_bytes", 1 << 30)
+        self.save_queue_bytes = plan.extra["save_queue_bytes"]
         self.pages: list[torch.Tensor] = []   # per layer: (num_blocks, page_bytes) uint8 views
         self.value_bytes = 0    # the largest slot's value
         self.device = torch.device("cpu")
