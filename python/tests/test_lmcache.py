@@ -35,6 +35,7 @@ from lmcache.v1.storage_backend.remote_backend import RemoteBackend  # noqa: E40
 
 import gdkv  # noqa: E402
 import gdkv.engine  # noqa: E402
+from gdkv import config as gconfig  # noqa: E402
 from gdkv.lmcache import GdkvConnector, parse_url  # noqa: E402
 
 from conftest import Gdkvd, hint_gdkvd, hinted, record_hints, until  # noqa: E402
@@ -164,13 +165,17 @@ def release(objs) -> None:
 
 # ---- config ----
 def test_parse_url():
-    assert parse_url("gdkv:///run/gdkvd") == {"socket_dir": "/run/gdkvd"}
-    assert parse_url("gdkv://localhost/run/gdkvd?nsid=2&namespace=prod&retry_interval_s=0.5"
-                     "&timeout_ms=100") == {"socket_dir": "/run/gdkvd", "nsid": 2,
-                                            "namespace": "prod", "retry_interval_s": 0.5,
-                                            "timeout_ms": 100}
-    assert parse_url("gdkv://?backend=local&store=/var/lib/gdkv&capacity=4096") == {
-        "backend": "local", "store": "/var/lib/gdkv", "capacity": 4096}
+    def read(url: str, given: dict) -> None:
+        """The URL gives these settings, every other connector key its default (gdkv.config)."""
+        assert parse_url(url) == {**gconfig.defaults(gconfig.ENGINE_KEYS + gconfig.LMCACHE_KEYS),
+                                  **given}
+
+    read("gdkv:///run/gdkvd", {"socket_dir": "/run/gdkvd"})
+    read("gdkv://localhost/run/gdkvd?nsid=2&namespace=prod&retry_interval_s=0.5&timeout_ms=100",
+         {"socket_dir": "/run/gdkvd", "nsid": 2, "namespace": "prod", "retry_interval_s": 0.5,
+          "timeout_ms": 100})
+    read("gdkv://?backend=local&store=/var/lib/gdkv&capacity=4096",
+         {"backend": "local", "store": "/var/lib/gdkv", "capacity": 4096})
     for bad in ["gdkv://run/gdkvd",                   # two slashes: "run" is a host
                 "redis://localhost:6379",
                 "gdkv:///run/gdkvd?nsdi=1",           # unknown option
