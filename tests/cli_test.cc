@@ -130,7 +130,15 @@ void every_setting_is_a_flag(Cli& cli, const std::vector<gdkv::Setting<T>>& tabl
     } else {
       flag += " '" + gdkv::testing::as_argument(x, v) + "'";
     }
-    const std::string memory = std::string(x.name) == "backend" ? "" : "--backend memory ";
+    std::string memory = std::string(x.name) == "backend" ? "" : "--backend memory ";
+    if (std::string(x.name) == "backend") {
+      // A backend that keeps its values in a directory other than the store's is given one.
+      const gdkv::BackendRegistration* b = gdkv::find_backend(std::get<std::string>(v));
+      if (b != nullptr && b->traits.needs_directory && b->directory_setting != "store") {
+        memory = std::string(gdkv::find_setting(b->directory_setting)->flag) + " " +
+                 cli.path("dir") + " ";
+      }
+    }
     CliRun r = cli.gdkv(memory + flag + " stat");
     EXPECT_EQ(r.code, 0) << flag << ": " << r.err;
     if (x.is_integer()) {

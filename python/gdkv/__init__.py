@@ -47,6 +47,18 @@ def backends() -> list[str]:
     return _core.backends()
 
 
+def backend_traits() -> dict[str, dict[str, Any]]:
+    """Each backend's traits, by name, as its registration declares them
+    (``include/gdkv/backend_registry.h``): ``can_time_out`` (ops fail with NotReadyError when a
+    remote service stalls), ``needs_directory`` (and ``directory_setting``, the setting naming
+    it), ``can_be_far_tier``, ``needs_cluster``, ``has_far_tier``, and ``help``.
+
+    >>> gdkv.backend_traits()["rados"]["can_time_out"]
+    True
+    """
+    return _core.backend_traits()
+
+
 def settings(kind: Optional[str] = None) -> list[dict[str, Any]]:
     """gdkv's settings, declared once in C++ (``include/gdkv/settings.h``), in the order the docs
     list them: ``kind`` ``"store"`` (gdkv.open's and gdkvd's store), ``"client"``

@@ -24,6 +24,8 @@ import sys
 import sysconfig
 from typing import Optional
 
+from . import _core
+
 
 def installed(name: str) -> Optional[str]:
     """The path of the program ``name`` (gdkvd, gdkv) installed with this package: in the
@@ -76,7 +78,8 @@ def command(args: list[str]) -> tuple[list[str], str]:
         backend = args[i].split("=", 1)[1] if "=" in args[i] else args[i + 1]
     else:
         cmd += ["--backend", "local"]
-    if backend in ("local", "tiered") and not _given(args, "--store"):
+    traits = _core.backend_traits().get(backend, {})
+    if traits.get("directory_setting") == "store" and not _given(args, "--store"):
         cmd += ["--store", store_dir()]
     if not _given(args, "--metrics-port"):
         cmd += ["--metrics-port", "-1"]

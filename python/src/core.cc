@@ -937,6 +937,23 @@ nb::dict effective_settings(const nb::dict& given, const std::string& kind) {
   return effective(gdkv::store_settings(), given);
 }
 
+// gdkv.backend_traits(): each registered backend's traits (gdkv/backend_registry.h), by name.
+nb::dict backend_traits() {
+  nb::dict out;
+  for (const gdkv::BackendRegistration& b : gdkv::backend_registry()) {
+    nb::dict d;
+    d["help"] = b.help;
+    d["can_time_out"] = b.traits.can_time_out;
+    d["needs_directory"] = b.traits.needs_directory;
+    d["directory_setting"] = b.directory_setting;
+    d["can_be_far_tier"] = b.traits.can_be_far_tier;
+    d["needs_cluster"] = b.traits.needs_cluster;
+    d["has_far_tier"] = b.traits.has_far_tier;
+    out[b.name.c_str()] = d;
+  }
+  return out;
+}
+
 // gdkv.settings(): every table, the store's, a client's and gdkvd's, each row a dict.
 nb::list settings_table() {
   nb::list out;
@@ -1053,6 +1070,7 @@ NB_MODULE(_core, m) {
   m.attr("cuda_build") = false;
 #endif
   m.def("backends", &gdkv::available_backends);
+  m.def("backend_traits", &backend_traits);
 
   m.def("settings", &settings_table);
   m.def("effective_settings", &effective_settings, nb::arg("given"), nb::arg("kind") = "store");

@@ -258,7 +258,7 @@ def test_empty_gives_numpy_and_torch(client):
 
 
 def test_open_errors(tmp_path):
-    with pytest.raises(ValueError, match="backend: 'nosuch' is not one of memory, local"):
+    with pytest.raises(ValueError, match="backend: 'nosuch' is not one of files, local, memory"):
         gdkv.open("nosuch")
     with gdkv.open("local", store=str(tmp_path / "s"), capacity=64 << 20):
         with pytest.raises(gdkv.Error, match="(?i)lock|in use|open"):

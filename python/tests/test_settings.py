@@ -58,11 +58,17 @@ def test_the_table_names_every_setting_once_with_a_valid_default():
 
 
 @pytest.mark.parametrize("s", SETTINGS, ids=[s["name"] for s in SETTINGS])
-def test_gdkv_open_takes_each_setting_and_refuses_bad_values(s):
+def test_gdkv_open_takes_each_setting_and_refuses_bad_values(s, tmp_path):
     name = s["name"]
 
     def open_with(value: Any) -> gdkv.Client:
-        return gdkv.open(value) if name == "backend" else gdkv.open("memory", **{name: value})
+        if name != "backend":
+            return gdkv.open("memory", **{name: value})
+        # A backend that keeps its values in a directory of its own is given one.
+        traits = gdkv.backend_traits().get(value, {})
+        where = traits.get("directory_setting")
+        return gdkv.open(value, **({where: str(tmp_path / "dir")} if where and where != "store"
+                                   else {}))
 
     with open_with(other_value(s)) as c:  # the backend: memory
         c.put(b"k", b"v")

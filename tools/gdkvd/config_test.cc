@@ -252,7 +252,7 @@ TEST(Config, SettingsRefuseBadValuesWithTheirReason) {
       {"[cache]\nbytes = 1.5\n", "s.toml:2: cache.bytes: must be an integer"},
       {"[cache]\npolicy = \"mru\"\n", "s.toml:2: cache.policy: 'mru' is not one of adaptive, "},
       {"[backend]\nkind = \"disk\"\n",
-       "s.toml:2: backend.kind: 'disk' is not one of memory, local, rados, tiered"},
+       "s.toml:2: backend.kind: 'disk' is not one of files, local, memory, rados, tiered"},
   };
   for (const auto& [text, want] : cases) {
     EXPECT_FALSE(load_toml(text, "s.toml", c, &err)) << text;

@@ -21,6 +21,7 @@
 
 #include "common/arena.h"
 #include "gdkv/backend.h"
+#include "gdkv/backend_factory.h"
 
 namespace gdkv {
 namespace {
@@ -353,3 +354,23 @@ std::shared_ptr<Backend> make_memory_backend(const MemoryBackendOptions& options
 }
 
 }  // namespace gdkv
+
+// ---- registration (gdkv/backend_registry.h) ----
+
+void gdkv_register_backend_memory(std::vector<gdkv::BackendRegistration>& registry) {
+  using gdkv::kSettingAny;
+  using gdkv::setting_row;
+  using C = gdkv::BackendConfig;
+  gdkv::BackendRegistration b;
+  b.name = "memory";
+  b.help = "values in gdkvd's memory, least recently used evicted";
+  b.traits.can_be_far_tier = true;
+  b.settings.push_back(setting_row<C>(
+      "memory_capacity", "backend.memory_capacity_bytes", "--memory-capacity", "bytes", 1, kSettingAny, {},
+      "memory backend capacity (full, it evicts least recently used)",
+      [](C & c) -> auto& { return c.memory.capacity_bytes; }));
+  b.open = [](const C& c) -> gdkv::Result<std::shared_ptr<gdkv::Backend>> {
+    return gdkv::make_memory_backend(c.memory);
+  };
+  registry.push_back(std::move(b));
+}

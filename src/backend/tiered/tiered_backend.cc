@@ -8,6 +8,8 @@
 // it), so every doubt drops the near copy.
 #include "gdkv/tiered_backend.h"
 
+#include "gdkv/backend_factory.h"
+
 #include <array>
 #include <atomic>
 #include <condition_variable>
@@ -509,3 +511,30 @@ Result<std::shared_ptr<Backend>> make_tiered_backend(std::shared_ptr<Backend> ne
 }
 
 }  // namespace gdkv
+
+// ---- registration (gdkv/backend_registry.h) ----
+
+void gdkv_register_backend_tiered(std::vector<gdkv::BackendRegistration>& registry) {
+  using C = gdkv::BackendConfig;
+  gdkv::BackendRegistration b;
+  b.name = "tiered";
+  b.help = "the local store in front of a far tier (rados)";
+  b.traits.can_time_out = true;
+  b.traits.needs_directory = true;
+  b.traits.has_far_tier = true;
+  b.directory_setting = "store";
+  b.open = [](const C& c) -> gdkv::Result<std::shared_ptr<gdkv::Backend>> {
+    const gdkv::BackendRegistration* far = gdkv::find_backend(c.tiered_far);
+    if (far == nullptr || !far->traits.can_be_far_tier) {
+      return gdkv::Error{"tiered: '" + c.tiered_far + "' cannot be a far tier"};
+    }
+    C near_config = c;
+    near_config.kind = "local";
+    auto near = gdkv::open_backend(near_config);
+    if (!near) return gdkv::Error{near.error()};
+    auto f = far->open(c);
+    if (!f) return gdkv::Error{f.error()};
+    return gdkv::make_tiered_backend(std::move(*near), std::move(*f));
+  };
+  registry.push_back(std::move(b));
+}
