@@ -1,43 +1,41 @@
-"""What the engine connectors (gdkv.vllm, gdkv.sglang, gdkv.lmcache) share.
+"""What the engine connectors (gdkv.vllm, gdkv.sglang, gdkv.lmcache) share, by concern:
 
-- :class:`KeySpace`: the engine's block hashes become gdkv keys, salted with the engine, the
-  model, the KV dtype and the KV layout (and an optional namespace), so two engines, two models
-  or two layouts of one model never share a key. The salt hashes the list of those fields (JSON),
-  so no field's text can run into the next one's.
-- :func:`weights_fingerprint`: a cheap digest of a model folder's weight files (names, sizes,
-  content, sampled in large files), cached per file by its stat; connectors put it in the model
-  they name in the salt, so two checkpoints at one path never share KV.
-- :class:`Stats`: a connector's counters, one convention for all three.
-- :class:`EngineStore`: one gdkv client opened from an engine's config, with the failure rule
-  every connector follows: a gdkvd that is down, frozen or unreachable means "no hits" and
-  "nothing saved", never an error for the user. The client is dropped at the first failure (and
-  closed on a background thread) and opened again, at most once per ``retry_interval_s``.
-  Connecting runs on a background thread, one at a time, that tries until it succeeds: the
-  constructor waits for its first try (at engine start-up, at most ``timeout_ms`` and a second);
-  otherwise :meth:`EngineStore.client` returns None until a connect has succeeded, so a frozen
-  gdkvd never holds up the caller's thread for more than a lock acquisition.
+- gdkv.config: every connector key, declared once, and :func:`~gdkv.config.read_config`;
+- gdkv.keys: :class:`~gdkv.keys.KeySpace`, block hashes to salted gdkv keys;
+- gdkv.fingerprint: :func:`~gdkv.fingerprint.weights_fingerprint`, a model folder's weights;
+- gdkv.removals: :class:`~gdkv.removals.RemovalFeed`, gdkvd's ``/removed`` feed;
+- here: :class:`Stats`, a connector's counters (one convention for all three), and
+  :class:`EngineStore`, the connection and the transfers.
 
-Config: each engine passes its own extra-config dict, read by :func:`gdkv.config.read_config`;
-the keys are the same everywhere (:data:`gdkv.config.ENGINE_KEYS`, listed in docs/settings.md).
+:class:`EngineStore` is one gdkv client opened from an engine's config, with the failure rule
+every connector follows: a gdkvd that is down, frozen or unreachable means "no hits" and
+"nothing saved", never an error for the user. The client is dropped at the first failure (and
+closed on a background thread) and opened again, at most once per ``retry_interval_s``.
+Connecting runs on a background thread, one at a time, that tries until it succeeds: the
+constructor waits for its first try (at engine start-up, at most ``timeout_ms`` and a second);
+otherwise :meth:`EngineStore.client` returns None until a connect has succeeded, so a frozen
+gdkvd never holds up the caller's thread for more than a lock acquisition. Its transfer calls
+(leading, present, load, put, delete, and the staging: reaches, load_staged, put_gathered)
+answer per key.
 
-Environment: ``GDKV_CACHE_DIR`` (default ``~/.cache/gdkv``) holds weights_fingerprint's cache,
-``weights-fingerprints.json``.
+The names of the other modules stay importable from here (``from gdkv.engine import KeySpace``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import tempfile
 import threading
 from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar
 
-from . import _core, connect, errors, hash128, prepare_shared_memory
+from . import _core, connect, errors, prepare_shared_memory
 from . import open as open_client
 from .client import Client
 from .config import CLIENT_KEYS, ENGINE_KEYS, OPEN_KEYS, STORE_KEYS, defaults, read_config
+from .fingerprint import weights_fingerprint
+from .keys import KeySpace
+from .removals import RemovalFeed
 
 __all__ = ["EngineStore", "KeySpace", "RemovalFeed", "Stats", "read_config",
            "weights_fingerprint"]
@@ -52,232 +50,6 @@ HINT_BATCH = 2048
 #: The failures that mean "gdkv is not there right now": the caller falls back to recompute.
 UNAVAILABLE = (errors.ConnectionError, errors.TimeoutError, errors.ClosedError,
                errors.NotReadyError)
-
-def _as_bytes(h: Any) -> bytes:
-    if isinstance(h, (bytes, bytearray, memoryview)):
-        return bytes(h)
-    if isinstance(h, str):
-        return h.encode()
-    if isinstance(h, int):
-        return h.to_bytes(32, "little", signed=True)
-    raise TypeError(f"a block hash must be bytes, str or int, not {type(h).__name__}")
-
-
-class KeySpace:
-    """Engine block hashes to 16-byte gdkv keys: ``prefix || XXH3-128(salt || hash)[:12]``.
-
-    ``salt`` is the XXH3-128 of the JSON list ``["gdkv", engine, namespace, model, dtype,
-    layout]``: each field is quoted and escaped, so two different field lists never give one salt
-    (``description``, ``gdkv/<engine>/<namespace>/<model>/<dtype>/<layout>``, is the readable form,
-    for logs; it is not what is hashed). The engine hash already names the block's tokens and its
-    whole prefix (vLLM, SGLang and LMCache chain their hashes), so the key names "this prefix's KV,
-    in this engine's layout, of this model".
-
-    ``prefix``, the first 4 bytes of every key, is the XXH3-128 of ``["gdkv", engine,
-    namespace]`` (its first 4 bytes): ``client.list(prefix)`` finds one engine's keys in one
-    namespace (SGLang's ``clear``), and 96 bits of hash stay for the blocks.
-    """
-
-    PREFIX_BYTES = 4
-
-    def __init__(self, engine: str, model: str, dtype: str, layout: str, namespace: str = ""):
-        fields = ["gdkv", engine, namespace, model, dtype, layout]
-        self.description = "/".join(fields)
-        self.salt = hash128(json.dumps(fields).encode())
-        self.prefix = hash128(json.dumps(fields[:3]).encode())[: self.PREFIX_BYTES]
-
-    def key(self, block_hash: Any) -> bytes:
-        return self.prefix + hash128(self.salt + _as_bytes(block_hash))[: 16 - self.PREFIX_BYTES]
-
-    def keys(self, block_hashes) -> list[bytes]:
-        return [self.key(h) for h in block_hashes]
-
-
-# ---- removals: what gdkvd stopped holding ----
-class RemovalFeed:
-    """Follows gdkvd's feed of removed keys, ``GET /removed?after=SEQ`` on its metrics port
-    (docs/integrations.md, "KV events"): the keys its store stopped holding (deleted, evicted by
-    the local store, the memory backend or this node's RADOS eviction), in order.
-
-    :meth:`poll` returns the keys removed since the previous call, reading every page there is.
-    The first successful call only takes the feed's current position and returns ``[]``. It
-    returns None when removals may have been missed: gdkvd restarted (its ``boot`` changed), the
-    feed dropped records before they were read, or a RADOS watch broke (a record with nsid 0); the
-    caller then treats every key it follows as possibly gone. An unreachable gdkvd is ``[]`` (with
-    a warning once) and the cursor is kept. ``nsid`` limits the keys to one backend namespace
-    (None: all). Not thread-safe: one poller."""
-
-    PAGE = 4096  # gdkvd's records per answer
-
-    def __init__(self, url: str, nsid: Optional[int] = None, timeout_s: float = 2.0):
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"gdkv: removals_url must be an http:// URL, not {url!r}")
-        self.url = url.split("?", 1)[0]
-        self.nsid = nsid
-        self.timeout_s = timeout_s
-        self.boot: Optional[int] = None
-        self.cursor: Optional[int] = None
-        self._warned = False
-
-    def _get(self, after: Optional[int]) -> Optional[dict]:
-        import urllib.error
-        import urllib.request
-        url = self.url if after is None else f"{self.url}?after={after}"
-        try:
-            with urllib.request.urlopen(url, timeout=self.timeout_s) as r:
-                page = json.loads(r.read())
-        except (OSError, ValueError, urllib.error.URLError) as e:
-            if not self._warned:
-                log.warning("gdkv: cannot read gdkvd's removals at %s (%s); retrying", url, e)
-                self._warned = True
-            return None
-        self._warned = False
-        return page
-
-    def poll(self) -> Optional[list[bytes]]:
-        page = self._get(self.cursor)
-        if page is None:
-            return []
-        if self.cursor is None or page["boot"] != self.boot:
-            restarted = self.boot is not None
-            self.boot, self.cursor = page["boot"], page["last"]
-            return None if restarted else []
-        missed = bool(page["lost"])
-        keys: list[bytes] = []
-        while True:
-            for seq, nsid, key in page["removed"]:
-                self.cursor = seq
-                if nsid == 0:
-                    missed = True
-                elif self.nsid is None or nsid == self.nsid:
-                    keys.append(bytes.fromhex(key))
-            if len(page["removed"]) < self.PAGE:
-                break
-            page = self._get(self.cursor)
-            if page is None or page["boot"] != self.boot:
-                missed = True
-                break
-            missed = missed or bool(page["lost"])
-        if missed:
-            if page is not None and page["boot"] == self.boot:
-                self.cursor = max(self.cursor, page["last"])  # the caller starts over anyway
-            return None
-        return keys
-
-
-# ---- weights fingerprint ----
-#: What a model folder's weights are stored in.
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-#: Files up to this size are hashed whole; larger ones are sampled (_file_digest).
-FULL_HASH_BYTES = 64 << 20
-_EDGE_BYTES = 1 << 20          # a sampled file: its first and last MiB,
-_SAMPLES, _SAMPLE_BYTES = 64, 64 << 10   # and 64 evenly spaced 64 KiB pieces
-_CACHE_FILE = "weights-fingerprints.json"
-_CACHE_LOCK = threading.Lock()
-
-
-def cache_dir() -> str:
-    """Where gdkv keeps small per-user caches: $GDKV_CACHE_DIR, else ~/.cache/gdkv."""
-    return os.environ.get("GDKV_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                            "gdkv")
-
-
-def _file_digest(path: str, size: int) -> str:
-    """The digest of one weight file's content: all of it up to FULL_HASH_BYTES; above, a
-    safetensors header in full (it names every tensor, its dtype, shape and offsets), the first
-    and last MiB and 64 evenly spaced 64 KiB samples."""
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        if size <= FULL_HASH_BYTES:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-            return h.hexdigest()
-        fd = f.fileno()
-        if path.endswith(".safetensors"):
-            n = int.from_bytes(os.pread(fd, 8, 0), "little")
-            h.update(os.pread(fd, min(n, size - 8, 256 << 20), 8))
-        h.update(os.pread(fd, _EDGE_BYTES, 0))
-        h.update(os.pread(fd, _EDGE_BYTES, size - _EDGE_BYTES))
-        step = (size - _SAMPLE_BYTES) // (_SAMPLES - 1)
-        for i in range(_SAMPLES):
-            h.update(os.pread(fd, _SAMPLE_BYTES, i * step))
-    return h.hexdigest()
-
-
-def _load_cache(path: str) -> dict:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _save_cache(path: str, entries: dict) -> None:
-    """Merges ``entries`` into the cache file and replaces it atomically (a temporary file
-    renamed over it: a reader sees the old file or the new one, never half of one). A cache
-    that cannot be written is only slower next time."""
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with _CACHE_LOCK:
-            data = _load_cache(path)   # another process may have added files meanwhile
-            data.update(entries)
-            fd, tmp = tempfile.mkstemp(prefix=".weights-", dir=os.path.dirname(path))
-            try:
-                with os.fdopen(fd, "w") as f:
-                    json.dump(data, f, sort_keys=True)
-                os.replace(tmp, path)
-            except BaseException:
-                os.unlink(tmp)
-                raise
-    except OSError as e:
-        log.debug("gdkv: cannot write %s (%s)", path, e)
-
-
-def weights_fingerprint(model: str) -> str:
-    """A digest naming the weights of the model at ``model``: a local folder (its weight files:
-    *.safetensors, *.bin, *.pt, *.pth, *.gguf, not recursing) or one weight file (a .gguf). ""
-    when ``model`` is not local (a hub name) or holds no weight file.
-
-    Each file's name, size and content (:func:`_file_digest`: whole up to 64 MiB, sampled above)
-    go in. A file's digest is cached in $GDKV_CACHE_DIR/weights-fingerprints.json under its real
-    path, keyed by its size, mtime, ctime and inode: a re-touched file is read again (and gives
-    the same digest if its content did not change), an unchanged one is not read at all.
-    """
-    if os.path.isdir(model):
-        names = sorted(n for n in os.listdir(model) if n.endswith(WEIGHT_SUFFIXES))
-        files = [os.path.join(model, n) for n in names]
-    elif os.path.isfile(model):
-        names, files = [os.path.basename(model)], [model]
-    else:
-        return ""
-    files_and_names = [(f, n) for f, n in zip(files, names) if os.path.isfile(f)]
-    if not files_and_names:
-        return ""
-    cache_path = os.path.join(cache_dir(), _CACHE_FILE)
-    cache = _load_cache(cache_path)
-    fresh: dict[str, dict] = {}
-    h = hashlib.blake2b(digest_size=16)
-    try:
-        for f, name in files_and_names:
-            real = os.path.realpath(f)
-            st = os.stat(real)
-            stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
-            entry = cache.get(real)
-            if isinstance(entry, dict) and entry.get("stat") == stamp:
-                digest = entry["digest"]
-            else:
-                digest = _file_digest(real, st.st_size)
-                fresh[real] = {"stat": stamp, "digest": digest}
-            h.update(json.dumps([name, st.st_size, digest]).encode())
-    except OSError as e:   # unreadable: the weights go unnamed (the path and config still are)
-        log.warning("gdkv: cannot fingerprint the weights in %s (%s); set model_id to name "
-                    "them", model, e)
-        return ""
-    if fresh:
-        _save_cache(cache_path, fresh)
-    return h.hexdigest()
-
 
 class Stats:
     """A connector's counters (counts, bytes, seconds), safe across its threads: ``add()``,

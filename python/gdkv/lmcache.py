@@ -39,7 +39,8 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from .client import Client
 from .config import LMCACHE_KEYS, defaults, read_config
-from .engine import EngineStore, KeySpace, Stats
+from .engine import EngineStore, Stats
+from .keys import KeySpace
 
 __all__ = ["GdkvConnectorAdapter", "GdkvConnector", "parse_url", "PLUGIN_TYPE"]
 

@@ -28,7 +28,8 @@ from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorage
 
 from .client import Client
 from .config import Key, read_config
-from .engine import EngineStore, KeySpace
+from .engine import EngineStore
+from .keys import KeySpace
 
 log = logging.getLogger("gdkv.sglang")
 # SGLang's own keys of the extra config that may reach the backend (0.5.23: the dynamic

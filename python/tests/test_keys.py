@@ -99,7 +99,7 @@ def test_keyspace_prefix_names_engine_and_namespace():
 
 
 def test_weights_fingerprint(tmp_path, monkeypatch):
-    from gdkv import engine
+    from gdkv import fingerprint as engine
     cache = tmp_path / "cache"
     monkeypatch.setenv("GDKV_CACHE_DIR", str(cache))
     model = tmp_path / "model"
@@ -123,7 +123,7 @@ def test_weights_fingerprint(tmp_path, monkeypatch):
 
 
 def test_weights_fingerprint_samples_large_files(tmp_path, monkeypatch):
-    from gdkv import engine
+    from gdkv import fingerprint as engine
     monkeypatch.setenv("GDKV_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(engine, "FULL_HASH_BYTES", 1 << 20)   # a "large" file: above 1 MiB
     model = tmp_path / "model"

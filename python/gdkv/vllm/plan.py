@@ -15,7 +15,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorMetada
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
 from ..config import VLLM_KEYS, read_config
-from ..engine import KeySpace, weights_fingerprint
+from ..fingerprint import weights_fingerprint
+from ..keys import KeySpace
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

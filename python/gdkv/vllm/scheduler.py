@@ -9,7 +9,8 @@ import time
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..engine import EngineStore, RemovalFeed
+from ..engine import EngineStore
+from ..removals import RemovalFeed
 from .plan import (EVENT_WAIT_S, MEDIUM, REMOVALS_POLL_S, GdkvMetadata, GdkvWorkerMeta, Plan,
                    Transfer)
 

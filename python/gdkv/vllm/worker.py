@@ -18,7 +18,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from vllm.v1.kv_cache_interface import group_kernel_blocks
 
 from .. import errors
-from ..engine import EngineStore, KeySpace, Stats
+from ..engine import EngineStore, Stats
+from ..keys import KeySpace
 from .plan import GdkvWorkerMeta, Plan, Transfer, dense
 
 
