@@ -163,6 +163,24 @@ class Backend {
   virtual void hint(uint32_t nsid, std::span<const Key> keys) { prefetch(nsid, keys); }
 };
 
+// The routing of a backend in front of another (the host cache, the tiered pair): Get, the writes
+// (Put, Delete) and Exist go to its own handlers, List to `next` unchanged.
+template <class Get, class Write, class Exists>
+void route_op(BackendOp* op, Backend& next, Get get, Write write, Exists exists) {
+  switch (op->kind) {
+    case BackendOpKind::kGet:
+      return get(op);
+    case BackendOpKind::kPut:
+    case BackendOpKind::kDelete:
+      return write(op);
+    case BackendOpKind::kExists:
+      return exists(op);
+    case BackendOpKind::kList:
+      break;
+  }
+  next.submit(op);
+}
+
 // The `memory` backend: a map per namespace, for tests and benchmarks. capacity_bytes counts key
 // and value bytes. At capacity it evicts like a cache, least recently used first (a Store or a Get
 // is a use); only a Store larger than the whole capacity fails, with kCapacityExceeded (81h), and

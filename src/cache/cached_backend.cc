@@ -92,18 +92,9 @@ class CachedBackend final : public Backend {
 
   void submit(BackendOp* op) override {
     if (!op->key.valid()) return inner_->submit(op);
-    switch (op->kind) {
-      case BackendOpKind::kGet:
-        return get(op);
-      case BackendOpKind::kPut:
-      case BackendOpKind::kDelete:
-        return write(op);
-      case BackendOpKind::kExists:
-        return exists(op);
-      case BackendOpKind::kList:
-        break;
-    }
-    inner_->submit(op);
+    route_op(
+        op, *inner_, [this](BackendOp* o) { get(o); }, [this](BackendOp* o) { write(o); },
+        [this](BackendOp* o) { exists(o); });
   }
 
   BackendInfo info() const override { return inner_->info(); }
@@ -780,9 +771,7 @@ class CachedBackend final : public Backend {
 
 }  // namespace
 
-std::vector<std::string> cache_policies() {
-  return {"adaptive", "prefix", "lru-k", "lru", "arc", "s3-fifo"};
-}
+std::vector<std::string> cache_policies() { return cache::policy_names(); }
 
 Result<std::shared_ptr<Backend>> make_cached_backend(std::shared_ptr<Backend> inner,
                                                      const CacheOptions& options) {
@@ -800,8 +789,9 @@ Result<std::shared_ptr<Backend>> make_cached_backend(std::shared_ptr<Backend> in
       return Error{"cache: k must be 1.." + std::to_string(cache::kMaxK) + ", not " +
                    std::to_string(options.k)};
     }
-    return Error{"cache: unknown policy '" + options.policy +
-                 "' (adaptive, prefix, lru-k, lru, arc or s3-fifo)"};
+    std::string all;
+    for (const std::string& n : cache::policy_names()) all += (all.empty() ? "" : ", ") + n;
+    return Error{"cache: unknown policy '" + options.policy + "' (" + all + ")"};
   }
   cache::HintOptions ho;
   ho.capacity_bytes = options.capacity_bytes;

@@ -489,27 +489,58 @@ class AdaptivePolicy final : public EvictionPolicy {
 
 }  // namespace
 
+namespace {
+
+// Every policy, by name, in the order the docs list them: the one list of names.
+struct NamedPolicy {
+  const char* name;
+  std::unique_ptr<EvictionPolicy> (*make)(const PolicyOptions& o);
+};
+bool probation_ok(const PolicyOptions& o) { return o.probation_share >= 0 && o.probation_share <= 1; }
+constexpr NamedPolicy kPolicies[] = {
+    {"adaptive",
+     [](const PolicyOptions& o) -> std::unique_ptr<EvictionPolicy> {
+       PolicyOptions a = o;
+       a.k = 2;
+       if (!probation_ok(o)) return nullptr;
+       if (!a.pin_expert.empty() && std::find(std::begin(kExpertNames), std::end(kExpertNames),
+                                              a.pin_expert) == std::end(kExpertNames)) {
+         return nullptr;
+       }
+       return std::make_unique<AdaptivePolicy>(a);
+     }},
+    {"prefix",
+     [](const PolicyOptions& o) { return probation_ok(o) ? make_prefix_policy(o) : nullptr; }},
+    {"lru-k",
+     [](const PolicyOptions& o) -> std::unique_ptr<EvictionPolicy> {
+       if (o.k < 1 || o.k > kMaxK) return nullptr;
+       return std::make_unique<ExpertPolicy<LruKExpert>>(o);
+     }},
+    {"lru",
+     [](const PolicyOptions& o) -> std::unique_ptr<EvictionPolicy> {
+       return std::make_unique<ExpertPolicy<LruExpert>>(o);
+     }},
+    {"arc",
+     [](const PolicyOptions& o) -> std::unique_ptr<EvictionPolicy> {
+       return std::make_unique<ExpertPolicy<ArcExpert>>(o);
+     }},
+    {"s3-fifo",
+     [](const PolicyOptions& o) -> std::unique_ptr<EvictionPolicy> {
+       return std::make_unique<ExpertPolicy<S3FifoExpert>>(o);
+     }},
+};
+
+}  // namespace
+
+std::vector<std::string> policy_names() {
+  std::vector<std::string> names;
+  for (const NamedPolicy& p : kPolicies) names.emplace_back(p.name);
+  return names;
+}
+
 std::unique_ptr<EvictionPolicy> make_policy(std::string_view name, const PolicyOptions& o) {
-  if (name == "prefix") {
-    if (!(o.probation_share >= 0 && o.probation_share <= 1)) return nullptr;
-    return make_prefix_policy(o);
-  }
-  if (name == "lru") return std::make_unique<ExpertPolicy<LruExpert>>(o);
-  if (name == "lru-k") {
-    if (o.k < 1 || o.k > kMaxK) return nullptr;
-    return std::make_unique<ExpertPolicy<LruKExpert>>(o);
-  }
-  if (name == "arc") return std::make_unique<ExpertPolicy<ArcExpert>>(o);
-  if (name == "s3-fifo") return std::make_unique<ExpertPolicy<S3FifoExpert>>(o);
-  if (name == "adaptive") {
-    PolicyOptions a = o;
-    a.k = 2;
-    if (!(o.probation_share >= 0 && o.probation_share <= 1)) return nullptr;
-    if (!a.pin_expert.empty() && std::find(std::begin(kExpertNames), std::end(kExpertNames),
-                                           a.pin_expert) == std::end(kExpertNames)) {
-      return nullptr;
-    }
-    return std::make_unique<AdaptivePolicy>(a);
+  for (const NamedPolicy& p : kPolicies) {
+    if (name == p.name) return p.make(o);
   }
   return nullptr;
 }

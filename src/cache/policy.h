@@ -24,6 +24,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <vector>
 #include <string_view>
 
 #include "gdkv/key.h"
@@ -127,9 +128,11 @@ class HintedPolicy : public EvictionPolicy {
 std::unique_ptr<HintedPolicy> make_hinted_policy(std::unique_ptr<EvictionPolicy> inner,
                                                  const HintOptions& options);
 
-// "adaptive", "prefix", "lru", "lru-k", "arc" or "s3-fifo"; null for an unknown name or k outside
+// The policy called `name` (one of policy_names()); null for an unknown name or k outside
 // 1..kMaxK.
 std::unique_ptr<EvictionPolicy> make_policy(std::string_view name, const PolicyOptions& options);
+// Every policy's name, in the order the docs list them (the one list: cache_policies() too).
+std::vector<std::string> policy_names();
 std::unique_ptr<EvictionPolicy> make_prefix_policy(const PolicyOptions& options);
 
 }  // namespace gdkv::cache

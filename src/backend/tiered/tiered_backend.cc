@@ -69,18 +69,9 @@ class TieredBackend final : public Backend {
       if ((word.load(std::memory_order_relaxed) & bit) == 0)
         word.fetch_or(bit, std::memory_order_relaxed);
     }
-    switch (op->kind) {
-      case BackendOpKind::kGet:
-        return get(op);
-      case BackendOpKind::kPut:
-      case BackendOpKind::kDelete:
-        return write(op);
-      case BackendOpKind::kExists:
-        return exists(op);
-      case BackendOpKind::kList:
-        break;
-    }
-    far_->submit(op);
+    route_op(
+        op, *far_, [this](BackendOp* o) { get(o); }, [this](BackendOp* o) { write(o); },
+        [this](BackendOp* o) { exists(o); });
   }
 
   BackendInfo info() const override {
