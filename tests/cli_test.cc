@@ -144,8 +144,8 @@ void every_setting_is_a_flag(Cli& cli, const std::vector<gdkv::Setting<T>>& tabl
     if (x.is_integer()) {
       r = cli.gdkv("--backend memory " + std::string(x.flag) + " x stat");
       EXPECT_EQ(r.code, 2) << x.flag;
-      r = cli.gdkv("--backend memory " + std::string(x.flag) + " " +
-                   std::to_string(x.min - 1) + " stat");
+      r = cli.gdkv("--backend memory " + std::string(x.flag) + " " + std::to_string(x.min - 1) +
+                   " stat");
       EXPECT_EQ(r.code, 2) << x.flag;
       EXPECT_NE(r.err.find(x.range_error()), std::string::npos) << r.err;
     }

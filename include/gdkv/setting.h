@@ -74,8 +74,8 @@ inline constexpr int64_t kSettingAny = std::numeric_limits<int64_t>::max();
 // type gives the setting's type (and caps its range at what the type holds).
 template <class T, class Field>
 Setting<T> setting_row(const char* name, const char* toml, const char* flag, const char* unit,
-                       int64_t min, int64_t max, std::vector<std::string> choices,
-                       const char* help, Field) {
+                       int64_t min, int64_t max, std::vector<std::string> choices, const char* help,
+                       Field) {
   using F = std::remove_reference_t<decltype(Field{}(std::declval<T&>()))>;
   Setting<T> s;
   s.name = name;
@@ -101,8 +101,8 @@ Setting<T> setting_row(const char* name, const char* toml, const char* flag, con
     s.type = sizeof(F) == 2   ? SettingInfo::Type::kU16
              : sizeof(F) == 4 ? SettingInfo::Type::kU32
                               : SettingInfo::Type::kU64;
-    s.max = static_cast<int64_t>(std::min<uint64_t>(static_cast<uint64_t>(s.max),
-                                                    std::numeric_limits<F>::max()));
+    s.max = static_cast<int64_t>(
+        std::min<uint64_t>(static_cast<uint64_t>(s.max), std::numeric_limits<F>::max()));
   }
   return s;
 }

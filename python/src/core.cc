@@ -231,7 +231,6 @@ std::vector<Buffer> get_buffers(nb::handle obj, bool writable, const char* what)
   return out;
 }
 
-
 // Memory from alloc(): freed when the last array viewing it goes.
 struct Allocation {
   std::shared_ptr<gdkv::VfioUserDevice> device;  // null: heap memory

@@ -496,7 +496,9 @@ struct NamedPolicy {
   const char* name;
   std::unique_ptr<EvictionPolicy> (*make)(const PolicyOptions& o);
 };
-bool probation_ok(const PolicyOptions& o) { return o.probation_share >= 0 && o.probation_share <= 1; }
+bool probation_ok(const PolicyOptions& o) {
+  return o.probation_share >= 0 && o.probation_share <= 1;
+}
 constexpr NamedPolicy kPolicies[] = {
     {"adaptive",
      [](const PolicyOptions& o) -> std::unique_ptr<EvictionPolicy> {

@@ -24,8 +24,8 @@
 #include <cstring>
 #include <memory>
 #include <string>
-#include <vector>
 #include <string_view>
+#include <vector>
 
 #include "gdkv/key.h"
 #include "gdkv/metrics.h"

@@ -31,8 +31,9 @@ std::vector<StoreSetting> make_store_table() {
     kinds.push_back(b.name);
     help += (kinds.size() > 1 ? "; " : " ") + b.name + ", " + b.help;
   }
-  t.push_back(setting_row<S>("backend", "backend.kind", "--backend", "", 0, 0, kinds, "",
-                             [](S & s) -> auto& { return s.backend.kind; }));
+  t.push_back(setting_row<S>(
+      "backend", "backend.kind", "--backend", "", 0, 0, kinds, "",
+      [](S & s) -> auto& { return s.backend.kind; }));
   t.back().help = help_text(std::move(help));
   for (const BackendRegistration& b : backend_registry()) {
     for (StoreSetting& r : lift_settings<S, BackendConfig>(b.settings, &backend_of)) {
@@ -45,7 +46,8 @@ std::vector<StoreSetting> make_store_table() {
       [](S & s) -> auto& { return s.controller.reactors; }));
   t.push_back(setting_row<S>(
       "max_value_bytes", "controller.max_value_bytes", "--max-value", "bytes", 1, uint64_t{1} << 32,
-      {}, "the largest value a Store accepts", [](S & s) -> auto& { return s.controller.max_value_bytes; }));
+      {}, "the largest value a Store accepts",
+      [](S & s) -> auto& { return s.controller.max_value_bytes; }));
   t.push_back(setting_row<S>(
       "idle_spin_us", "controller.idle_spin_us", "--idle-spin-us", "us", 0, 1'000'000, {},
       "a reactor with no work spins this long before it sleeps (0: sleeps at once)",
@@ -87,8 +89,8 @@ std::vector<DaemonSetting> make_daemon_table() {
       "max_dma_maps", "max_dma_maps", "--max-dma-maps", "", 1, 65535, {},
       "DMA_MAP regions per connection", [](D & d) -> auto& { return d.server.max_dma_maps; }));
   t.push_back(setting_row<D>(
-      "dma_reply_timeout_ms", "dma_reply_timeout_ms", "--dma-reply-timeout-ms", "ms", 1, kHour,
-      {}, "a DMA_READ/DMA_WRITE reply later than this fails the command (memory without an fd)",
+      "dma_reply_timeout_ms", "dma_reply_timeout_ms", "--dma-reply-timeout-ms", "ms", 1, kHour, {},
+      "a DMA_READ/DMA_WRITE reply later than this fails the command (memory without an fd)",
       [](D & d) -> auto& { return d.server.dma_reply_timeout_ms; }));
   t.push_back(setting_row<D>(
       "message_bounce_bytes", "message_bounce_bytes", "--message-bounce-bytes", "bytes", 1 << 20,
@@ -106,8 +108,8 @@ std::vector<DaemonSetting> make_daemon_table() {
       "/metrics and /removed port (-1: off, 0: any free port)",
       [](D & d) -> auto& { return d.metrics_port; }));
   t.push_back(setting_row<D>(
-      "metrics_bind", "metrics_bind", "--metrics-bind", "", 0, 0, {},
-      "address /metrics listens on", [](D & d) -> auto& { return d.metrics_bind; }));
+      "metrics_bind", "metrics_bind", "--metrics-bind", "", 0, 0, {}, "address /metrics listens on",
+      [](D & d) -> auto& { return d.metrics_bind; }));
   t.push_back(setting_row<D>(
       "gpu", "gpu", "--gpu", "", 0, 0, {},
       "CUDA builds: use the GPU copy engines and accept device memory when a GPU is there",
@@ -123,8 +125,8 @@ std::vector<ClientSetting> make_client_table() {
       "memory shared with gdkvd (queues, staged values; committed only when touched)",
       [](C & c) -> auto& { return c.shared_memory_bytes; }));
   t.push_back(setting_row<C>(
-      "queue_depth", "", "--queue-depth", "", 2, 4096, {},
-      "I/O queue entries (a power of two)", [](C & c) -> auto& { return c.queue_depth; }));
+      "queue_depth", "", "--queue-depth", "", 2, 4096, {}, "I/O queue entries (a power of two)",
+      [](C & c) -> auto& { return c.queue_depth; }));
   t.push_back(setting_row<C>(
       "timeout_ms", "", "--timeout-ms", "ms", 1, kHour, {},
       "an I/O command gdkvd does not complete by then fails, and the client with it",

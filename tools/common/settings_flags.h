@@ -48,9 +48,9 @@ void add_setting_flags(CLI::App& app, const std::vector<gdkv::Setting<T>>& table
         used = 0;
       }
       if (used == 0 || used != text.size()) {
-        throw CLI::ValidationError(info->flag, "'" + text + "': " +
-                                                   (octal ? "not octal permissions"
-                                                          : info->type_error()));
+        throw CLI::ValidationError(
+            info->flag,
+            "'" + text + "': " + (octal ? "not octal permissions" : info->type_error()));
       }
       if (const std::string err = info->set_at(field, int64_t{n}); !err.empty()) {
         throw CLI::ValidationError(info->flag, "'" + text + "' " + err);

@@ -162,8 +162,7 @@ void every_setting_in_every_form(const std::vector<gdkv::Setting<T>>& table, Par
     ASSERT_TRUE(load_toml(table_line + name + " = " + x.text(expect) + "\n", "s.toml", file, &err))
         << key << ": " << err;
     EXPECT_EQ(x.get(part(file)), v) << key;
-    EXPECT_NE(to_toml(file).find(name + " = " + x.text(expect) + "\n"), std::string::npos)
-        << key;
+    EXPECT_NE(to_toml(file).find(name + " = " + x.text(expect) + "\n"), std::string::npos) << key;
 
     Config flag;
     const bool is_bool = x.type == gdkv::SettingInfo::Type::kBool;
@@ -194,8 +193,10 @@ TEST(Config, EverySettingInEveryForm) {
   EXPECT_EQ(defaults.store.controller.reactors, 2u);  // daemon_store_settings()
   EXPECT_TRUE(defaults.store.backend.rados.evict);
   EXPECT_EQ(defaults.store.cache.capacity_bytes, uint64_t{1} << 30);
-  every_setting_in_every_form(gdkv::store_settings(), [](Config& c) -> auto& { return c.store; });
-  every_setting_in_every_form(gdkv::daemon_settings(), [](Config& c) -> auto& { return c.daemon; });
+  every_setting_in_every_form(
+      gdkv::store_settings(), [](Config & c) -> auto& { return c.store; });
+  every_setting_in_every_form(
+      gdkv::daemon_settings(), [](Config & c) -> auto& { return c.daemon; });
 }
 
 // What --check-config prints reads back as the same settings, whatever a flag or variable set:

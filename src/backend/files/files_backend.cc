@@ -196,7 +196,8 @@ class FilesBackend final : public Backend {
     const std::string mine = ".tmp." + host_ + ".";
     if (name.rfind(mine, 0) != 0) return false;
     const long pid = std::strtol(name.c_str() + mine.size(), nullptr, 10);
-    return pid <= 0 || pid == ::getpid() || (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH);
+    return pid <= 0 || pid == ::getpid() ||
+           (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH);
   }
 
   void work() {

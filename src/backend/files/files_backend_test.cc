@@ -176,7 +176,8 @@ TEST_F(FilesBackendTest, CapacityRemovesTheOldestFirst) {
   // within one clock tick share a time).
   const auto now = fs::file_time_type::clock::now();
   for (int i = 0; i < 3; ++i) {
-    fs::last_write_time(file_of("k" + std::string(1, char('0' + i))), now - std::chrono::hours(3 - i));
+    fs::last_write_time(file_of("k" + std::string(1, char('0' + i))),
+                        now - std::chrono::hours(3 - i));
   }
   auto b = open(3 * each);
   EXPECT_EQ(b->info().bytes_used, 3 * each);
@@ -204,7 +205,9 @@ TEST_F(FilesBackendTest, CapacityRemovesTheOldestFirst) {
 TEST_F(FilesBackendTest, AcknowledgedStoresSurviveAKill) {
   int acks[2];
   ASSERT_EQ(::pipe(acks), 0);
-  const auto value = [](int i) { return std::string(64 * 1024 + i, static_cast<char>('a' + i % 26)); };
+  const auto value = [](int i) {
+    return std::string(64 * 1024 + i, static_cast<char>('a' + i % 26));
+  };
   const pid_t child = ::fork();
   ASSERT_GE(child, 0);
   if (child == 0) {

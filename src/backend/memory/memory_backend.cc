@@ -366,8 +366,8 @@ void gdkv_register_backend_memory(std::vector<gdkv::BackendRegistration>& regist
   b.help = "values in gdkvd's memory, least recently used evicted";
   b.traits.can_be_far_tier = true;
   b.settings.push_back(setting_row<C>(
-      "memory_capacity", "backend.memory_capacity_bytes", "--memory-capacity", "bytes", 1, kSettingAny, {},
-      "memory backend capacity (full, it evicts least recently used)",
+      "memory_capacity", "backend.memory_capacity_bytes", "--memory-capacity", "bytes", 1,
+      kSettingAny, {}, "memory backend capacity (full, it evicts least recently used)",
       [](C & c) -> auto& { return c.memory.capacity_bytes; }));
   b.open = [](const C& c) -> gdkv::Result<std::shared_ptr<gdkv::Backend>> {
     return gdkv::make_memory_backend(c.memory);

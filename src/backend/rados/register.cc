@@ -30,8 +30,7 @@ void gdkv_register_backend_rados(std::vector<gdkv::BackendRegistration>& registr
       [](C & c) -> auto& { return c.rados.client_name; }));
   b.settings.push_back(setting_row<C>(
       "ceph_keyring", "backend.ceph_keyring", "--ceph-keyring", "", 0, 0, {},
-      "Ceph keyring (empty: what ceph.conf says)",
-      [](C & c) -> auto& { return c.rados.keyring; }));
+      "Ceph keyring (empty: what ceph.conf says)", [](C & c) -> auto& { return c.rados.keyring; }));
   b.settings.push_back(setting_row<C>(
       "namespace_prefix", "backend.namespace_prefix", "--namespace-prefix", "", 0, 0, {},
       "NVMe namespace N lives in RADOS namespace prefix + N",
@@ -57,12 +56,12 @@ void gdkv_register_backend_rados(std::vector<gdkv::BackendRegistration>& registr
       "time between a node's pool fill checks",
       [](C & c) -> auto& { return c.rados.evict_interval_ms; }));
   b.settings.push_back(setting_row<C>(
-      "pool_capacity", "backend.pool_capacity_bytes", "--pool-capacity", "bytes", 0, kSettingAny, {},
-      "what the pool may hold (0: its quota, else stored + free space)",
+      "pool_capacity", "backend.pool_capacity_bytes", "--pool-capacity", "bytes", 0, kSettingAny,
+      {}, "what the pool may hold (0: its quota, else stored + free space)",
       [](C & c) -> auto& { return c.rados.pool_capacity_bytes; }));
   b.settings.push_back(setting_row<C>(
-      "atime_interval_ms", "backend.atime_interval_ms", "--atime-interval-ms", "ms", 0, kSettingAny, {},
-      "a read refreshes a block's access time when it is older than this",
+      "atime_interval_ms", "backend.atime_interval_ms", "--atime-interval-ms", "ms", 0, kSettingAny,
+      {}, "a read refreshes a block's access time when it is older than this",
       [](C & c) -> auto& { return c.rados.atime_interval_ms; }));
   b.settings.push_back(setting_row<C>(
       "events_object", "backend.events_object", "--events-object", "", 0, 0, {},
