@@ -83,11 +83,15 @@ _CONVERT: dict[Any, Callable[[Any], Any]] = {int: _integer, float: float, bool: 
                                              str: _string, None: lambda v: v}
 
 
+def _key(s: dict[str, Any]) -> Key:
+    """A row of the C++ tables (a dict of gdkv.settings()) as a key."""
+    return Key(s["name"], _TYPES[s["type"]], s["default"], s["help"], s.get("min"), s.get("max"),
+               tuple(s.get("choices") or ()), s["unit"])
+
+
 def _rows(kind: str) -> list[Key]:
-    """The C++ table's rows of ``kind`` (gdkv.settings()) as keys."""
-    return [Key(s["name"], _TYPES[s["type"]], s["default"], s["help"], s.get("min"),
-                s.get("max"), tuple(s.get("choices") or ()), s["unit"])
-            for s in _core.settings() if s["kind"] == kind]
+    """The C++ table's rows of ``kind`` as keys."""
+    return [_key(s) for s in _core.settings() if s["kind"] == kind]
 
 
 #: The store's settings (an in-process store), as gdkv.open takes them.
@@ -208,8 +212,7 @@ def markdown_tables() -> dict[str, str]:
         for s in _core.settings():
             if s["kind"] != kind:
                 continue
-            k = Key(s["name"], _TYPES[s["type"]], s["default"], s["help"], s.get("min"),
-                    s.get("max"), tuple(s.get("choices") or ()), s["unit"])
+            k = _key(s)
             default, accepted = _cell(k.default), _accepted(k)
             if s["unit"] == "octal":   # as TOML writes it
                 default, accepted = f"`{oct(k.default)}`", f"{oct(k.least)}..{oct(k.most)}"

@@ -128,7 +128,8 @@ class EngineStore:
         # gdkv.connect's settings, and gdkv.open's: the store's settings given, and its own.
         self.connect_options = {k.name: c[k.name] for k in CLIENT_KEYS}
         self.open_options = {k: given[k] for k in _OPEN_NAMES if k in given}
-        if self.backend and _core.backend_traits()[self.backend]["can_time_out"]:
+        # (An unknown backend is left to gdkv.open, whose error the connect thread logs.)
+        if _core.backend_traits().get(self.backend, {}).get("can_time_out"):
             # In-process calls wait for the backend; RADOS ops fail after ceph_timeout_ms with
             # NotReadyError (gdkv unavailable). The local store and memory backends do not time
             # out: see "Timeouts" in docs/integrations.md.

@@ -374,18 +374,20 @@ class FilesBackend final : public Backend {
     index_.erase(it);
   }
 
-  // Removes the oldest values until `bytes` more fit (`k`'s own old copy counts as free).
+  // Removes the oldest values until `bytes` more fit. `k`'s own old copy counts as free but stays
+  // in the index: a Store that then fails leaves it there, counted.
   void make_room(const NsKey& k, uint64_t bytes) {
     if (options_.capacity_bytes == 0) return;
     std::vector<NsKey> victims;
     {
       std::lock_guard lk(index_mu_);
-      forget_locked(k);
-      auto it = order_.begin();
       uint64_t used = used_;
-      while (used + bytes > options_.capacity_bytes && it != order_.end()) {
+      if (auto own = index_.find(k); own != index_.end()) used -= own->second.bytes;
+      for (auto it = order_.begin(); used + bytes > options_.capacity_bytes && it != order_.end();
+           ++it) {
+        if (*it == k) continue;
         used -= index_[*it].bytes;
-        victims.push_back(*it++);
+        victims.push_back(*it);
       }
       for (const NsKey& v : victims) forget_locked(v);
     }

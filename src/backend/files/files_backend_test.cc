@@ -193,6 +193,10 @@ TEST_F(FilesBackendTest, CapacityRemovesTheOldestFirst) {
   EXPECT_EQ(s, Status::kKeyNotExist);
   EXPECT_EQ(get(*b, key("k3")), std::string(1000, '3'));
   EXPECT_EQ(b->info().bytes_used, 3 * each);
+  // Replacing a value frees its own old bytes first: nothing else goes.
+  ASSERT_EQ(test::put(*b, key("k3"), std::string(1000, 'r')), Status::kSuccess);
+  EXPECT_EQ(b->info().keys, 3u);
+  EXPECT_EQ(b->info().bytes_used, 3 * each);
   EXPECT_EQ(test::put(*b, key("big"), std::string(3 * each, 'x')), Status::kCapacityExceeded);
   b->set_removal_handler(nullptr);
   EXPECT_EQ(removed, std::vector<std::string>{key("k0").hex()});
