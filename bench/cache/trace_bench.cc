@@ -1,7 +1,7 @@
 // cache_trace_bench: the eviction policies on KV-cache traces, side by side in one run, at cache
 // sizes from 1% to 20% of the trace's unique blocks, with Belady's optimal (OPT/MIN, which knows
 // the future) as the ceiling. The traces are synthetic (kv_trace.h, the default) or real ones in
-// the Mooncake format (--trace FILE.jsonl, src/cache/trace_file.h); --json prints the prefix-hit
+// the Mooncake format (--trace FILE.jsonl, bench/cache/trace_file.h); --json prints the prefix-hit
 // ratios as one JSON object per trace.
 //
 // Prefix-hit ratio: a request reuses only its leading run of cached blocks (the first miss ends
@@ -26,10 +26,11 @@
 #include <vector>
 
 #include "bench/cache/kv_trace.h"
+#include "bench/cache/trace_file.h"
 #include "cache/chain.h"
 #include "cache/policy.h"
-#include "cache/trace_file.h"
 #include "gdkv/cache.h"
+#include "tests/numbered_key.h"
 
 namespace {
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Time to first token with KV reuse from gdkv against a full recompute measured in the same
-process (python -m gdkv.demo, request B), at several prompt lengths; B shares 5/6 of its prompt
+process (python -m gdkv_demo.reuse, request B), at several prompt lengths; B shares 5/6 of its prompt
 with request A. Runs its own gdkvd on a fresh local store.
 
 Usage: ttft_bench.py [--build build/release] [--model DIR] [LENGTH ...]   (default 1536 3072 6144)
@@ -19,6 +19,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gdkvd_proc import gdkvd  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "demo"))
+from gdkv_demo import child_env  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -36,10 +39,11 @@ def main() -> int:
               f"{'TTFT reuse':>11} {'TTFT full':>10} {'speedup':>8}  identical")
         rows = []
         for n in a.lengths:
-            out = subprocess.run([sys.executable, "-m", "gdkv.demo", "--connect", d, "--model",
-                                  a.model, "--prompt-tokens", str(n), "--shared-tokens",
-                                  str(n * 5 // 6), "--json"], stdout=subprocess.PIPE,
-                                 stderr=subprocess.DEVNULL, check=True)
+            out = subprocess.run([sys.executable, "-m", "gdkv_demo.reuse", "--connect", d,
+                                  "--model", a.model, "--prompt-tokens", str(n),
+                                  "--shared-tokens", str(n * 5 // 6), "--json"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, check=True,
+                                 env=child_env())
             r = json.loads(out.stdout.decode().strip().splitlines()[-1])
             b = r["reuse"]
             rows.append(b)

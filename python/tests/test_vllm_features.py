@@ -23,8 +23,8 @@ pytest.importorskip("vllm")
 
 import gdkv  # noqa: E402
 from conftest import Gdkvd  # noqa: E402
-from gdkv.model import build_lora_adapter, build_vision_model  # noqa: E402
-from gdkv.vllm_demo import Server, build_engine_model, compare, free_port, prompts  # noqa: E402
+from gdkv_demo.model import build_lora_adapter, build_vision_model  # noqa: E402
+from gdkv_demo.vllm_demo import Server, build_engine_model, compare, free_port, prompts  # noqa: E402
 
 BLOCK = 128
 VOCAB = 8192
@@ -116,7 +116,7 @@ def mla_model(path: str) -> str:
     import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-    from gdkv.model import build_tokenizer
+    from gdkv_demo.model import build_tokenizer
     config = DeepseekV2Config(
         vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
         num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,

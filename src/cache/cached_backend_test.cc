@@ -10,7 +10,7 @@
 #include <thread>
 
 #include "backend_params.h"
-#include "cache/cache_test_util.h"
+#include "cache_test_util.h"
 #include "gdkv/cache.h"
 #include "gdkv/client.h"
 #include "gdkv/commands.h"

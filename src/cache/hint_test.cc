@@ -9,12 +9,13 @@
 #include <map>
 #include <random>
 
-#include "cache/cache_test_util.h"
 #include "cache/policy.h"
+#include "cache_test_util.h"
 #include "gdkv/cache.h"
 #include "gdkv/client.h"
 #include "gdkv/commands.h"
 #include "gdkv/tiered_backend.h"
+#include "numbered_key.h"
 
 namespace gdkv {
 namespace {

@@ -32,14 +32,6 @@
 
 namespace gdkv::cache {
 
-// A test and benchmark helper: key number `id` in namespace 1.
-inline NsKey numbered_key(uint64_t id) noexcept {
-  NsKey k;
-  k.nsid = 1;
-  k.key = Key::from_bytes(&id, sizeof(id));
-  return k;
-}
-
 enum class AddKind : uint8_t {
   kDemand,    // a miss that a request waits for (or a Store): counts as a reference
   kPrefetch,  // fetched ahead: not a reference yet; its first record_access is its first one

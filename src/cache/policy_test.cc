@@ -15,6 +15,8 @@
 #include <unordered_set>
 #include <vector>
 
+#include "numbered_key.h"
+
 namespace gdkv::cache {
 namespace {
 

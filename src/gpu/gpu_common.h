@@ -1,4 +1,4 @@
-// Shared by the GPU programs (gpu_device_test, gpu_bench): a backend serving values from pinned
+// Shared by the GPU programs (gpu_device_test, bench/gpu/gpu_bench): a backend serving values from pinned
 // host memory, a kernel watchdog, and small helpers. Host code only.
 #pragma once
 

@@ -14,7 +14,7 @@
 #include <sstream>
 #include <thread>
 
-#include "cache/cache_test_util.h"
+#include "cache_test_util.h"
 #include "gdkv/cache.h"
 #include "gdkv/client.h"
 

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "backend/files/files_backend.h"
-#include "cache/cache_test_util.h"
+#include "cache_test_util.h"
 #include "gdkv/backend_factory.h"
 #include "gdkv/settings.h"
 

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "cache/cache_test_util.h"
+#include "cache_test_util.h"
 #include "gdkv/backend.h"
 
 namespace gdkv {

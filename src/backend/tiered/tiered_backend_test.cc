@@ -13,7 +13,7 @@
 #include <set>
 
 #include "backend_params.h"
-#include "cache/cache_test_util.h"
+#include "cache_test_util.h"
 #include "gdkv/local_backend.h"
 
 namespace gdkv {

@@ -1,4 +1,4 @@
-"""A real vLLM engine serving through gdkv: ``python -m gdkv.vllm_demo``.
+"""A real vLLM engine serving through gdkv: ``python -m gdkv_demo.vllm_demo``.
 
 Three vLLM OpenAI-compatible servers are started one after another on a locally built model
 (random-weight Llama and a word-level tokenizer, nothing downloaded), each a fresh process with an
@@ -18,7 +18,7 @@ about 1e-5 as well. The engine tests prove the stronger fact: with the same spli
 gdkv gives bit for bit the logprobs of vLLM's own prefix cache (test_vllm_engine.py). Exit status 0 when tokens were reused
 and the outputs are identical, 1 otherwise, 2 for usage errors.
 
-    python -m gdkv.vllm_demo --connect /run/gdkvd       # through a running gdkvd
+    python -m gdkv_demo.vllm_demo --connect /run/gdkvd       # through a running gdkvd
 
 A server is stopped with SIGTERM, once the saves its connector queued have landed
 (:meth:`Server.saves_landed`): vLLM's executor may end a worker before its queued puts are done.
@@ -49,7 +49,7 @@ DEFAULT_MODEL = os.environ.get(
 
 
 def build_engine_model(path: str, **build: Any) -> str:
-    """A model folder vLLM serves: gdkv.model's random-weight Llama and its tokenizer."""
+    """A model folder vLLM serves: gdkv_demo.model's random-weight Llama and its tokenizer."""
     from . import model as m
 
     vocab = build.setdefault("vocab", 8192)
@@ -302,7 +302,7 @@ def compare(out: dict, reference: dict, tolerance: float) -> dict:
 
 
 def _args(argv):
-    p = argparse.ArgumentParser(prog="python -m gdkv.vllm_demo",
+    p = argparse.ArgumentParser(prog="python -m gdkv_demo.vllm_demo",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     # Through gdkvd only: vLLM runs its scheduler and its worker in two processes (on this CPU

@@ -1,6 +1,6 @@
 // The Mooncake trace reader (trace_file.h) of the trace benchmark: valid lines, dense renumbering,
 // and malformed input rejected with the file and line rather than crashing or misreading.
-#include "cache/trace_file.h"
+#include "bench/cache/trace_file.h"
 
 #include <gtest/gtest.h>
 

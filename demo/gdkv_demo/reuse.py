@@ -1,4 +1,4 @@
-"""KV-cache reuse with a real transformer: ``python -m gdkv.demo``.
+"""KV-cache reuse with a real transformer: ``python -m gdkv_demo.reuse``.
 
 Request A prefills a prompt and stores its KV cache in gdkv as blocks of ``--block-tokens``
 tokens (each block's K and V for every layer, under chain keys salted with the model's identity
@@ -9,10 +9,10 @@ and prefills only the rest. B also recomputes its whole prompt in the same proce
 prints the time to first token of both, and checks that the greedy output tokens are identical
 and the logits equal within ``--tolerance``.
 
-    python -m gdkv.demo --connect /run/gdkvd                 # a running gdkvd (any backend)
-    python -m gdkv.demo --backend rados --ceph-conf ceph.conf  # in-process controller on RADOS
-    python -m gdkv.demo --backend local --store DIR          # in-process local store
-    python -m gdkv.demo --backend local --device cuda        # the model and its KV on a GPU:
+    python -m gdkv_demo.reuse --connect /run/gdkvd                 # a running gdkvd (any backend)
+    python -m gdkv_demo.reuse --backend rados --ceph-conf ceph.conf  # in-process controller on RADOS
+    python -m gdkv_demo.reuse --backend local --store DIR          # in-process local store
+    python -m gdkv_demo.reuse --backend local --device cuda        # the model and its KV on a GPU:
                                                              # blocks move by the CUDA copy engine
 
 The model is a Llama-architecture transformer with random weights from a fixed seed, built and
@@ -35,7 +35,8 @@ DEFAULT_MODEL = os.environ.get("GDKV_MODEL_DIR",
 
 
 def _args(argv):
-    p = argparse.ArgumentParser(prog="python -m gdkv.demo", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m gdkv_demo.reuse",
+                                description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_mutually_exclusive_group()
     where.add_argument("--connect", metavar="DIR", help="the socket directory of a running gdkvd")
@@ -219,10 +220,11 @@ def _reuse(a):
 
 def _run_phase(a, argv, phase):
     """Runs a phase in a new Python process and returns its JSON result."""
-    cmd = [sys.executable, "-m", "gdkv.demo", *argv, "--phase", phase, "--json"]
-    out = subprocess.run(cmd, stdout=subprocess.PIPE, check=False)
+    from . import child_env
+    cmd = [sys.executable, "-m", "gdkv_demo.reuse", *argv, "--phase", phase, "--json"]
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, check=False, env=child_env())
     if out.returncode != 0:
-        raise SystemExit(f"gdkv.demo: request {'A' if phase == 'store' else 'B'} failed "
+        raise SystemExit(f"gdkv_demo.reuse: request {'A' if phase == 'store' else 'B'} failed "
                          f"(exit {out.returncode})")
     return json.loads(out.stdout.decode().strip().splitlines()[-1])
 
