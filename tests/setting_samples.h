@@ -18,6 +18,10 @@ SettingValue other_value(const Setting<T>& x, const T& s) {
   }
   if (const int64_t* n = std::get_if<int64_t>(&now)) return *n < x.max ? *n + 1 : *n - 1;
   if (const bool* b = std::get_if<bool>(&now)) return !*b;
+  if (x.type == SettingInfo::Type::kIdList) {  // one more id
+    const std::string& ids = std::get<std::string>(now);
+    return ids.empty() ? "1" : ids + ":1";
+  }
   for (const std::string& c : x.choices) {
     if (c != std::get<std::string>(now)) return c;
   }

@@ -20,12 +20,13 @@
 
 namespace gdkv {
 
-// A setting's value: an unsigned integer, a flag, text, or a signed integer (metrics_port).
+// A setting's value: an unsigned integer, a flag, text, or a signed integer (metrics_port). A list
+// of ids (a namespace's uids) is text, its ids joined by ':' ("1000:1001"; "" is the empty list).
 using SettingValue = std::variant<uint64_t, bool, std::string, int64_t>;
 
 // What a row says of a setting, whatever struct it lives in.
 struct SettingInfo {
-  enum class Type { kU16, kU32, kU64, kI32, kBool, kString };
+  enum class Type { kU16, kU32, kU64, kI32, kBool, kString, kIdList };
   const char* name;  // gdkv.open's, gdkv.connect's and the connectors' key: "ceph_timeout_ms"
   const char* toml;  // gdkvd's TOML key, "table.key" or "key" (the file's top level):
                      // "backend.ceph_timeout_ms"; "" where gdkvd's file has none (a client's)
@@ -42,15 +43,21 @@ struct SettingInfo {
   // front ends say the same of the values they cannot even hand to set() (a TOML float).
   const char* type_error() const;
   std::string range_error() const;
-  bool is_integer() const { return type != Type::kBool && type != Type::kString; }
+  bool is_integer() const {
+    return type != Type::kBool && type != Type::kString && type != Type::kIdList;
+  }
 
   // The value at `field` (this row's field of some struct).
   SettingValue get_at(const void* field) const;
   // Sets the value at `field`: "" on success, else why not ("must be in [1, 256]", "'x' is not
   // one of ..."). An integer is taken as uint64_t or int64_t alike.
   std::string set_at(void* field, const SettingValue& v) const;
-  // The value as gdkvd's TOML and the docs write it: 5000, true, "adaptive", 0o660.
+  // The value as gdkvd's TOML and the docs write it: 5000, true, "adaptive", 0o660, [1000, 1001].
   std::string text_at(const void* field) const;
+  // Sets the value at `field` from text as a flag or environment variable spells it: an integer
+  // in decimal (octal where the unit is "octal"), true or false, the text itself, ids joined by
+  // ':'. "" on success, else why not.
+  std::string parse_at(void* field, const std::string& text) const;
 };
 
 // A row of the table of settings struct T.
@@ -61,6 +68,7 @@ struct Setting : SettingInfo {
   SettingValue get(const T& s) const { return get_at(field(const_cast<T&>(s))); }
   std::string set(T& s, const SettingValue& v) const { return set_at(field(s), v); }
   std::string text(const T& s) const { return text_at(field(const_cast<T&>(s))); }
+  std::string parse(T& s, const std::string& text) const { return parse_at(field(s), text); }
 };
 
 // `text` as a TOML basic string, quoted and escaped: "a \"b\"".
@@ -91,6 +99,8 @@ Setting<T> setting_row(const char* name, const char* toml, const char* flag, con
     s.type = SettingInfo::Type::kBool;
   } else if constexpr (std::is_same_v<F, std::string>) {
     s.type = SettingInfo::Type::kString;
+  } else if constexpr (std::is_same_v<F, std::vector<uint32_t>>) {
+    s.type = SettingInfo::Type::kIdList;
   } else if constexpr (std::is_same_v<F, int32_t>) {
     s.type = SettingInfo::Type::kI32;
     s.min = std::max<int64_t>(s.min, std::numeric_limits<int32_t>::min());

@@ -41,8 +41,9 @@ struct StoreSettings {
 
 // gdkvd's own settings besides the store's.
 struct DaemonSettings {
-  // The socket, clients, DMA limits and MSI-X vectors. The namespaces ([[namespace]] tables),
-  // log and device memory importer are set by gdkvd itself, not by rows.
+  // The socket, clients, DMA limits and MSI-X vectors. The namespaces are entries of
+  // namespace_settings()' rows ([[namespace]] tables, --namespace); the log and the device
+  // memory importer are set by gdkvd itself.
   VfioUserServerOptions server = [] {
     VfioUserServerOptions o;
     o.socket_dir = "/run/gdkvd";
@@ -56,6 +57,7 @@ struct DaemonSettings {
 using StoreSetting = Setting<StoreSettings>;
 using DaemonSetting = Setting<DaemonSettings>;
 using ClientSetting = Setting<VfioUserClientOptions>;
+using NamespaceSetting = Setting<VfioUserNamespace>;
 
 // The backend `s` names, with the host cache in front when s.cache.capacity_bytes > 0: the store
 // gdkvd, the CLI and gdkv.open serve. An Error with the reason when either cannot be opened.
@@ -67,6 +69,10 @@ const std::vector<DaemonSetting>& daemon_settings();
 // gdkv.connect's, the CLI's --connect and the connectors' (the memory shared with gdkvd, its
 // queue, timeouts and wake-ups).
 const std::vector<ClientSetting>& client_settings();
+// The keys of one of gdkvd's namespaces: a [[namespace]] table's (TOML "namespace.KEY") and
+// --namespace KEY=VALUE,...'s. An entry without backend_namespace stores in its nsid's; one
+// without a name is called ns<backend_namespace> (gdkvd fills both in).
+const std::vector<NamespaceSetting>& namespace_settings();
 
 // The store setting called `name`, or nullptr.
 inline const StoreSetting* find_setting(std::string_view name) {

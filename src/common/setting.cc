@@ -2,6 +2,7 @@
 #include "gdkv/setting.h"
 
 #include <cstdio>
+#include <stdexcept>
 
 namespace gdkv {
 
@@ -17,6 +18,14 @@ SettingValue SettingInfo::get_at(const void* p) const {
       return int64_t{*static_cast<const int32_t*>(p)};
     case Type::kBool:
       return *static_cast<const bool*>(p);
+    case Type::kIdList: {
+      std::string text;
+      for (const uint32_t id : *static_cast<const std::vector<uint32_t>*>(p)) {
+        if (!text.empty()) text += ':';
+        text += std::to_string(id);
+      }
+      return text;
+    }
     case Type::kString:
       break;
   }
@@ -59,6 +68,21 @@ std::string SettingInfo::set_at(void* p, const SettingValue& v) const {
   }
   const std::string* text = std::get_if<std::string>(&v);
   if (text == nullptr) return type_error();
+  if (type == Type::kIdList) {
+    std::vector<uint32_t> ids;
+    for (size_t at = 0; at < text->size();) {
+      const size_t end = std::min(text->find(':', at), text->size());
+      const std::string id = text->substr(at, end - at);
+      const bool digits =
+          !id.empty() && id.size() <= 10 && id.find_first_not_of("0123456789") == std::string::npos;
+      if (!digits || std::stoull(id) > std::numeric_limits<uint32_t>::max()) return type_error();
+      ids.push_back(static_cast<uint32_t>(std::stoull(id)));
+      at = end + 1;
+      if (end + 1 == text->size()) return type_error();  // a trailing ':'
+    }
+    *static_cast<std::vector<uint32_t>*>(p) = std::move(ids);
+    return {};
+  }
   if (!choices.empty() && std::find(choices.begin(), choices.end(), *text) == choices.end()) {
     std::string all;
     for (const auto& c : choices) all += (all.empty() ? "" : ", ") + c;
@@ -74,6 +98,8 @@ const char* SettingInfo::type_error() const {
       return "must be true or false";
     case Type::kString:
       return "must be a string";
+    case Type::kIdList:
+      return "must be a list of ids in [0, 4294967295]";
     default:
       return "must be an integer";
   }
@@ -101,7 +127,33 @@ std::string SettingInfo::text_at(const void* p) const {
   }
   if (const int64_t* n = std::get_if<int64_t>(&v)) return std::to_string(*n);
   if (const bool* b = std::get_if<bool>(&v)) return *b ? "true" : "false";
+  if (type == Type::kIdList) {
+    std::string list = "[";
+    for (const uint32_t id : *static_cast<const std::vector<uint32_t>*>(p)) {
+      if (list.size() > 1) list += ", ";
+      list += std::to_string(id);
+    }
+    return list + "]";
+  }
   return toml_string(std::get<std::string>(v));
+}
+
+std::string SettingInfo::parse_at(void* p, const std::string& text) const {
+  if (type == Type::kBool) {
+    if (text != "true" && text != "false") return type_error();
+    return set_at(p, text == "true");
+  }
+  if (!is_integer()) return set_at(p, text);
+  const bool octal = std::string_view(unit) == "octal";
+  size_t used = 0;
+  long long n = 0;
+  try {
+    n = std::stoll(text, &used, octal ? 8 : 10);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != text.size()) return octal ? "not octal permissions" : type_error();
+  return set_at(p, int64_t{n});
 }
 
 std::string toml_string(std::string_view text) {

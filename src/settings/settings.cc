@@ -146,6 +146,31 @@ std::vector<ClientSetting> make_client_table() {
   return t;
 }
 
+std::vector<NamespaceSetting> make_namespace_table() {
+  using N = VfioUserNamespace;
+  std::vector<NamespaceSetting> t;
+  t.push_back(setting_row<N>(
+      "nsid", "namespace.nsid", "", "", 1, 1024, {}, "the NVMe namespace ID clients see",
+      [](N & n) -> auto& { return n.nsid; }));
+  t.push_back(setting_row<N>(
+      "backend_namespace", "namespace.backend_namespace", "", "", 1, 1024, {},
+      "where its keys live: RADOS namespace ns<N>, the local store's index N (default: the nsid)",
+      [](N & n) -> auto& { return n.backend_namespace; }));
+  t.push_back(setting_row<N>(
+      "name", "namespace.name", "", "", 0, 0, {},
+      "for logs and the namespace's NGUID (default: ns<backend_namespace>)",
+      [](N & n) -> auto& { return n.name; }));
+  t.push_back(setting_row<N>(
+      "uids", "namespace.uids", "", "", 0, 0, {},
+      "peers with one of these uids may use it (uids and gids both empty: everyone)",
+      [](N & n) -> auto& { return n.uids; }));
+  t.push_back(setting_row<N>(
+      "gids", "namespace.gids", "", "", 0, 0, {},
+      "peers with one of these primary or supplementary gids may use it",
+      [](N & n) -> auto& { return n.gids; }));
+  return t;
+}
+
 }  // namespace
 
 Result<std::shared_ptr<Backend>> open_store(const StoreSettings& s) {
@@ -166,6 +191,11 @@ const std::vector<DaemonSetting>& daemon_settings() {
 
 const std::vector<ClientSetting>& client_settings() {
   static const std::vector<ClientSetting> table = make_client_table();
+  return table;
+}
+
+const std::vector<NamespaceSetting>& namespace_settings() {
+  static const std::vector<NamespaceSetting> table = make_namespace_table();
   return table;
 }
 

@@ -22,8 +22,10 @@ TEST(Settings, NamesAreUniqueInEveryFrontEnd) {
     if (*x.toml != '\0') {
       EXPECT_TRUE(keys.insert(x.toml).second) << x.toml;
     }
-    EXPECT_TRUE(flags.insert(x.flag).second) << x.flag;
-    EXPECT_EQ(std::string(x.flag).rfind("--", 0), 0u) << x.flag;
+    if (*x.flag != '\0') {
+      EXPECT_TRUE(flags.insert(x.flag).second) << x.flag;
+      EXPECT_EQ(std::string(x.flag).rfind("--", 0), 0u) << x.flag;
+    }
     EXPECT_LE(x.min, x.max) << x.name;
   };
   for (const StoreSetting& x : store_settings()) {
@@ -41,6 +43,14 @@ TEST(Settings, NamesAreUniqueInEveryFrontEnd) {
     EXPECT_STREQ(x.toml, "") << x.name;  // gdkvd's file has no client settings
     EXPECT_EQ(find_setting(client_settings(), x.name), &x);
   }
+  for (const NamespaceSetting& x : namespace_settings()) {
+    check(x);
+    EXPECT_EQ(std::string(x.toml).rfind("namespace.", 0), 0u) << x.toml;  // [[namespace]]
+    EXPECT_STREQ(x.flag, "") << x.name;  // a key of --namespace, no flag of its own
+  }
+  for (const StoreSetting& x : store_settings()) EXPECT_STRNE(x.flag, "") << x.name;
+  for (const DaemonSetting& x : daemon_settings()) EXPECT_STRNE(x.flag, "") << x.name;
+  for (const ClientSetting& x : client_settings()) EXPECT_STRNE(x.flag, "") << x.name;
   EXPECT_EQ(find_setting("op_timeout_ms"), nullptr);
   EXPECT_NE(find_setting("ceph_timeout_ms"), nullptr);
 }
@@ -61,6 +71,7 @@ TEST(Settings, DefaultsAreValidValues) {
   expect_defaults_valid(store_settings());
   expect_defaults_valid(daemon_settings());
   expect_defaults_valid(client_settings());
+  expect_defaults_valid(namespace_settings());
   const StoreSettings defaults;
   EXPECT_EQ(find_setting("backend")->text(defaults), "\"local\"");
   EXPECT_EQ(find_setting("ceph_timeout_ms")->text(defaults), "5000");
@@ -93,6 +104,20 @@ TEST(Settings, BadValuesAreRefusedWithTheReason) {
   EXPECT_EQ(reactors.set(s, int64_t{-1}), "must be in [1, 256]");
   EXPECT_EQ(s.controller.reactors, 1u);  // unchanged
   EXPECT_EQ(find_setting("evict")->set(s, uint64_t{1}), "must be true or false");
+  // A list of ids: text with ':' between ids, as a flag spells it.
+  VfioUserNamespace n;
+  const NamespaceSetting& uids = *find_setting(namespace_settings(), "uids");
+  EXPECT_EQ(uids.parse(n, "0:4294967295"), "");
+  EXPECT_EQ(n.uids, (std::vector<uint32_t>{0, 4294967295u}));
+  EXPECT_EQ(uids.text(n), "[0, 4294967295]");
+  EXPECT_EQ(uids.get(n), SettingValue{std::string("0:4294967295")});
+  for (const char* bad : {"4294967296", "1:", ":1", "1::2", "-1", "x", "+1", " 1"}) {
+    EXPECT_EQ(uids.parse(n, bad), "must be a list of ids in [0, 4294967295]") << bad;
+  }
+  EXPECT_EQ(uids.set(n, uint64_t{1}), "must be a list of ids in [0, 4294967295]");
+  EXPECT_EQ(n.uids.size(), 2u);  // unchanged
+  EXPECT_EQ(uids.parse(n, ""), "");
+  EXPECT_TRUE(n.uids.empty());
   EXPECT_EQ(find_setting("pool")->set(s, uint64_t{1}), "must be a string");
   EXPECT_EQ(find_setting("backend")->set(s, std::string("disk")),
             "'disk' is not one of files, local, memory, rados, tiered");

@@ -36,24 +36,11 @@ void add_setting_flags(CLI::App& app, const std::vector<gdkv::Setting<T>>& table
     CLI::Option* o = nullptr;
     void* field = x.field(s);
     const gdkv::SettingInfo* info = &x;
-    // Integers go through set_at, so every front end gives the same range message.
+    // Integers go through parse_at, so every front end gives the same range message.
     const CLI::callback_t integer = [info, field](const CLI::results_t& r) {
       const std::string& text = r.back();
-      const bool octal = std::string_view(info->unit) == "octal";
-      size_t used = 0;
-      long long n = 0;
-      try {
-        n = std::stoll(text, &used, octal ? 8 : 10);
-      } catch (const std::exception&) {
-        used = 0;
-      }
-      if (used == 0 || used != text.size()) {
-        throw CLI::ValidationError(
-            info->flag,
-            "'" + text + "': " + (octal ? "not octal permissions" : info->type_error()));
-      }
-      if (const std::string err = info->set_at(field, int64_t{n}); !err.empty()) {
-        throw CLI::ValidationError(info->flag, "'" + text + "' " + err);
+      if (const std::string err = info->parse_at(field, text); !err.empty()) {
+        throw CLI::ValidationError(info->flag, "'" + text + "': " + err);
       }
       return true;
     };

@@ -69,64 +69,34 @@ class Reader {
       const toml::node* n = t.get(x->toml + prefix.size());
       if (n == nullptr) continue;
       gdkv::SettingValue v;
+      if (x->type == gdkv::SettingInfo::Type::kIdList && !n->is_array()) {
+        fail(n, x->toml, x->type_error());  // TOML writes a list as an array, never as text
+        continue;
+      }
       if (const auto i = n->value_exact<int64_t>()) {
         v = *i;  // set() takes either sign, and says what is out of range
       } else if (const auto b = n->value_exact<bool>()) {
         v = *b;
       } else if (const auto str = n->value_exact<std::string>()) {
         v = *str;
+      } else if (const toml::array* a = n->as_array();
+                 a != nullptr && x->type == gdkv::SettingInfo::Type::kIdList) {
+        std::string ids;  // as set() takes a list: "1000:1001"
+        for (const toml::node& e : *a) {
+          const auto id = e.value_exact<int64_t>();
+          if (!id || *id < 0) {
+            ids = "-";  // set() says what is wrong
+            break;
+          }
+          if (!ids.empty()) ids += ':';
+          ids += std::to_string(*id);
+        }
+        v = ids;
       } else {  // a float, an array, a table
         fail(n, x->toml, x->type_error());
         continue;
       }
       if (const std::string err = x->set(s, v); !err.empty()) fail(n, x->toml, err);
-    }
-  }
-
-  template <class T>
-  void uint(const toml::table& t, const std::string& prefix, const char* key, T& out,
-            uint64_t min = 0, uint64_t max = std::numeric_limits<T>::max()) {
-    const toml::node* n = t.get(key);
-    if (n == nullptr) return;
-    const auto v = n->value<int64_t>();
-    if (!n->is_integer() || !v) {
-      fail(n, prefix + key, "must be an integer");
-      return;
-    }
-    if (*v < 0 || static_cast<uint64_t>(*v) < min || static_cast<uint64_t>(*v) > max) {
-      fail(n, prefix + key,
-           "must be in [" + std::to_string(min) + ", " + std::to_string(max) + "]");
-      return;
-    }
-    out = static_cast<T>(*v);
-  }
-
-  void string(const toml::table& t, const std::string& prefix, const char* key, std::string& out) {
-    const toml::node* n = t.get(key);
-    if (n == nullptr) return;
-    if (!n->is_string()) {
-      fail(n, prefix + key, "must be a string");
-      return;
-    }
-    out = *n->value<std::string>();
-  }
-
-  void uint_list(const toml::table& t, const std::string& prefix, const char* key,
-                 std::vector<uint32_t>& out) {
-    const toml::node* n = t.get(key);
-    if (n == nullptr) return;
-    const toml::array* a = n->as_array();
-    if (a == nullptr) {
-      fail(n, prefix + key, "must be an array of integers");
-      return;
-    }
-    for (const toml::node& e : *a) {
-      const auto v = e.value<int64_t>();
-      if (!e.is_integer() || !v || *v < 0 || *v > std::numeric_limits<uint32_t>::max()) {
-        fail(&e, prefix + key, "entries must be ids in [0, 4294967295]");
-        return;
-      }
-      out.push_back(static_cast<uint32_t>(*v));
     }
   }
 
@@ -145,6 +115,41 @@ class Reader {
   std::string* error_;
   bool ok_ = true;
 };
+
+// What an entry leaves out: its nsid's backend namespace (unless `backend_given`), and a name.
+void complete_namespace(gdkv::VfioUserNamespace& ns, bool backend_given) {
+  if (!backend_given) ns.backend_namespace = ns.nsid;
+  if (ns.name.empty()) ns.name = "ns" + std::to_string(ns.backend_namespace);
+}
+
+// One --namespace value, "nsid=2,name=a,uids=1000:1001": the keys of gdkv::namespace_settings().
+bool parse_namespace(const std::string& spec, gdkv::VfioUserNamespace& ns, std::string* error) {
+  bool backend_given = false;
+  for (size_t at = 0; at <= spec.size();) {
+    const size_t end = std::min(spec.find(',', at), spec.size());
+    const std::string item = spec.substr(at, end - at);
+    at = end + 1;
+    const size_t eq = item.find('=');
+    const std::string key = item.substr(0, eq);
+    const gdkv::NamespaceSetting* x = gdkv::find_setting(gdkv::namespace_settings(), key);
+    std::string err;
+    if (eq == std::string::npos) {
+      err = "'" + item + "' is not KEY=VALUE";
+    } else if (x == nullptr) {
+      err = key + ": unknown key";
+    } else {
+      err = x->parse(ns, item.substr(eq + 1));
+      if (!err.empty()) err = key + ": " + err;
+    }
+    if (!err.empty()) {
+      *error = "--namespace '" + spec + "': " + err;
+      return false;
+    }
+    backend_given = backend_given || key == "backend_namespace";
+  }
+  complete_namespace(ns, backend_given);
+  return true;
+}
 
 std::string read_file(const std::string& path, std::string* error) {
   std::ifstream in(path, std::ios::binary);
@@ -186,14 +191,8 @@ bool load_toml(const std::string& text, const std::string& name, Config& c, std:
       for (const toml::node& e : *a) {
         const toml::table& t = *e.as_table();
         gdkv::VfioUserNamespace ns;
-        r.known_keys(t, "namespace.", {"nsid", "backend_namespace", "name", "uids", "gids"});
-        r.uint(t, "namespace.", "nsid", ns.nsid, 1, 1024);
-        ns.backend_namespace = ns.nsid;
-        r.uint(t, "namespace.", "backend_namespace", ns.backend_namespace, 1, 1024);
-        r.string(t, "namespace.", "name", ns.name);
-        r.uint_list(t, "namespace.", "uids", ns.uids);
-        r.uint_list(t, "namespace.", "gids", ns.gids);
-        if (ns.name.empty()) ns.name = "ns" + std::to_string(ns.backend_namespace);
+        r.settings(t, "namespace", gdkv::namespace_settings(), ns, {});
+        complete_namespace(ns, t.contains("backend_namespace"));
         c.daemon.server.namespaces.push_back(std::move(ns));
       }
     }
@@ -261,12 +260,10 @@ std::string to_toml(const Config& c) {
     }
   }
   for (const auto& ns : c.daemon.server.namespaces) {
-    s << "\n[[namespace]]\nnsid = " << ns.nsid << "\nbackend_namespace = " << ns.backend_namespace
-      << "\nname = " << gdkv::toml_string(ns.name) << "\nuids = [";
-    for (size_t i = 0; i < ns.uids.size(); ++i) s << (i ? ", " : "") << ns.uids[i];
-    s << "]\ngids = [";
-    for (size_t i = 0; i < ns.gids.size(); ++i) s << (i ? ", " : "") << ns.gids[i];
-    s << "]\n";
+    s << "\n[[namespace]]\n";
+    for (const gdkv::NamespaceSetting& x : gdkv::namespace_settings()) {
+      s << (x.toml + std::strlen("namespace.")) << " = " << x.text(ns) << "\n";
+    }
   }
   return s.str();
 }
@@ -302,6 +299,14 @@ int load(int argc, char** argv, Config& c, std::string* error) {
   // with GDKVD_SOCKET_DIR, GDKVD_BACKEND, ...
   gdkv_tools::add_setting_flags(app, gdkv::daemon_settings(), c.daemon, "GDKVD_");
   gdkv_tools::add_setting_flags(app, gdkv::store_settings(), c.store, "GDKVD_");
+  // Namespaces: each --namespace replaces the file's [[namespace]] tables with its entries.
+  std::vector<std::string> namespaces;
+  app.add_option("--namespace", namespaces,
+                 "a namespace, KEY=VALUE,... of nsid, backend_namespace, name, uids, gids (ids "
+                 "joined by ':'); again for each (GDKVD_NAMESPACES: space-separated)")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)
+      ->envname("GDKVD_NAMESPACES")
+      ->delimiter(' ');
   app.add_flag("--check-config", c.check_only, "print the effective configuration and exit");
   try {
     app.parse(argc, argv);
@@ -311,6 +316,14 @@ int load(int argc, char** argv, Config& c, std::string* error) {
   } catch (const CLI::ParseError& e) {
     *error = e.what();
     return 2;
+  }
+  if (!namespaces.empty()) {
+    c.daemon.server.namespaces.clear();
+    for (const std::string& spec : namespaces) {
+      gdkv::VfioUserNamespace ns;
+      if (!parse_namespace(spec, ns, error)) return 2;
+      c.daemon.server.namespaces.push_back(std::move(ns));
+    }
   }
   if (!validate(c, error)) return 2;
   return 0;

@@ -243,6 +243,59 @@ TEST(Config, CheckConfigOfAnEnvironmentValueReadsBack) {
   EXPECT_EQ(back.daemon.server.socket_dir, "/tmp/a\"b");
 }
 
+// Namespaces are rows too: [[namespace]] keys, --namespace KEY=VALUE,... (again for each) and
+// GDKVD_NAMESPACES read the same rows, refuse the same values, and print back as they were read.
+TEST(Config, NamespacesFromFlagsAndEnvironmentReadBack) {
+  Config c;
+  std::string err;
+  ASSERT_EQ(run({"--backend", "memory", "--namespace", "nsid=2,name=a\"b,uids=1000:1001",
+                 "--namespace", "nsid=3,backend_namespace=7,gids=20"},
+                c, &err),
+            0)
+      << err;
+  const auto& ns = c.daemon.server.namespaces;
+  ASSERT_EQ(ns.size(), 2u);
+  EXPECT_EQ(ns[0].nsid, 2u);
+  EXPECT_EQ(ns[0].backend_namespace, 2u);  // its nsid's, when not given
+  EXPECT_EQ(ns[0].name, "a\"b");
+  EXPECT_EQ(ns[0].uids, (std::vector<uint32_t>{1000, 1001}));
+  EXPECT_EQ(ns[1].backend_namespace, 7u);
+  EXPECT_EQ(ns[1].name, "ns7");
+  EXPECT_EQ(ns[1].gids, (std::vector<uint32_t>{20}));
+  Config back;
+  ASSERT_TRUE(load_toml(to_toml(c), "printed.toml", back, &err)) << err << "\n" << to_toml(c);
+  EXPECT_EQ(to_toml(back), to_toml(c));
+
+  // The flags replace the file's entries; the variable holds several, space-separated.
+  ::setenv("GDKVD_NAMESPACES", "nsid=4 nsid=5,uids=7", 1);
+  Config e;
+  const int rc = run({"--backend", "memory"}, e, &err);
+  ::unsetenv("GDKVD_NAMESPACES");
+  ASSERT_EQ(rc, 0) << err;
+  ASSERT_EQ(e.daemon.server.namespaces.size(), 2u);
+  EXPECT_EQ(e.daemon.server.namespaces[1].uids, (std::vector<uint32_t>{7}));
+
+  const std::pair<const char*, const char*> bad[] = {
+      {"nsid=0", "--namespace 'nsid=0': nsid: must be in [1, 1024]"},
+      {"nsid=2,uids=1:x", "--namespace 'nsid=2,uids=1:x': uids: must be a list of ids"},
+      {"uids=1::2", "--namespace 'uids=1::2': uids: must be a list of ids"},
+      {"uids=4294967296", "--namespace 'uids=4294967296': uids: must be a list of ids"},
+      {"nsid=2,", "--namespace 'nsid=2,': '' is not KEY=VALUE"},
+      {"size=1", "--namespace 'size=1': size: unknown key"},
+  };
+  for (const auto& [spec, want] : bad) {
+    Config x;
+    EXPECT_EQ(run({"--backend", "memory", "--namespace", spec}, x, &err), 2) << spec;
+    EXPECT_EQ(err.rfind(want, 0), 0u) << err;
+  }
+  for (const char* text : {"[[namespace]]\nuids = \"1\"\n", "[[namespace]]\nuids = [\"a\"]\n",
+                           "[[namespace]]\ngids = [1.5]\n"}) {
+    Config x;
+    EXPECT_FALSE(load_toml(text, "n.toml", x, &err)) << text;
+    EXPECT_NE(err.find("must be a list of ids"), std::string::npos) << err;
+  }
+}
+
 TEST(Config, SettingsRefuseBadValuesWithTheirReason) {
   Config c;
   std::string err;
