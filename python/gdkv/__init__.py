@@ -62,8 +62,9 @@ def backend_traits() -> dict[str, dict[str, Any]]:
 def settings(kind: Optional[str] = None) -> list[dict[str, Any]]:
     """gdkv's settings, declared once in C++ (``include/gdkv/settings.h``), in the order the docs
     list them: ``kind`` ``"store"`` (gdkv.open's and gdkvd's store), ``"client"``
-    (gdkv.connect's), ``"daemon"`` (gdkvd's own), or None for all. Each is a dict: ``name``
-    (the keyword, a connector's key), ``kind``, ``type`` (``"int"``, ``"bool"`` or ``"str"``),
+    (gdkv.connect's), ``"daemon"`` (gdkvd's own), ``"namespace"`` (the keys of a gdkvd
+    namespace), or None for all. Each is a dict: ``name`` (the keyword, a connector's key),
+    ``kind``, ``type`` (``"int"``, ``"bool"``, ``"str"`` or ``"list"`` of ids),
     ``default``, ``unit``, ``help``, gdkvd's TOML key (``toml``, "" for a client's) and flag
     (``flag``), and ``min``/``max`` (int) or ``choices`` (str, empty: any).
 

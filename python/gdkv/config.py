@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from . import _core
 
-_TYPES = {"int": int, "bool": bool, "str": str}
+_TYPES = {"int": int, "bool": bool, "str": str, "list": list}
 
 
 @dataclass(frozen=True)
@@ -207,7 +207,7 @@ def markdown_tables() -> dict[str, str]:
     ``daemon`` and ``client`` (the C++ tables), ``engine`` (every connector's) and one per
     connector's own keys."""
     tables = {}
-    for kind in ("store", "daemon", "client"):
+    for kind in ("store", "daemon", "client", "namespace"):
         rows = []
         for s in _core.settings():
             if s["kind"] != kind:
@@ -222,6 +222,8 @@ def markdown_tables() -> dict[str, str]:
         columns = ["setting", "gdkvd TOML", "flag", "type", "default", "accepted", "meaning"]
         if kind == "client":
             columns.remove("gdkvd TOML")
+        if kind == "namespace":   # keys of --namespace KEY=VALUE,..., no flags of their own
+            columns.remove("flag")
         tables[kind] = markdown_table(rows, columns)
     own = {"engine": [k for k in ENGINE_KEYS if k not in CLIENT_KEYS], "vllm": VLLM_KEYS,
            "lmcache": LMCACHE_KEYS}

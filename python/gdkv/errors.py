@@ -77,7 +77,7 @@ _BY_STATUS = {
 }
 
 
-# Why a call failed besides its status: the extension's FailureKind (python/src/core.cc).
+# Why a call failed besides its status: the extension's FailureKind (python/src/errors.h).
 _K = _core.failure_kinds
 _TIMED_OUT, _PEER_GONE, _CLOSED = _K["timed_out"], _K["peer_gone"], _K["closed"]
 _CONNECT_FAILED = _K["connect_failed"]
