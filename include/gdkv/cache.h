@@ -8,8 +8,7 @@
 // - Stores are written through: the Store completes once the backend has the value, and from then
 //   on this cache serves the new value or nothing, never an older one. Deletes likewise.
 // - Prefetch: Backend::prefetch hints (the vendor opcode's key list) and chain prediction (per
-// stream, the
-//   key that followed each key last time) warm the cache ahead of demand reads. At most
+//   stream, the key that followed each key last time) warm the cache ahead of demand reads. At most
 //   max_prefetch_inflight prefetch reads are outstanding, so they never queue ahead of demand
 //   reads in any number; the rest wait in a bounded queue.
 // - Eviction: a policy chosen by name ("adaptive", "prefix", "lru-k", "lru", "arc", "s3-fifo");

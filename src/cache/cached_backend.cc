@@ -1,9 +1,10 @@
 // The cache decorator (see gdkv/cache.h).
 //
 // One mutex guards the entries, the policy, the in-flight reads ("flights"), the in-flight writes
-// and the prefetch queue. Critical sections are hash and tree operations only: no I/O, no value
-// copies, and never a call into the inner backend or an op's completion, because the inner backend
-// may complete inline inside submit() (the memory backend does) and a completion may submit again.
+// and the prefetcher (prefetcher.h: chain learning and the prefetch queue). Critical sections are
+// hash and tree operations only: no I/O, no value copies, and never a call into the inner backend
+// or an op's completion, because the inner backend may complete inline inside submit() (the memory
+// backend does) and a completion may submit again.
 //
 // Consistency rules (why an older value is never served after a newer Store was acknowledged):
 //   1. A write (Store or Delete) detaches the key's flight when it starts and when it completes:
@@ -20,15 +21,13 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
-#include <deque>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
 #include <unordered_map>
-#include <unordered_set>
 
-#include "cache/chain.h"
 #include "cache/policy.h"
+#include "cache/prefetcher.h"
 #include "cache/slab.h"
 #include "common/clock.h"
 #include "gdkv/cache.h"
@@ -58,22 +57,16 @@ bool rejected_unchanged(Status s) {
   }
 }
 
-enum PrefetchSource : uint8_t { kChain, kHint };
-
 class CachedBackend final : public Backend {
  public:
   CachedBackend(std::shared_ptr<Backend> inner, const CacheOptions& o,
                 std::unique_ptr<cache::HintedPolicy> policy)
       : inner_(std::move(inner)),
         capacity_(o.capacity_bytes),
-        depth_(o.prefetch_depth),
-        max_inflight_(o.capacity_bytes == 0 ? 0 : o.max_prefetch_inflight),
-        queue_cap_(o.prefetch_queue),
         policy_name_(o.policy),
         slab_(SlabAllocator::create(o.alloc, o.free, o.slab_page_bytes, arena_step(o))),
         policy_(std::move(policy)),
-        learning_(depth_ != 0 || policy_->uses_chains()),
-        chain_(o.chain_entries) {
+        prefetch_(o, policy_->uses_chains()) {
     inner_->set_invalidation_handler(
         [this](uint32_t nsid, const Key& key) { invalidate(nsid, key); });
     inner_->set_removal_handler([this](uint32_t nsid, const Key& key) { removed(nsid, key); });
@@ -84,8 +77,7 @@ class CachedBackend final : public Backend {
     inner_->set_removal_handler(nullptr);
     {
       std::lock_guard lk(mu_);
-      pending_.clear();
-      queued_.clear();
+      prefetch_.clear_queue();
     }
     drain();
   }
@@ -148,25 +140,7 @@ class CachedBackend final : public Backend {
           d(slab_->arena_bytes()));
       add("cache_slab_arena_growths_total", "arena regions allocated for the slab", kC,
           d(slab_->arena_growths()));
-      add("cache_prefetch_issued_total", "prefetch reads sent to the backend", kC,
-          d(c.issued[kChain]), {{"source", "chain"}});
-      add("cache_prefetch_issued_total", "prefetch reads sent to the backend", kC,
-          d(c.issued[kHint]), {{"source", "hint"}});
-      add("cache_prefetch_used_total", "prefetched values a read used (or joined in flight)", kC,
-          d(c.used));
-      add("cache_prefetch_wasted_total", "prefetched values evicted or dropped unused", kC,
-          d(c.wasted));
-      add("cache_prefetch_failed_total", "prefetch reads that found no value or failed", kC,
-          d(c.failed));
-      add("cache_prefetch_dropped_total", "prefetch keys dropped because the queue was full", kC,
-          d(c.dropped));
-      add("cache_hint_keys_total", "keys named by scheduler hints", kC, d(c.hints));
-      const uint64_t issued = c.issued[kChain] + c.issued[kHint];
-      add("cache_prefetch_accuracy", "prefetch used / issued since start", kG,
-          issued ? d(c.used) / d(issued) : 0.0);
-      add("cache_prefetch_inflight", "prefetch reads outstanding", kG, d(prefetch_inflight_));
-      add("cache_prefetch_queued", "prefetch keys waiting for a slot", kG, d(pending_.size()));
-      add("cache_chain_entries", "learned key-to-next-key transitions", kG, d(chain_.size()));
+      prefetch_.collect(w);
       policy_->collect(out);
     }
     inner_->collect(out);
@@ -218,24 +192,26 @@ class CachedBackend final : public Backend {
     std::span<const std::byte> caller_value;
     std::shared_ptr<const void> caller_owner;
   };
-  struct Pending {
-    NsKey key;
-    PrefetchSource source;
-  };
   struct Counters {
     uint64_t hits = 0, misses = 0, merges = 0, fills = 0, write_fills = 0, evictions = 0,
              invalidations = 0, exists_hits = 0, direct = 0, remote_invalidations = 0;
-    uint64_t issued[2] = {}, used = 0, wasted = 0, failed = 0, dropped = 0, hints = 0;
   };
-  // Per stream: the chain learning and readahead state.
-  struct Readahead {
-    NsKey last;  // the key the stream read or stored last
-    bool has_last = false;
-    NsKey frontier;       // the furthest key predicted for it
-    uint32_t ahead = 0;   // chain steps from last to frontier
-    uint32_t window = 0;  // how far ahead to keep the frontier
+  // Prefetch reads started under mu_, submitted by start() once it is released; the prefetcher
+  // sees the cache through it (REQUIRES: mu_ held for holds() and start_prefetch()).
+  class Launch final : public cache::PrefetchHost {
+   public:
+    explicit Launch(CachedBackend& cache) : cache_(cache) {}
+    bool holds(const NsKey& key) const override {
+      return cache_.entries_.contains(key) || cache_.flights_.contains(key);
+    }
+    void start_prefetch(const NsKey& key) override {
+      flights.push_back(cache_.start_flight(key, true, 0));
+    }
+    std::vector<Flight*> flights;
+
+   private:
+    CachedBackend& cache_;
   };
-  using Launch = std::vector<Flight*>;
 
   static uint64_t stream_id(const BackendOp* op) { return uint64_t{op->nsid} << 32 | op->stream; }
 
@@ -245,16 +221,16 @@ class CachedBackend final : public Backend {
     const NsKey key{op->nsid, op->key};
     std::shared_ptr<Buffer> hit;
     Flight* miss = nullptr;
-    Launch launch;
+    Launch launch(*this);
     {
       std::lock_guard lk(mu_);
       NsKey pred;
-      const bool chained = learning_ && learn(readahead_of(stream_id(op)), key, &pred);
+      const bool chained = prefetch_.learn_read(stream_id(op), key, &pred);
       if (auto it = entries_.find(key); it != entries_.end()) {
         hit = it->second.buf;
         if (it->second.prefetched) {
           it->second.prefetched = false;
-          ++n_.used;
+          prefetch_.count_used();
         }
         policy_->record_access(key, hit->len, tick());
         if (chained) policy_->record_chain(key, pred);
@@ -266,7 +242,7 @@ class CachedBackend final : public Backend {
         ++n_.merges;
         if (fl->prefetch && !fl->used) {
           fl->used = true;
-          ++n_.used;
+          prefetch_.count_used();
         }
       } else {
         ++n_.misses;
@@ -275,7 +251,7 @@ class CachedBackend final : public Backend {
         miss->chained = chained;
         miss->pred = pred;
       }
-      predict(stream_id(op), key, chained, !hit, launch);
+      prefetch_.predict(stream_id(op), key, chained, !hit, launch);
     }
     if (hit) {
       op->view = ValueView{{hit->data, hit->len}, hit};
@@ -347,7 +323,7 @@ class CachedBackend final : public Backend {
       f->op.view = ValueView{};
     }
     std::vector<BackendOp*> waiters;
-    Launch launch;
+    Launch launch(*this);
     {
       std::lock_guard lk(mu_);
       if (f->attached) flights_.erase(f->key);
@@ -358,16 +334,9 @@ class CachedBackend final : public Backend {
                f->chained ? &f->pred : nullptr);
         ++n_.fills;
       }
-      if (f->prefetch) {
-        --prefetch_inflight_;
-        if (s != Status::kSuccess) {
-          ++n_.failed;
-        } else if (!cache_it && !f->used) {
-          ++n_.wasted;
-        }
-      }
+      if (f->prefetch) prefetch_.finished(s == Status::kSuccess, cache_it || f->used);
       waiters.swap(f->waiters);
-      pump(launch);
+      prefetch_.pump(launch);
     }
     for (BackendOp* w : waiters) {
       if (s == Status::kSuccess) {
@@ -416,11 +385,8 @@ class CachedBackend final : public Backend {
       if (++w.count > 1) w.overlapped = true;
       sole = !w.overlapped;
       detach(ctx->key);
-      if (op->kind == BackendOpKind::kPut && learning_) {
-        // A prefill's Stores teach the order its blocks will be read in.
-        Readahead& ra = readahead_of(stream_id(op));
-        ctx->chained = learn(ra, ctx->key, &ctx->pred);
-        ra.ahead = 0;
+      if (op->kind == BackendOpKind::kPut) {
+        ctx->chained = prefetch_.learn_store(stream_id(op), ctx->key, &ctx->pred);
       }
       outstanding_.fetch_add(1, std::memory_order_relaxed);
       sole = sole && put && op->value.size() <= capacity_;
@@ -490,8 +456,8 @@ class CachedBackend final : public Backend {
   // slots and length bound the work); `hinted`: the policy is told of each first.
   void warm(uint32_t nsid, std::span<const Key> keys, bool hinted) {
     hinted = hinted && capacity_ != 0;
-    if (!hinted && max_inflight_ == 0) return;
-    Launch launch;
+    if (!hinted && !prefetch_.fetches()) return;
+    Launch launch(*this);
     {
       std::lock_guard lk(mu_);
       const uint64_t now = tick();
@@ -501,102 +467,16 @@ class CachedBackend final : public Backend {
         if (hinted) {
           auto e = entries_.find(key);
           policy_->hint(key, e == entries_.end() ? 0 : e->second.buf->len, now);
-          ++n_.hints;
+          prefetch_.count_hint();
         }
-        if (max_inflight_ != 0) {
-          queue_prefetch(key, kHint);
-          pump(launch);  // the queue holds only what waits for a slot
-        }
+        if (prefetch_.fetches()) prefetch_.fetch(key, cache::kHint, launch);
       }
     }
     start(launch);
   }
 
-  // REQUIRES: mu_ held. A stream's state; the last one asked for is remembered (a queue's
-  // commands come in runs), and unordered_map's elements never move.
-  Readahead& readahead_of(uint64_t stream) {
-    if (last_ra_ == nullptr || last_stream_ != stream) {
-      last_ra_ = &readahead_[stream];
-      last_stream_ = stream;
-    }
-    return *last_ra_;
-  }
-
-  // REQUIRES: mu_ held. Learns that `key` followed the stream's previous key; returns whether
-  // that is what the chain predicted (then *pred = that previous key: key's chain predecessor, as
-  // far as the cache can tell).
-  bool learn(Readahead& ra, const NsKey& key, NsKey* pred) {
-    bool followed = false;
-    if (ra.has_last && !(ra.last == key)) {
-      const NsKey* next = chain_.next(ra.last);
-      followed = next != nullptr && *next == key;
-      if (followed) {
-        *pred = ra.last;
-      } else {
-        chain_.record(ra.last, key);
-      }
-    }
-    ra.last = key;
-    ra.has_last = true;
-    return followed;
-  }
-
-  // REQUIRES: mu_ held. `key` was read on `stream` (learn() said whether it `followed` the chain)
-  // and queues the keys the chain predicts after it (then starts what fits). Like a file system's
-  // readahead: while the reader follows the predicted chain the window of keys fetched ahead
-  // doubles, up to depth_; when it jumps elsewhere the window closes (to one key if the read
-  // missed, as a chain may start there), so random hits cost no chain walk and a sequential reader
-  // one step per block.
-  void predict(uint64_t stream, const NsKey& key, bool followed, bool miss, Launch& launch) {
-    if (depth_ == 0 || max_inflight_ == 0) return;
-    Readahead& ra = readahead_of(stream);
-    if (followed) {
-      ra.window = std::min(depth_, std::max(1u, ra.window * 2));
-    } else {
-      ra.window = miss ? 1 : 0;
-      ra.ahead = 0;
-    }
-    if (ra.ahead > 0) {
-      --ra.ahead;  // the reader moved one step towards the frontier
-    } else {
-      ra.frontier = key;
-    }
-    while (ra.ahead < ra.window) {
-      const NsKey* next = chain_.next(ra.frontier);
-      if (next == nullptr || *next == key) break;
-      ra.frontier = *next;
-      ++ra.ahead;
-      queue_prefetch(ra.frontier, kChain);
-      pump(launch);
-    }
-  }
-
-  // REQUIRES: mu_ held.
-  void queue_prefetch(const NsKey& key, PrefetchSource source) {
-    if (entries_.contains(key) || flights_.contains(key) || queued_.contains(key)) return;
-    if (pending_.size() >= queue_cap_) {
-      ++n_.dropped;
-      return;
-    }
-    pending_.push_back(Pending{key, source});
-    queued_.insert(key);
-  }
-
-  // REQUIRES: mu_ held. Starts queued prefetches while slots are free; the caller submits them
-  // after unlocking.
-  void pump(Launch& launch) {
-    while (prefetch_inflight_ < max_inflight_ && !pending_.empty()) {
-      const Pending p = pending_.front();
-      pending_.pop_front();
-      queued_.erase(p.key);
-      if (entries_.contains(p.key) || flights_.contains(p.key)) continue;
-      ++n_.issued[p.source];
-      launch.push_back(start_flight(p.key, true, 0));
-    }
-  }
-
   void start(const Launch& launch) {
-    for (Flight* f : launch) inner_->submit(&f->op);
+    for (Flight* f : launch.flights) inner_->submit(&f->op);
   }
 
   // ---- state (REQUIRES: mu_ held) ----
@@ -621,8 +501,7 @@ class CachedBackend final : public Backend {
     f->op.sink = &fill_sink;
     f->op.done = &fill_done;
     f->op.user = f;
-    flights_.emplace(key, f);
-    if (prefetch) ++prefetch_inflight_;
+    flights_.emplace(key, f);  // a prefetch's slot is the prefetcher's to count
     outstanding_.fetch_add(1, std::memory_order_relaxed);
     return f;
   }
@@ -681,7 +560,7 @@ class CachedBackend final : public Backend {
     const uint64_t now = tick();
     if (it != entries_.end()) {
       // A Store over a cached value: the same entry, a new reference.
-      if (it->second.prefetched) ++n_.wasted;
+      if (it->second.prefetched) prefetch_.count_wasted();
       bytes_ = bytes_ - it->second.buf->len + size;
       it->second = Entry{std::move(buf), false};
       policy_->record_access(key, size, now);
@@ -704,7 +583,7 @@ class CachedBackend final : public Backend {
     if (!policy_->evict(&victim)) return false;
     auto it = entries_.find(victim);
     if (it == entries_.end()) return true;  // cannot happen: the policy holds resident keys only
-    if (it->second.prefetched) ++n_.wasted;
+    if (it->second.prefetched) prefetch_.count_wasted();
     bytes_ -= it->second.buf->len;
     entries_.erase(it);
     ++n_.evictions;
@@ -715,7 +594,7 @@ class CachedBackend final : public Backend {
     auto it = entries_.find(key);
     if (it == entries_.end()) return;
     policy_->remove(key);
-    if (it->second.prefetched) ++n_.wasted;
+    if (it->second.prefetched) prefetch_.count_wasted();
     bytes_ -= it->second.buf->len;
     entries_.erase(it);
     ++n_.invalidations;
@@ -740,9 +619,6 @@ class CachedBackend final : public Backend {
 
   const std::shared_ptr<Backend> inner_;
   const uint64_t capacity_;
-  const uint32_t depth_;
-  const uint32_t max_inflight_;
-  const uint32_t queue_cap_;
   const std::string policy_name_;
   const std::shared_ptr<SlabAllocator> slab_;
 
@@ -752,14 +628,9 @@ class CachedBackend final : public Backend {
   uint64_t bytes_ = 0;
   std::unordered_map<NsKey, Flight*, NsKeyHash> flights_;  // attached flights
   std::unordered_map<NsKey, WriteState, NsKeyHash> writes_;
-  const bool learning_;  // learn chains: for prefetch or a policy that orders by them
-  cache::ChainTable chain_;
-  std::unordered_map<uint64_t, Readahead> readahead_;  // per stream
-  Readahead* last_ra_ = nullptr;                       // readahead_of's memory
-  uint64_t last_stream_ = 0;
-  std::deque<Pending> pending_;
-  std::unordered_set<NsKey, NsKeyHash> queued_;  // keys in pending_
-  uint32_t prefetch_inflight_ = 0;
+  // Chain learning and the prefetch queue; after policy_ (it asks whether the policy orders by
+  // chains). Guarded by mu_ like the rest: every call into it holds the lock.
+  cache::Prefetcher prefetch_;
   uint64_t last_tick_ = 0;
   Counters n_;
 
