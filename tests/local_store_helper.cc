@@ -36,8 +36,8 @@
 #include <thread>
 #include <vector>
 
-#include "backend/local/test_util.h"
 #include "gdkv/local_backend.h"
+#include "local_test_util.h"
 
 namespace gdkv::local::test {
 namespace {

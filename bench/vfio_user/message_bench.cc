@@ -19,7 +19,7 @@
 #include "gdkv/backend.h"
 #include "gdkv/commands.h"
 #include "gdkv/vfio_user.h"
-#include "vfio_user/raw_host.h"
+#include "raw_host.h"
 
 namespace {
 

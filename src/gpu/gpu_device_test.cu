@@ -18,7 +18,7 @@
 #include "gdkv/device.cuh"
 #include "gdkv/gpu_runtime.h"
 #include "gpu/cuda_check.h"
-#include "gpu/gpu_common.h"
+#include "gpu_common.h"
 
 #define CK(call) ::gdkv::gpu::check((call), #call)
 

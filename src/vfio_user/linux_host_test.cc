@@ -16,9 +16,9 @@
 #include "gdkv/commands.h"
 #include "gdkv/controller.h"
 #include "gdkv/vfio_user.h"
+#include "raw_host.h"
 #include "vfio_user/nvme_defs.h"
-#include "vfio_user/raw_host.h"
-#include "vfio_user/test_util.h"
+#include "vfio_user_test_util.h"
 
 namespace gdkv {
 namespace {

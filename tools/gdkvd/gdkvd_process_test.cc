@@ -25,7 +25,7 @@
 #include "gdkv/client.h"
 #include "gdkv/commands.h"
 #include "gdkv/vfio_user.h"
-#include "vfio_user/test_util.h"
+#include "vfio_user_test_util.h"
 
 #ifndef GDKVD_PATH
 #error "GDKVD_PATH must name the gdkvd binary"

@@ -47,7 +47,7 @@
 #include <vector>
 
 #include "backend/local/store.h"
-#include "backend/local/test_util.h"
+#include "local_test_util.h"
 
 namespace gdkv::local::test {
 namespace {

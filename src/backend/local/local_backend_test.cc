@@ -24,8 +24,8 @@
 #include <sstream>
 #include <thread>
 
-#include "backend/local/test_util.h"
 #include "gdkv/local_backend.h"
+#include "local_test_util.h"
 
 extern char** environ;
 

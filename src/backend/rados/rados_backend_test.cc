@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "backend/rados/rados_record.h"
-#include "backend/rados/rados_test_util.h"
+#include "rados_test_util.h"
 
 namespace gdkv::rados_test {
 namespace {

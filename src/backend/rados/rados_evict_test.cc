@@ -19,10 +19,10 @@
 #include <vector>
 
 #include "backend/rados/rados_record.h"
-#include "backend/rados/rados_test_util.h"
 #include "gdkv/cache.h"
 #include "gdkv/local_backend.h"
 #include "gdkv/tiered_backend.h"
+#include "rados_test_util.h"
 
 namespace gdkv::rados_test {
 namespace {

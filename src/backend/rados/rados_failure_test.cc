@@ -15,7 +15,7 @@
 #include <thread>
 #include <vector>
 
-#include "backend/rados/rados_test_util.h"
+#include "rados_test_util.h"
 
 namespace gdkv::rados_test {
 namespace {

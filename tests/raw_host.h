@@ -27,7 +27,7 @@
 #include "gdkv/nvme_kv.h"
 #include "vfio_user/nvme_defs.h"
 #include "vfio_user/protocol.h"
-#include "vfio_user/test_util.h"
+#include "vfio_user_test_util.h"
 
 namespace gdkv::vfio_user::test {
 

@@ -1,4 +1,4 @@
-#include "gpu/gpu_common.h"
+#include "gpu_common.h"
 
 #include <algorithm>
 #include <chrono>

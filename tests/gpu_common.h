@@ -1,5 +1,5 @@
-// Shared by the GPU programs (gpu_device_test, bench/gpu/gpu_bench): a backend serving values from pinned
-// host memory, a kernel watchdog, and small helpers. Host code only.
+// Shared by the GPU programs (src/gpu's gpu_device_test, bench/gpu's gpu_bench): a backend serving
+// values from pinned host memory, a kernel watchdog, and small helpers. Host code only.
 #pragma once
 
 #include <cuda_runtime.h>
