@@ -38,9 +38,12 @@ namespace gdkv {
 
 // ---- Server ------------------------------------------------------------------------------------
 
+// The largest NVMe namespace ID gdkvd serves (and backend namespace it maps one to).
+inline constexpr uint32_t kMaxNsid = 1024;
+
 // One NVMe namespace of the device and who may use it.
 struct VfioUserNamespace {
-  uint32_t nsid = 1;               // the NVMe namespace ID clients see (1..1024)
+  uint32_t nsid = 1;               // the NVMe namespace ID clients see (1..kMaxNsid)
   uint32_t backend_namespace = 1;  // where its keys live: RADOS namespace "ns<N>", local index N
   std::string name;                // for logs and the namespace's NGUID
   // Peers allowed to see and use it: a matching uid, or a matching primary or supplementary gid.

@@ -98,12 +98,14 @@ def _rows(kind: str) -> list[Key]:
 STORE_KEYS: list[Key] = _rows("store")
 #: A connection's settings (gdkv.connect's): filled in with their defaults.
 CLIENT_KEYS: list[Key] = _rows("client")
+# A namespace's id, as gdkvd's namespace rows bound it.
+_NSID: Key = next(k for k in _rows("namespace") if k.name == "nsid")
 #: What every connector reads (EngineStore), the connection's settings included.
 ENGINE_KEYS: list[Key] = [
     Key("socket_dir", str, "", "gdkvd's socket directory (empty: $GDKV_SOCKET_DIR)"),
     Key("backend", str, None, "an in-process store instead of gdkvd, with the store's settings "
         "as further keys (gdkv.open)", choices=tuple(_core.backends())),
-    Key("nsid", int, 1, "NVMe namespace", 1, 1024),
+    Key("nsid", int, _NSID.default, "NVMe namespace", _NSID.least, _NSID.most),
     Key("namespace", str, "", "a string mixed into every key: separate key spaces"),
     Key("staging_bytes", int, 64 << 20, "the engine-side staging values are copied through "
         "where gdkv does not reach the engine's memory in place, reserved at first use (through "

@@ -150,10 +150,10 @@ std::vector<NamespaceSetting> make_namespace_table() {
   using N = VfioUserNamespace;
   std::vector<NamespaceSetting> t;
   t.push_back(setting_row<N>(
-      "nsid", "namespace.nsid", "", "", 1, 1024, {}, "the NVMe namespace ID clients see",
+      "nsid", "namespace.nsid", "", "", 1, kMaxNsid, {}, "the NVMe namespace ID clients see",
       [](N & n) -> auto& { return n.nsid; }));
   t.push_back(setting_row<N>(
-      "backend_namespace", "namespace.backend_namespace", "", "", 1, 1024, {},
+      "backend_namespace", "namespace.backend_namespace", "", "", 1, kMaxNsid, {},
       "where its keys live: RADOS namespace ns<N>, the local store's index N (default: the nsid)",
       [](N & n) -> auto& { return n.backend_namespace; }));
   t.push_back(setting_row<N>(

@@ -315,8 +315,9 @@ void VfioUserServer::start_listening() {
   }
   const uint32_t backend_ns = s.ctl.options().namespaces;
   for (const auto& ns : s.options.namespaces) {
-    if (ns.nsid == 0 || ns.nsid > 1024) {
-      throw std::runtime_error("vfio-user server: namespace ids are 1..1024");
+    if (ns.nsid == 0 || ns.nsid > kMaxNsid) {
+      throw std::runtime_error("vfio-user server: namespace ids are 1.." +
+                               std::to_string(kMaxNsid));
     }
     if (ns.backend_namespace == 0 || ns.backend_namespace > backend_ns) {
       throw std::runtime_error("vfio-user server: backend namespace " +
