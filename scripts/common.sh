@@ -19,7 +19,7 @@ GDKV_TEST_PACKAGES=(
   iproute2 # scripts/netns-hosts: the multi-host tests
 )
 
-gdkv_log() { printf '\n== %s\n' "$*" >&2; }
+gdkv_log() { printf '\n== %s %s\n' "$(date +%T)" "$*" >&2; }
 
 # Installs the packages that are missing (apt-get update first, only when something is missing).
 gdkv_ensure_packages() {
@@ -67,7 +67,8 @@ gdkv_build() {
 # The default one is $GDKV_PYTHON; a named one sets $GDKV_PYTHON_NAME (GDKV_PYTHON_SGLANG).
 GDKV_VENV=${GDKV_VENV:-$HOME/.cache/gdkv/venv}
 GDKV_PYTHON=$GDKV_VENV/bin/python
-gdkv_python_env() {
+# gdkv_python_deps [NAME]: the environment with its lock file's packages, without gdkv.
+gdkv_python_deps() {
   local name=${1:-} venv=$GDKV_VENV lock=python/requirements.txt
   if [ -n "$name" ]; then
     venv=$GDKV_VENV-$name lock=python/requirements-$name.txt
@@ -82,6 +83,40 @@ gdkv_python_env() {
     "$py" -m pip install -q --disable-pip-version-check --no-deps -r "$lock"
     echo "$want" >"$stamp"
   fi
+}
+
+# gdkv_python_deps_start NAME...: gdkv_python_deps for each NAME ("" is the default one) in the
+# background, logging to build/python-deps-NAME.log, so that downloads overlap the C++ builds;
+# gdkv_python_deps_wait waits for them and prints a failed one's log.
+GDKV_DEPS_PIDS=()
+GDKV_DEPS_LOGS=()
+gdkv_python_deps_start() {
+  local name log
+  mkdir -p build
+  for name in "$@"; do
+    log=build/python-deps-${name:-main}.log
+    gdkv_python_deps "$name" >"$log" 2>&1 &
+    GDKV_DEPS_PIDS+=($!)
+    GDKV_DEPS_LOGS+=("$log")
+  done
+}
+gdkv_python_deps_wait() {
+  local i status=0
+  for i in "${!GDKV_DEPS_PIDS[@]}"; do
+    wait "${GDKV_DEPS_PIDS[$i]}" || { cat "${GDKV_DEPS_LOGS[$i]}" >&2; status=1; }
+  done
+  GDKV_DEPS_PIDS=()
+  GDKV_DEPS_LOGS=()
+  return $status
+}
+
+gdkv_python_env() {
+  local name=${1:-} venv=$GDKV_VENV
+  if [ -n "$name" ]; then
+    venv=$GDKV_VENV-$name
+  fi
+  local py=$venv/bin/python
+  gdkv_python_deps "$name"
   gdkv_python_wheel "$py"
   gdkv_log "installing $GDKV_WHEEL into $venv"
   "$py" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$GDKV_WHEEL"
