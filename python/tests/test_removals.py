@@ -117,3 +117,71 @@ def test_dropped_records_a_broken_watch_and_other_namespaces():
         server.shutdown()
     with pytest.raises(ValueError):
         RemovalFeed("127.0.0.1:9/removed")
+
+
+class _Raw(BaseHTTPRequestHandler):
+    """Serves ``answers`` in turn: (Content-Length, body bytes), a function of the query's
+    ``after``, or the last one again."""
+    answers: list = []
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        if callable(answer):
+            after = int(self.path.split("after=")[1]) if "after=" in self.path else None
+            answer = answer(after)
+        length, body = answer
+        self.send_response(200)
+        self.send_header("Content-Length", str(length))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def _json(**page) -> tuple[int, bytes]:
+    body = json.dumps(page).encode()
+    return len(body), body
+
+
+def test_a_bad_answer_is_no_error_and_keeps_the_cursor():
+    """A cut-off, malformed or non-advancing /removed answer: poll warns and returns [] with the
+    cursor kept (it never raises, never loops), and the next good answer is read from there."""
+    server = HTTPServer(("127.0.0.1", 0), _Raw)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    good = dict(boot=7, last=10, first=1, lost=False, removed=[])
+    full = lambda seq: [[seq, 1, key(0).hex()]] * RemovalFeed.PAGE  # noqa: E731 (one seq)
+    bad = [
+        (1000, json.dumps(good).encode()[:20]),          # cut off (http.client.IncompleteRead)
+        (9, b"not json!"),
+        _json(boot=7, last=10, first=1, lost=False),     # no "removed"
+        _json(boot=7, last=10, first=1, lost="no", removed=[]),
+        _json(boot="7", last=10, first=1, lost=False, removed=[]),
+        _json(boot=7, last=12, first=1, lost=False, removed=[[11, 1]]),
+        _json(boot=7, last=12, first=1, lost=False, removed=[[11, 1, "xyz"]]),
+        _json(boot=7, last=12, first=1, lost=False, removed=[[11, None, key(1).hex()]]),
+        _json(boot=7, last=12, first=1, lost=False, removed=[[13, 1, key(1).hex()]]),
+        _json(boot=7, last=12, first=1, lost=False, removed=[[10, 1, key(1).hex()]]),
+        _json(boot=7, last=12, first=1, lost=False, removed=[[12, 1, ""], [11, 1, ""]]),
+        _json(boot=7, last=10, first=1, lost=False, removed=full(10)),   # never advances
+        _json(boot=7, last=20, first=1, lost=False, removed=[7]),
+        (2, b"[]"),
+    ]
+    _Raw.answers = [_json(**good), *bad,
+                    _json(boot=7, last=11, first=1, lost=False, removed=[[11, 1, key(5).hex()]])]
+    try:
+        feed = RemovalFeed(f"http://127.0.0.1:{server.server_port}/removed", timeout_s=2)
+        assert feed.poll() == [] and feed.cursor == 10
+        for answer in bad:
+            assert feed.poll() == [], answer
+            assert feed.cursor == 10 and feed.boot == 7
+        assert feed.poll() == [key(5)] and feed.cursor == 11
+        # A feed that always has a full page more: one poll reads MAX_PAGES of them and returns.
+        _Raw.answers = [lambda after: _json(
+            boot=7, last=after + RemovalFeed.PAGE + 1, first=1, lost=False,
+            removed=[[after + 1 + i, 1, key(i).hex()] for i in range(RemovalFeed.PAGE)])]
+        got = feed.poll()
+        assert len(got) == RemovalFeed.PAGE * RemovalFeed.MAX_PAGES
+        assert feed.cursor == 11 + RemovalFeed.PAGE * RemovalFeed.MAX_PAGES
+    finally:
+        server.shutdown()
