@@ -108,7 +108,8 @@ void* Arena::take_locked(size_t n) {
 
 void* Arena::allocate(size_t n) {
   const size_t need = round(n);
-  if (need < n) return nullptr;  // n near SIZE_MAX
+  // n near SIZE_MAX: its rounding, or a region's rounding up to the step, would wrap.
+  if (need < n || need > SIZE_MAX - step_) return nullptr;
   std::unique_lock lk(mu_);
   for (int attempt = 0; attempt < kGrowTries; ++attempt) {
     if (void* p = take_locked(need)) return p;

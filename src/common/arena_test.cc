@@ -114,8 +114,13 @@ TEST(Arena, BadSizesAndFailingHook) {
   EXPECT_EQ(a.used_bytes(), 128u);
   EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 64, 0u);
   a.release(q, 0);
+  const uint64_t reserved = a.reserved_bytes();
   EXPECT_EQ(a.allocate(SIZE_MAX), nullptr);
   EXPECT_EQ(a.allocate(SIZE_MAX - 10), nullptr);
+  // Sizes whose rounding to a region would wrap: refused before any region is made.
+  EXPECT_EQ(a.allocate(SIZE_MAX - (size_t{64} << 20)), nullptr);
+  EXPECT_EQ(a.allocate(SIZE_MAX - (size_t{1} << 20)), nullptr);
+  EXPECT_EQ(a.reserved_bytes(), reserved);
   a.release(p, 0);
   a.release(nullptr, 10);
   EXPECT_EQ(a.used_bytes(), 0u);
