@@ -690,6 +690,51 @@ TEST_F(Hostile, RevokedConnectionFetchesNothing) {
   expect_good_client_works();
 }
 
+// The memory backend, except that an op on the key "revoke" first stores the revoke word into
+// `word` (a host that gives up while the reactor is fetching its queue).
+class RevokingBackend final : public Backend {
+ public:
+  void submit(BackendOp* op) override {
+    if (op->key.view() == "revoke" && word != nullptr) __atomic_store_n(word, 1u, __ATOMIC_SEQ_CST);
+    inner_->submit(op);
+  }
+  BackendInfo info() const override { return inner_->info(); }
+  uint32_t* word = nullptr;
+
+ private:
+  std::shared_ptr<Backend> inner_ = make_memory_backend();
+};
+
+TEST(HostileRevoke, RevokeStoredDuringAPollStopsTheFetch) {
+  // Ten commands rung at once; the first one's op stores the revoke word, as a host that gives up
+  // while the reactor fetches: none of the nine behind it is fetched (no completion comes).
+  TempDir dir("hostile-revoke");
+  auto backend = std::make_shared<RevokingBackend>();
+  ControllerOptions co;
+  co.reactors = 1;
+  Controller ctl(backend, co);
+  VfioUserServerOptions so;
+  so.socket_dir = dir.path();
+  so.log = [](const std::string&) {};
+  VfioUserServer server(ctl, so);
+  server.start().value();
+  {
+    vfio_user::test::RawHost h(dir.path());
+    h.on_failure = [](const std::string& what) { ADD_FAILURE() << what; };
+    ASSERT_TRUE(h.start());
+    const auto* name = reinterpret_cast<const uint8_t*>("revoke");
+    EXPECT_EQ(nvme::status_code(h.io(cmd::exist(reinterpret_cast<const uint8_t*>("x"), 1)).status),
+              Status::kKeyNotExist);
+    backend->word = h.doorbell_page() + kRevokedOffset / 4;
+    std::vector<nvme::Sqe> cmds(10, cmd::exist(reinterpret_cast<const uint8_t*>("x"), 1));
+    cmds[0] = cmd::exist(name, 6);
+    EXPECT_LE(h.io_batch(cmds, 300).size(), 1u);
+    backend->word = nullptr;
+  }
+  server.stop();
+  ctl.stop();
+}
+
 TEST_F(Hostile, WakeUpsMisusedByTheHost) {
   // A host that takes the ioeventfd and never signals it, then closes it: its commands still
   // complete (the reactor's sleep timeout), and a full interrupt counter on its I/O vector does

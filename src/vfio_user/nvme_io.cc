@@ -24,7 +24,9 @@ bool NvmeController::fetch_io(Sq& sq) {
   if (pending == 0) return false;
   const uint32_t n = std::min(pending, kMaxBatch);
   bool busy = false;
-  for (uint32_t i = 0; i < n && !sq.free.empty(); ++i) {
+  // The revoke word is read before each command: a host that stores it during this loop gets
+  // nothing more fetched from its queues.
+  for (uint32_t i = 0; i < n && !sq.free.empty() && !revoked(); ++i) {
     IoCmd* c = sq.free.back();
     sq.free.pop_back();
     const uint32_t slot = sq.counter ? (sq.head & (sq.size - 1)) : sq.head;
