@@ -86,3 +86,9 @@ write("nvme_sqe", "sgl_last_segment",
       sqe(0x02, flags=0x40, prp1=IMG + 0x200, prp2=struct.unpack("<Q", struct.pack("<I3xB", 32, 0x30))[0],
           cdw10=300) + b"\x01" + bytes(sgl))
 write("nvme_sqe", "flat", sqe(0x01, prp1=IMG + 5, cdw10=6000) + b"\x02" + bytes(8192))
+
+# ---- metrics_http ----
+write("metrics_http", "get_metrics", b"GET /metrics HTTP/1.1\r\nHost: gdkvd\r\n\r\n")
+write("metrics_http", "get_removed_after", b"GET /removed?after=2 HTTP/1.1\r\nHost: gdkvd\r\n\r\n")
+write("metrics_http", "head_removed", b"HEAD /removed HTTP/1.0\n\n")
+write("metrics_http", "post", b"POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n")

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "gdkv/metrics_server.h"
+#include "metrics_http.h"
 
 namespace gdkv {
 namespace {
@@ -155,61 +156,8 @@ struct MetricsServer::Impl {
   }
 
   void handle(Conn& c, size_t end, Clock::time_point now) {
-    std::string_view head(c.in.data(), end);
-    std::string_view line = head.substr(0, head.find('\n'));
-    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
-    const size_t s1 = line.find(' ');
-    const size_t s2 = s1 == std::string_view::npos ? s1 : line.find(' ', s1 + 1);
-    if (s1 == std::string_view::npos || s2 == std::string_view::npos ||
-        line.find(' ', s2 + 1) != std::string_view::npos) {
-      return respond(c, "400 Bad Request", "bad request line\n", false, now);
-    }
-    const std::string_view method = line.substr(0, s1);
-    const std::string_view target = line.substr(s1 + 1, s2 - s1 - 1);
-    const std::string_view version = line.substr(s2 + 1);
-    if (!valid_method(method) || target.empty() || target[0] != '/' ||
-        !version.starts_with("HTTP/1.")) {
-      return respond(c, "400 Bad Request", "bad request line\n", false, now);
-    }
-    const bool head_only = method == "HEAD";
-    if (method != "GET" && !head_only) {
-      return respond(c, "405 Method Not Allowed", "only GET and HEAD\n", head_only, now,
-                     "Allow: GET, HEAD\r\n");
-    }
-    const std::string_view path = target.substr(0, target.find('?'));
-    if (path == "/removed" && removals != nullptr) return removed(c, target, head_only, now);
-    if (path != "/metrics") {
-      return respond(c, "404 Not Found", "not found; try /metrics\n", head_only, now);
-    }
-    std::string body;
-    try {
-      body = prometheus_text(source());
-    } catch (const std::exception& e) {
-      return respond(c, "500 Internal Server Error",
-                     std::string("collect failed: ") + e.what() + "\n", head_only, now);
-    }
-    respond(c, "200 OK", body, head_only, now, "", "text/plain; version=0.0.4; charset=utf-8");
-  }
-
-  // GET /removed[?after=SEQ]: RemovalLog::json. Any other query is 400.
-  void removed(Conn& c, std::string_view target, bool head_only, Clock::time_point now) {
-    std::optional<uint64_t> after;
-    const size_t q = target.find('?');
-    if (q != std::string_view::npos) {
-      const std::string_view query = target.substr(q + 1);
-      constexpr std::string_view kAfter = "after=";
-      uint64_t v = 0;
-      const char* end = query.data() + query.size();
-      const auto [p, ec] = query.starts_with(kAfter)
-                               ? std::from_chars(query.data() + kAfter.size(), end, v)
-                               : std::from_chars_result{query.data(), std::errc::invalid_argument};
-      if (ec != std::errc() || p != end || query.size() == kAfter.size()) {
-        return respond(c, "400 Bad Request", "query: after=SEQ (a decimal number) or none\n",
-                       head_only, now);
-      }
-      after = v;
-    }
-    respond(c, "200 OK", removals->json(after), head_only, now, "", "application/json");
+    const HttpAnswer a = http_answer(std::string_view(c.in.data(), end), source, removals);
+    respond(c, a.status, a.body, a.head_only, now, a.extra, a.type);
   }
 
   void respond(Conn& c, std::string_view status, std::string_view body, bool head_only,
@@ -255,6 +203,68 @@ struct MetricsServer::Impl {
     c.deadline = now + kLinger;
   }
 };
+
+namespace {
+
+HttpAnswer reply(std::string status, std::string body, bool head_only = false,
+                 std::string extra = "", std::string type = "text/plain; charset=utf-8") {
+  return HttpAnswer{std::move(status), std::move(body), head_only, std::move(extra),
+                    std::move(type)};
+}
+
+}  // namespace
+
+HttpAnswer http_answer(std::string_view head, const std::function<MetricList()>& source,
+                       const RemovalLog* removals) {
+  std::string_view line = head.substr(0, head.find('\n'));
+  if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+  const size_t s1 = line.find(' ');
+  const size_t s2 = s1 == std::string_view::npos ? s1 : line.find(' ', s1 + 1);
+  if (s1 == std::string_view::npos || s2 == std::string_view::npos ||
+      line.find(' ', s2 + 1) != std::string_view::npos) {
+    return reply("400 Bad Request", "bad request line\n");
+  }
+  const std::string_view method = line.substr(0, s1);
+  const std::string_view target = line.substr(s1 + 1, s2 - s1 - 1);
+  const std::string_view version = line.substr(s2 + 1);
+  if (!valid_method(method) || target.empty() || target[0] != '/' ||
+      !version.starts_with("HTTP/1.")) {
+    return reply("400 Bad Request", "bad request line\n");
+  }
+  const bool head_only = method == "HEAD";
+  if (method != "GET" && !head_only) {
+    return reply("405 Method Not Allowed", "only GET and HEAD\n", head_only,
+                 "Allow: GET, HEAD\r\n");
+  }
+  const std::string_view path = target.substr(0, target.find('?'));
+  if (path == "/removed" && removals != nullptr) {
+    // GET /removed[?after=SEQ]: RemovalLog::json. Any other query is 400.
+    std::optional<uint64_t> after;
+    const size_t q = target.find('?');
+    if (q != std::string_view::npos) {
+      const std::string_view query = target.substr(q + 1);
+      constexpr std::string_view kAfter = "after=";
+      uint64_t v = 0;
+      const char* end = query.data() + query.size();
+      const auto [p, ec] = query.starts_with(kAfter)
+                               ? std::from_chars(query.data() + kAfter.size(), end, v)
+                               : std::from_chars_result{query.data(), std::errc::invalid_argument};
+      if (ec != std::errc() || p != end || query.size() == kAfter.size()) {
+        return reply("400 Bad Request", "query: after=SEQ (a decimal number) or none\n", head_only);
+      }
+      after = v;
+    }
+    return reply("200 OK", removals->json(after), head_only, "", "application/json");
+  }
+  if (path != "/metrics") return reply("404 Not Found", "not found; try /metrics\n", head_only);
+  try {
+    return reply("200 OK", prometheus_text(source()), head_only, "",
+                 "text/plain; version=0.0.4; charset=utf-8");
+  } catch (const std::exception& e) {
+    return reply("500 Internal Server Error", std::string("collect failed: ") + e.what() + "\n",
+                 head_only);
+  }
+}
 
 RemovalLog::RemovalLog(size_t capacity)
     : capacity_(std::max<size_t>(capacity, 1)),
