@@ -1030,3 +1030,37 @@ def test_client_never_waits_for_a_frozen_gdkvd():
         store.close()
     finally:
         d.stop()
+
+
+def test_removals_wait_bounded_and_a_failing_feed_never_stops_the_thread(monkeypatch):
+    """The removals thread of an engine that never takes its events (an idle one) keeps at most
+    REMOVALS_PENDING_KEYS keys (then one None: missed); a feed that raises is a miss, and the
+    thread goes on."""
+    from collections import deque
+
+    import gdkv.vllm.scheduler as sched
+    monkeypatch.setattr(sched, "REMOVALS_POLL_S", 0.001)
+    monkeypatch.setattr(sched, "REMOVALS_PENDING_KEYS", 100)
+
+    class Feed:
+        polls = 0
+
+        def poll(self):
+            self.polls += 1
+            if self.polls == 3:
+                raise KeyError("boot")
+            return [b"k%d" % self.polls] * 7
+
+    side = object.__new__(sched.SchedulerSide)
+    side.removals, side.removals_pending, side.removals_lock = deque(), 0, threading.Lock()
+    side.announced, side.owner, side.events = {}, {}, []
+    feed = Feed()
+    threading.Thread(target=side._follow, args=(feed,), daemon=True).start()
+    until(lambda: feed.polls >= 5, "the feed was polled past its failure")
+    until(lambda: feed.polls >= 500, "the thread polls on")
+    with side.removals_lock:
+        assert side.removals_pending <= 100
+        assert sum(len(k) for k in side.removals if k is not None) <= 100
+        assert side.removals and side.removals[0] is None   # collapsed: missed
+    side.take_events()
+    assert not side.removals and side.removals_pending == 0

@@ -31,6 +31,7 @@ log = logging.getLogger("gdkv.vllm")
 MEDIUM = "GDKV"
 # How often gdkvd's removals (removals_url) are read.
 REMOVALS_POLL_S = 0.5
+REMOVALS_PENDING_KEYS = 1 << 16   # removed keys waiting for take_events, at most
 # How long a planned save's event waits for the workers' reports before it is given up.
 EVENT_WAIT_S = 10.0
 

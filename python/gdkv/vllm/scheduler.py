@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from ..engine import EngineStore
 from ..removals import RemovalFeed
-from .plan import (EVENT_WAIT_S, MEDIUM, REMOVALS_POLL_S, GdkvMetadata, GdkvWorkerMeta, Plan,
-                   Transfer)
+from .plan import (EVENT_WAIT_S, MEDIUM, REMOVALS_PENDING_KEYS, REMOVALS_POLL_S, GdkvMetadata,
+                   GdkvWorkerMeta, Plan, Transfer)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -65,8 +65,12 @@ class SchedulerSide:
         self.owner: dict[bytes, bytes] = {}
         self.events: list = []
         # gdkvd's removals, read by a thread of their own (an HTTP call has no place on the
-        # scheduler's step); None in the queue: removals were missed.
+        # scheduler's step); None in the queue: removals were missed. At most
+        # REMOVALS_PENDING_KEYS keys wait for take_events (an idle engine takes none): beyond
+        # that the queue is one None.
         self.removals: deque[Optional[list[bytes]]] = deque()
+        self.removals_pending = 0
+        self.removals_lock = threading.Lock()
         url = plan.extra["removals_url"]
         if plan.events and url:
             feed = RemovalFeed(str(url))
@@ -324,14 +328,26 @@ class SchedulerSide:
 
     def _follow(self, feed: RemovalFeed) -> None:
         while True:
-            got = feed.poll()
+            try:
+                got = feed.poll()
+            except Exception:   # never the end of the thread: the removals are missed
+                log.exception("gdkv: reading gdkvd's removals failed")
+                got = None
             if got is None or got:
-                self.removals.append(got)
+                with self.removals_lock:
+                    if got is None or self.removals_pending + len(got) > REMOVALS_PENDING_KEYS:
+                        self.removals = deque([None])
+                        self.removals_pending = 0
+                    else:
+                        self.removals.append(got)
+                        self.removals_pending += len(got)
             time.sleep(REMOVALS_POLL_S)
 
     def take_events(self) -> list:
-        while self.removals:
-            keys = self.removals.popleft()
+        with self.removals_lock:
+            removals, self.removals = self.removals, deque()
+            self.removals_pending = 0
+        for keys in removals:
             if keys is None:   # removals were missed: any announced value may be gone
                 for h in list(self.announced):
                     self._removed(h)
