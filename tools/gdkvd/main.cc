@@ -10,9 +10,15 @@
 #include <signal.h>
 #include <sys/resource.h>
 
+#include <charconv>
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "config.h"
 #include "gdkv/backend_factory.h"
@@ -29,6 +35,31 @@
 namespace {
 
 void log(const std::string& line) { std::fprintf(stderr, "gdkvd: %s\n", line.c_str()); }
+
+// TEST HOOK, for the soak's leak test only (python/tests/test_soak.py): with
+// GDKVD_TEST_LEAK_BYTES_PER_S=N in its environment gdkvd allocates and writes N bytes a second on
+// a thread of its own and never frees them, a leak of known size for the soak's verdict to catch.
+// Not a setting (no flag, no TOML key): unset, nothing starts. False when N is not a number.
+bool start_test_leak() {
+  const char* e = std::getenv("GDKVD_TEST_LEAK_BYTES_PER_S");
+  if (e == nullptr || *e == '\0') return true;
+  unsigned long long rate = 0;
+  const char* end = e + std::strlen(e);
+  const auto [last, ec] = std::from_chars(e, end, rate);
+  if (ec != std::errc{} || last != end) return false;
+  log("TEST HOOK: leaking " + std::to_string(rate) +
+      " bytes a second (GDKVD_TEST_LEAK_BYTES_PER_S)");
+  std::thread([rate] {
+    std::vector<std::unique_ptr<char[]>> leaked;
+    for (;;) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      const size_t n = rate / 10;
+      leaked.emplace_back(new char[n]);
+      std::memset(leaked.back().get(), 0xa5, n);  // written, so resident
+    }
+  }).detach();
+  return true;
+}
 
 }  // namespace
 
@@ -59,6 +90,10 @@ int main(int argc, char** argv) {
   if (getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {
     nofile.rlim_cur = nofile.rlim_max;
     setrlimit(RLIMIT_NOFILE, &nofile);
+  }
+  if (!start_test_leak()) {  // after the signal mask: its thread must not take SIGTERM
+    std::fprintf(stderr, "gdkvd: GDKVD_TEST_LEAK_BYTES_PER_S: not a number of bytes\n");
+    return 2;
   }
 
   try {
