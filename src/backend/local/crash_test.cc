@@ -5,7 +5,11 @@
 // the harness builds crash states: the file as of a barrier, plus any subset of the writes issued
 // after it and before the next barrier, applied in any order, each possibly torn at 512-byte
 // sectors (a power loss keeps an arbitrary subset of unflushed sectors; killing a process, as
-// AcknowledgedValuesSurviveKill9 does, keeps them all, because the page cache survives). Each
+// AcknowledgedValuesSurviveKill9 does, keeps them all, because the page cache survives). The
+// workloads store several large values per batch, each written straight from its buffer by a
+// write of its own, so an epoch (the writes between two barriers) holds several writes and its
+// subsets differ. A state whose file has the same bytes as one already checked (a hash of the
+// whole file) is skipped: only distinct disk images count toward the states asked for. Each new
 // state is written to a file and opened with the real recovery (LocalStore's open and rebuild),
 // then checked:
 //   - open succeeds (a watchdog aborts the run, naming the state, if one takes over a minute);
@@ -18,9 +22,15 @@
 // barrier j+1 was issued: acknowledgements follow their batch's fdatasync, so its batch was flushed
 // at barrier j or earlier, and a crash just before barrier j+1 completes follows the ack.
 //
+// A run that checks less than it claims fails: no op acknowledged, no key read back as an
+// acknowledged value, no write torn, no state keeping part of an epoch's writes, or fewer
+// distinct states than asked (new states are drawn until there are enough, at most 4 per state
+// asked plus 64).
+//
 // Run length: `local_crash_test --states=N --seed=S` (defaults 1000 and 1; the same program with a
 // larger N is the long run documented in docs/local-store.md). GDKV_CRASH_STATES / GDKV_CRASH_SEED
-// in the environment do the same, for runs through ctest.
+// in the environment do the same, for runs through ctest; a count that is not a whole number of at
+// least 1 ends the program with status 2.
 //
 // I/O errors. The same hook fails the n-th write or flush of a batch (EIO, ENOSPC) or shortens a
 // write, for every n the batch issues; each time the ops must get a clear status, nothing
@@ -29,14 +39,17 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <gtest/gtest-spi.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -46,6 +59,7 @@
 #include <thread>
 #include <vector>
 
+#include "backend/local/hash.h"
 #include "backend/local/store.h"
 #include "local_test_util.h"
 
@@ -81,9 +95,16 @@ class Recorder final : public IoHook {
     return r;
   }
   int sync() override {
-    std::lock_guard lk(mu_);
+    std::unique_lock lk(mu_);
     if (failing() && fail_err_ != 0) return -fail_err_;
     if (recording_) events_.push_back({Event::kSync, 0, {}});
+    if (hold_) {
+      // Held (the store's I/O thread waits here) until pass().
+      const uint64_t gen = gen_;
+      held_ = true;
+      cv_.notify_all();
+      cv_.wait(lk, [&] { return gen_ != gen; });
+    }
     return 0;
   }
   int resize(uint64_t size) override {
@@ -110,6 +131,25 @@ class Recorder final : public IoHook {
     fail_at_ = fail_end_ = ~uint64_t{0};
     return f;
   }
+  // The next flush, once recorded, is held until pass().
+  void hold_next() {
+    std::lock_guard lk(mu_);
+    hold_ = true;
+    held_ = false;
+  }
+  // Whether a flush is held, waiting up to `d` for one.
+  bool wait_held(std::chrono::milliseconds d) {
+    std::unique_lock lk(mu_);
+    return cv_.wait_for(lk, d, [&] { return held_; });
+  }
+  // Lets a held flush go on; `hold`: hold the next one too.
+  void pass(bool hold) {
+    std::lock_guard lk(mu_);
+    ++gen_;
+    held_ = false;
+    hold_ = hold;
+    cv_.notify_all();
+  }
   std::vector<Event> take() {
     std::lock_guard lk(mu_);
     return std::move(events_);
@@ -118,6 +158,10 @@ class Recorder final : public IoHook {
 
  private:
   std::mutex mu_;
+  std::condition_variable cv_;
+  bool hold_ = false;  // hold the next flush
+  bool held_ = false;  // a flush is held
+  uint64_t gen_ = 0;   // pass() count: a held flush waits for it to change
   std::vector<Event> events_;
   uint64_t calls_ = 0;
   uint64_t fail_at_ = ~uint64_t{0};
@@ -180,12 +224,21 @@ struct WorkloadSpec {
   int reopen_every;
   uint32_t max_value;   // largest value
   int fault_every = 0;  // > 0: every so many steps, one write or flush of the step fails (EIO)
+  // Of every 10 Stores, how many are large: 256 KiB (kDirectWriteMin) up to max_value, in
+  // page-aligned buffers, so each is written straight from its buffer by a write of its own.
+  int large_in_10 = 0;
+  int max_ops = 8;  // concurrent ops per step: 1 to this many
 };
 
 // Every size class the store treats differently: empty, inline (<= 1 KiB), one block, a few
 // blocks, tens of KiB, and (when the segment allows) >= 256 KiB written straight from the
 // page-aligned buffer, also with an unaligned tail.
-uint32_t pick_len(std::mt19937_64& rng, uint32_t max_value) {
+uint32_t pick_len(std::mt19937_64& rng, const WorkloadSpec& w) {
+  const uint32_t max_value = w.max_value;
+  constexpr uint32_t kLarge = static_cast<uint32_t>(kDirectWriteMin);
+  if (max_value > kLarge && static_cast<int>(rng() % 10) < w.large_in_10) {
+    return kLarge + static_cast<uint32_t>(rng() % (max_value - kLarge + 1));
+  }
   switch (rng() % 10) {
     case 0:
       return static_cast<uint32_t>(rng() % 2 == 0 ? 0 : 1 + rng() % 15);
@@ -201,13 +254,48 @@ uint32_t pick_len(std::mt19937_64& rng, uint32_t max_value) {
     case 7:
       return static_cast<uint32_t>(std::min<uint64_t>(max_value, 16384 + rng() % 65536));
     default:
-      if (max_value >= (256u << 10) && rng() % 6 == 0) {
-        return static_cast<uint32_t>((256u << 10) + rng() % (max_value - (256u << 10) + 1));
+      if (max_value >= kLarge && rng() % 6 == 0) {
+        return kLarge + static_cast<uint32_t>(rng() % (max_value - kLarge + 1));
       }
       return static_cast<uint32_t>(std::min<uint64_t>(max_value, 4096 * (1 + rng() % 16)));
   }
 }
 
+// One step's ops in flight: each notes the trace's length when it completes (what was issued
+// before its ack).
+struct Step {
+  struct Ctx {
+    Recorder* rec;
+    Call* call;
+    uint64_t at;
+  };
+  std::vector<Call> calls;
+  std::vector<std::unique_ptr<AlignedValue>> values;
+  std::vector<size_t> idx;  // the ops' places in Trace::ops
+  std::vector<Ctx> ctx;
+  std::vector<std::future<void>> fut;
+  bool faulty = false;  // an injected failure was armed for it
+
+  explicit Step(size_t n) : calls(n), ctx(n) {}
+  bool done() const {
+    return std::all_of(fut.begin(), fut.end(), [](const std::future<void>& f) {
+      return f.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+    });
+  }
+  // Waits for every op and writes its outcome into the trace.
+  void finish(Trace& t) {
+    for (auto& f : fut) f.wait();
+    for (size_t i = 0; i < calls.size(); ++i) {
+      Op& op = t.ops[idx[i]];
+      op.status = calls[i].status;
+      op.acked = ctx[i].at;
+    }
+  }
+};
+
+// Steps overlap: while the previous step's flush is held in the hook, the next step's ops are
+// submitted, so they queue up and go out together as one batch (several large values, several
+// writes) instead of the first op leaving alone.
 Trace record(const WorkloadSpec& w, const fs::path& dir, uint64_t seed) {
   Trace t;
   t.keys = w.keys;
@@ -218,68 +306,74 @@ Trace record(const WorkloadSpec& w, const fs::path& dir, uint64_t seed) {
   std::mt19937_64 rng(seed);
   auto open = [&] { return std::make_shared<LocalStore>(t.options, &rec); };
   std::shared_ptr<Backend> store = open();
+  std::unique_ptr<Step> prev;
+  // A clean close and an open that rebuilds the index, with nothing in flight.
+  auto reopen = [&] {
+    rec.pass(false);
+    if (prev) prev->finish(t);
+    prev.reset();
+    store.reset();
+    store = open();
+  };
   uint64_t version = 0;
   for (int step = 0; step < w.steps; ++step) {
-    if (step > 0 && step % w.reopen_every == 0) {
-      store.reset();  // a clean close and an open that rebuilds the index, mid-trace
-      store = open();
-    }
-    if (w.fault_every > 0 && step % w.fault_every == w.fault_every - 1) rec.arm(rng() % 4, EIO);
-    // 1-8 concurrent ops; a key may appear twice (the second waits for the first's batch).
-    const int n = 1 + static_cast<int>(rng() % 8);
-    std::vector<Call> calls(static_cast<size_t>(n));
-    std::vector<std::unique_ptr<AlignedValue>> values;
-    std::vector<size_t> idx;
-    for (int i = 0; i < n; ++i) {
+    if (step > 0 && step % w.reopen_every == 0) reopen();
+    // Concurrent ops; a key may appear twice (the second waits for the first's batch).
+    const size_t n = 1 + static_cast<size_t>(rng() % static_cast<uint64_t>(w.max_ops));
+    auto cur = std::make_unique<Step>(n);
+    for (size_t i = 0; i < n; ++i) {
       Op op;
       op.key = static_cast<uint32_t>(rng() % w.keys);
       op.put = rng() % 5 != 0;
       op.version = ++version;
-      if (op.put) op.len = pick_len(rng, w.max_value);
-      Call& c = calls[static_cast<size_t>(i)];
+      if (op.put) op.len = pick_len(rng, w);
+      Call& c = cur->calls[i];
       c.op.kind = op.put ? BackendOpKind::kPut : BackendOpKind::kDelete;
       c.op.key = int_key(op.key);
       if (op.put) {
-        values.push_back(std::make_unique<AlignedValue>(value_of(op.key, op.version, op.len)));
-        c.op.value = std::span<const std::byte>(values.back()->p, values.back()->n);
+        cur->values.push_back(std::make_unique<AlignedValue>(value_of(op.key, op.version, op.len)));
+        c.op.value = std::span<const std::byte>(cur->values.back()->p, cur->values.back()->n);
       }
-      op.submitted = rec.now();
-      idx.push_back(t.ops.size());
+      cur->idx.push_back(t.ops.size());
       t.ops.push_back(op);
-    }
-    // Each op notes the trace's length when it completes: what was issued before its ack.
-    struct Ctx {
-      Recorder* rec;
-      Call* call;
-      uint64_t at;
-    };
-    std::vector<Ctx> ctx(static_cast<size_t>(n));
-    std::vector<std::future<void>> fut;
-    for (size_t i = 0; i < calls.size(); ++i) {
-      ctx[i] = {&rec, &calls[i], 0};
-      fut.push_back(calls[i].done.get_future());
-      calls[i].op.user = &ctx[i];
-      calls[i].op.done = [](BackendOp* op, Status s, uint64_t len) {
-        auto* x = static_cast<Ctx*>(op->user);
+      cur->ctx[i] = {&rec, &c, 0};
+      cur->fut.push_back(c.done.get_future());
+      c.op.user = &cur->ctx[i];
+      c.op.done = [](BackendOp* op, Status s, uint64_t len) {
+        auto* x = static_cast<Step::Ctx*>(op->user);
         x->at = x->rec->now();
         x->call->status = s;
         x->call->len = len;
         x->call->done.set_value();
       };
     }
-    for (Call& c : calls) store->submit(&c.op);
-    for (auto& f : fut) f.wait();
-    for (size_t i = 0; i < calls.size(); ++i) {
-      Op& op = t.ops[idx[i]];
-      op.status = calls[i].status;
-      op.acked = ctx[i].at;
+    // The previous step's flush is held (or it needed none, or is over).
+    while (prev && !rec.wait_held(std::chrono::milliseconds(1)) && !prev->done()) {
     }
-    rec.fired();  // disarms an injection the step did not reach
-    if (simple(*store, BackendOpKind::kExists, int_key(0)) == Status::kInternalError) {
-      store.reset();  // a failure the store could not recover from in place: reopen
-      store = open();
+    if (w.fault_every > 0 && step % w.fault_every == w.fault_every - 1) {
+      rec.arm(rng() % 4, EIO);
+      cur->faulty = true;
     }
+    for (size_t i = 0; i < n; ++i) {
+      t.ops[cur->idx[i]].submitted = rec.now();
+      store->submit(&cur->calls[i].op);
+    }
+    rec.pass(false);
+    if (prev) {
+      prev->finish(t);
+      if (prev->faulty && !cur->faulty) rec.fired();  // disarms an injection it did not reach
+      prev.reset();
+      if (simple(*store, BackendOpKind::kExists, int_key(0)) == Status::kInternalError) {
+        prev = std::move(cur);
+        reopen();  // a failure the store could not recover from in place
+        continue;
+      }
+    }
+    rec.hold_next();
+    prev = std::move(cur);
   }
+  rec.pass(false);
+  if (prev) prev->finish(t);
   store.reset();
   t.events = rec.take();
   return t;
@@ -324,22 +418,77 @@ class Watchdog {
 };
 
 struct CrashStats {
-  uint64_t states = 0, violations = 0, torn_writes = 0, keys_checked = 0;
-  std::set<uint64_t> epochs;
+  uint64_t states = 0;       // distinct disk images checked
+  uint64_t attempts = 0;     // states built, repeats included
+  uint64_t barrier = 0;      // states as of a barrier: none of the epoch's writes
+  uint64_t partial = 0;      // states with some of their epoch's writes, whole, and not the others
+  uint64_t torn_states = 0;  // states with a torn write
+  uint64_t torn_writes = 0;  // writes of which some but not all sectors landed
+  uint64_t violations = 0;
+  std::set<size_t> epochs;
+};
+
+enum class StateKind {
+  kBarrier,  // the file as of the epoch's opening barrier
+  kSubset,   // a random subset of the epoch's writes, in random order, each whole
+  kTorn,     // as kSubset, and at least one of them torn
+};
+
+// What verify checked, over all states.
+struct CheckCounts {
+  uint64_t keys = 0;         // keys read back
+  uint64_t acked_reads = 0;  // of them, read back as the value an acknowledged Store wrote
+};
+
+// All keys' Gets at once (each into a page-aligned buffer of the value's length): one round trip
+// to the store's I/O thread instead of one per key. REQUIRES: calls.size() == keys.
+void get_all(Backend& b, std::vector<Call>& calls, uint32_t keys) {
+  std::vector<std::future<void>> fut;
+  for (uint32_t k = 0; k < keys; ++k) {
+    Call& c = calls[k];
+    c.op.kind = BackendOpKind::kGet;
+    c.op.key = int_key(k);
+    c.op.nsid = 1;
+    c.op.sink = &Call::sink;
+    c.op.user = &c;
+    c.op.done = &Call::on_done;
+    fut.push_back(c.done.get_future());
+  }
+  for (Call& c : calls) b.submit(&c.op);
+  for (auto& f : fut) f.wait();
+}
+
+// A Get's answer, the bytes still in the Get's own buffer.
+struct Read {
+  Status status;
+  uint64_t len;                     // the value's full length
+  std::span<const std::byte> data;  // the bytes delivered
 };
 
 class CrashChecker {
  public:
-  CrashChecker(const Trace& t, fs::path dir) : t_(t), dir_(std::move(dir)) {
+  // `tear`: whether kTorn states may tear writes (off only in the guards' own test).
+  CrashChecker(const Trace& t, fs::path dir, bool tear) : t_(t), dir_(std::move(dir)), tear_(tear) {
     for (size_t i = 0; i < t_.events.size(); ++i) {
       if (t_.events[i].kind == Event::kSync) syncs_.push_back(i);
     }
     syncs_.push_back(t_.events.size());  // the end of the trace closes the last epoch
     per_key_.resize(t_.keys);
     for (size_t i = 0; i < t_.ops.size(); ++i) per_key_[t_.ops[i].key].push_back(i);
+    expected_.resize(t_.ops.size());
     find_reclaims();
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+    fs::create_directories(dir_);
   }
   size_t epochs() const { return syncs_.size(); }
+  size_t begin_of(size_t e) const { return e == 0 ? 0 : syncs_[e - 1] + 1; }
+  // Writes in epoch e.
+  size_t writes_in(size_t e) const {
+    size_t n = 0;
+    for (size_t i = begin_of(e); i < syncs_[e]; ++i) n += t_.events[i].kind == Event::kWrite;
+    return n;
+  }
   // Epochs whose writes reuse a segment that held log before (the first write of a new life
   // lands on the segment's first block, over an old header).
   std::vector<size_t> epochs_reusing_segments() const {
@@ -366,33 +515,61 @@ class CrashChecker {
   std::vector<size_t> epochs_with_writes() const {
     std::vector<size_t> out;
     for (size_t e = 0; e < syncs_.size(); ++e) {
-      const size_t begin = e == 0 ? 0 : syncs_[e - 1] + 1;
-      for (size_t i = begin; i < syncs_[e]; ++i) {
-        if (t_.events[i].kind == Event::kWrite) {
-          out.push_back(e);
-          break;
-        }
-      }
+      if (writes_in(e) > 0) out.push_back(e);
     }
     return out;
   }
 
-  // State `variant` of epoch e (the writes after barrier e-1 and before barrier e; epoch 0 is
-  // before the first barrier): variant 0 applies none of them (the file as of the barrier),
-  // 1 all of them in order, others a random subset in random order, some torn.
-  void check(size_t e, uint64_t variant, std::mt19937_64& rng, CrashStats& st, Watchdog& wd) {
-    const size_t begin = e == 0 ? 0 : syncs_[e - 1] + 1;
+  // Builds a state of epoch e (the writes after barrier e-1 and before barrier e; epoch 0 is
+  // before the first barrier) and checks it, unless its file has the same bytes as a state checked
+  // before. Returns whether it was new (and so checked).
+  bool check(size_t e, StateKind kind, std::mt19937_64& rng, CrashStats& st, Watchdog& wd) {
+    const size_t begin = begin_of(e);
     const size_t end = syncs_[e];
     advance_base(begin);
-    std::vector<std::byte> img = base_;
+    ++st.attempts;
+    // The state is built in base_ itself and undone afterwards: it differs from the barrier's file
+    // only where its writes land.
+    const size_t base_bytes = base_.size();
     uint64_t size = base_size_;
+    undo_.clear();
     std::vector<size_t> chosen;
-    for (size_t i = begin; i < end; ++i) {
-      if (variant == 1 || (variant > 1 && rng() % 2 == 0)) chosen.push_back(i);
+    size_t chosen_writes = 0;
+    if (kind == StateKind::kSubset && end - begin <= kTrackedEvents) {
+      const std::optional<uint64_t> mask = new_subset(e, end - begin, rng);
+      if (!mask) kind = StateKind::kTorn;  // every proper subset of the epoch was checked
+      for (size_t i = begin; mask && i < end; ++i) {
+        if ((*mask >> (i - begin)) & 1) chosen.push_back(i);
+      }
+    } else if (kind != StateKind::kBarrier) {
+      for (size_t i = begin; i < end; ++i) {
+        if (rng() % 2 == 0) chosen.push_back(i);
+      }
     }
-    if (variant > 1) std::shuffle(chosen.begin(), chosen.end(), rng);
-    std::string desc = "epoch " + std::to_string(e) + " variant " + std::to_string(variant) +
-                       " of " + std::to_string(end - begin) + " events; applied:";
+    std::shuffle(chosen.begin(), chosen.end(), rng);
+    // A torn state tears at least one write: one it applies, or else one it adds.
+    std::optional<size_t> must_tear;
+    if (kind == StateKind::kTorn && tear_) {
+      std::vector<size_t> tearable;
+      for (size_t i : chosen) {
+        if (can_tear(t_.events[i])) tearable.push_back(i);
+      }
+      if (tearable.empty()) {
+        for (size_t i = begin; i < end; ++i) {
+          if (t_.events[i].kind == Event::kWrite && can_tear(t_.events[i])) tearable.push_back(i);
+        }
+        if (!tearable.empty()) {
+          must_tear = tearable[rng() % tearable.size()];
+          chosen.insert(chosen.begin() + static_cast<std::ptrdiff_t>(rng() % (chosen.size() + 1)),
+                        *must_tear);
+        }
+      } else {
+        must_tear = tearable[rng() % tearable.size()];
+      }
+    }
+    std::string desc = "epoch " + std::to_string(e) + " (" + std::to_string(end - begin) +
+                       " events after its barrier); applied:";
+    uint64_t torn = 0;
     for (size_t i : chosen) {
       const Event& ev = t_.events[i];
       if (ev.kind == Event::kResize) {
@@ -400,24 +577,70 @@ class CrashChecker {
         desc += " resize#" + std::to_string(i);
         continue;
       }
-      const bool tear = variant > 1 && rng() % 3 == 0;
-      if (tear) ++st.torn_writes;
-      desc += " w#" + std::to_string(i) + (tear ? "(torn)" : "");
-      apply(img, size, ev, tear ? &rng : nullptr);
+      ++chosen_writes;
+      const bool tear = must_tear && ev.data.size() > 512 && (i == *must_tear || rng() % 3 == 0);
+      desc += " w#" + std::to_string(i);
+      if (ev.off < base_bytes) {
+        const uint64_t n = std::min<uint64_t>(ev.data.size(), base_bytes - ev.off);
+        undo_.push_back({ev.off,
+                         {base_.begin() + static_cast<std::ptrdiff_t>(ev.off),
+                          base_.begin() + static_cast<std::ptrdiff_t>(ev.off + n)}});
+      }
+      if (apply(base_, size, ev, tear ? &rng : nullptr)) {
+        ++torn;
+        desc += "(torn)";
+      }
     }
-    if (img.size() < size) img.resize(size);
+    if (base_.size() < size) base_.resize(size);
+    struct Restore {
+      CrashChecker* c;
+      size_t bytes;
+      ~Restore() {
+        for (auto it = c->undo_.rbegin(); it != c->undo_.rend(); ++it) {
+          std::memcpy(c->base_.data() + it->off, it->old.data(), it->old.size());
+        }
+        c->base_.resize(bytes);
+      }
+    } restore{this, base_bytes};
+    // Repeats a disk image already checked: the same file, byte for byte.
+    const Key h = digest128(base_.data(), size);
+    std::array<uint64_t, 3> id{size, 0, 0};
+    std::memcpy(id.data() + 1, h.bytes, 16);
+    if (!seen_.insert(id).second) {
+      ++repeats_[e];
+      return false;
+    }
+    repeats_[e] = 0;
     ++st.states;
     st.epochs.insert(e);
+    const size_t writes = writes_in(e);
+    if (kind == StateKind::kBarrier) {
+      ++st.barrier;
+    } else if (torn > 0) {
+      ++st.torn_states;
+      st.torn_writes += torn;
+    } else if (chosen_writes > 0 && chosen_writes < writes) {
+      ++st.partial;
+    }
     wd.arm(desc);
     applied_.assign(t_.events.size(), false);
     for (size_t i = 0; i < begin; ++i) applied_[i] = true;
     for (size_t i : chosen) applied_[i] = true;
-    const std::string bad = verify(img, size, end);
+    const std::string bad = verify(base_, size, end);
     wd.arm("");
     if (!bad.empty()) {
       ++st.violations;
       if (st.violations <= 5) ADD_FAILURE() << desc << ": " << bad;
     }
+    return true;
+  }
+
+  CheckCounts counts() const { return counts_; }
+  // Whether epoch e's last states drawn all repeated states already checked (its variety is used
+  // up).
+  bool spent(size_t e) const {
+    auto it = repeats_.find(e);
+    return it != repeats_.end() && it->second >= 4;
   }
 
  private:
@@ -453,17 +676,72 @@ class CrashChecker {
     }
   }
 
-  // Writes one recorded write into the image; torn: only a random subset of its 512-byte sectors.
-  static void apply(std::vector<std::byte>& img, uint64_t& size, const Event& ev,
+  // Epochs of up to this many events have their whole subsets drawn without repeats.
+  static constexpr size_t kTrackedEvents = 20;
+
+  // A subset of epoch e's n events (a bit mask) that no state drew before, neither none nor all
+  // of them (those are barrier states); nullopt when none is left. REQUIRES: n <= kTrackedEvents.
+  std::optional<uint64_t> new_subset(size_t e, size_t n, std::mt19937_64& rng) {
+    if (n < 2) return std::nullopt;
+    const uint64_t all = (uint64_t{1} << n) - 1;
+    std::set<uint64_t>& used = masks_[e];
+    if (used.size() >= all - 1) return std::nullopt;
+    uint64_t m = 1 + rng() % (all - 1);
+    for (int i = 0; i < 64 && used.count(m) != 0; ++i) m = 1 + rng() % (all - 1);
+    while (used.count(m) != 0) m = m % (all - 1) + 1;
+    used.insert(m);
+    return m;
+  }
+
+  // Whether a write changes two or more 512-byte sectors of the file as of the barrier (zeros past
+  // its end), so that it can land in part.
+  bool can_tear(const Event& ev) const {
+    if (ev.kind != Event::kWrite) return false;
+    int changed = 0;
+    for (uint64_t s = 0; s < ev.data.size() && changed < 2; s += 512) {
+      const std::byte* src = ev.data.data() + s;
+      const uint64_t n = std::min<uint64_t>(512, ev.data.size() - s);
+      const uint64_t at = ev.off + s;
+      const uint64_t old = at < base_.size() ? std::min<uint64_t>(n, base_.size() - at) : 0;
+      const bool differs =
+          (old > 0 && std::memcmp(base_.data() + at, src, old) != 0) ||
+          std::any_of(src + old, src + n, [](std::byte b) { return b != std::byte{0}; });
+      changed += differs;
+    }
+    return changed >= 2;
+  }
+
+  // Writes one recorded write into the image. Torn (`tear` given): of the 512-byte sectors it
+  // changes, some land and the others do not; a write that changes fewer than two sectors cannot
+  // tear and lands whole. Returns whether it tore.
+  static bool apply(std::vector<std::byte>& img, uint64_t& size, const Event& ev,
                     std::mt19937_64* tear) {
     const uint64_t end = ev.off + ev.data.size();
     if (img.size() < end) img.resize(end);
     size = std::max(size, end);
-    for (uint64_t s = 0; s < ev.data.size(); s += 512) {
-      if (tear != nullptr && (*tear)() % 2 == 0) continue;
-      const uint64_t n = std::min<uint64_t>(512, ev.data.size() - s);
-      std::memcpy(img.data() + ev.off + s, ev.data.data() + s, n);
+    std::byte* dst = img.data() + ev.off;
+    std::vector<uint64_t> changed;
+    if (tear != nullptr) {
+      for (uint64_t s = 0; s < ev.data.size(); s += 512) {
+        const uint64_t n = std::min<uint64_t>(512, ev.data.size() - s);
+        if (std::memcmp(dst + s, ev.data.data() + s, n) != 0) changed.push_back(s);
+      }
     }
+    if (changed.size() < 2) {
+      std::memcpy(dst, ev.data.data(), ev.data.size());
+      return false;
+    }
+    std::vector<bool> keep(changed.size());
+    size_t kept = 0;
+    for (size_t i = 0; i < changed.size(); ++i) kept += keep[i] = (*tear)() % 2 == 0;
+    if (kept == 0) keep[(*tear)() % changed.size()] = true;
+    if (kept == changed.size()) keep[(*tear)() % changed.size()] = false;
+    for (size_t i = 0; i < changed.size(); ++i) {
+      if (!keep[i]) continue;
+      const uint64_t n = std::min<uint64_t>(512, ev.data.size() - changed[i]);
+      std::memcpy(dst + changed[i], ev.data.data() + changed[i], n);
+    }
+    return true;
   }
 
   // The file as of event index `upto` (exclusive), all of it applied: the state at a barrier.
@@ -480,22 +758,31 @@ class CrashChecker {
     }
   }
 
+  const std::vector<std::byte>& expected(size_t op) {
+    if (expected_[op].size() != t_.ops[op].len) {
+      const Op& o = t_.ops[op];
+      expected_[op] = value_of(o.key, o.version, o.len);
+    }
+    return expected_[op];
+  }
+
   // Opens the state with the real recovery and checks it; "" when it holds. `cut`: the index of
   // the barrier that ends the epoch (ops acknowledged before it was issued count as acknowledged).
   std::string verify(const std::vector<std::byte>& img, uint64_t size, size_t cut) {
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-    fs::create_directories(dir_);
+    // The previous state's file is overwritten in place: every byte up to `size`, then cut to it.
     const fs::path file = dir_ / kStoreFileName;
     {
-      const int fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+      const int fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
       if (fd < 0) return "cannot write the state file";
       const size_t n = std::min<size_t>(img.size(), size);
       if (n > 0 && ::pwrite(fd, img.data(), n, 0) != static_cast<ssize_t>(n)) {
         ::close(fd);
         return "cannot write the state file";
       }
-      if (::ftruncate(fd, static_cast<off_t>(size)) != 0) return "cannot size the state file";
+      if (::ftruncate(fd, static_cast<off_t>(size)) != 0) {
+        ::close(fd);
+        return "cannot size the state file";
+      }
       ::close(fd);
     }
     LocalBackendOptions o = t_.options;
@@ -507,9 +794,13 @@ class CrashChecker {
     } catch (const std::exception& e) {
       return std::string("open failed: ") + e.what();
     }
+    std::vector<Call> calls(t_.keys);
+    get_all(*store, calls, t_.keys);
     size_t present = 0;
     for (uint32_t k = 0; k < t_.keys; ++k) {
-      const GetResult r = get(*store, int_key(k));
+      const Call& c = calls[k];
+      Read r{c.status, c.len, {}};
+      if (c.status == Status::kSuccess) r.data = c.buf.first(std::min<size_t>(c.buf.size(), c.len));
       if (r.status != Status::kSuccess && r.status != Status::kKeyNotExist) {
         return "key " + std::to_string(k) + ": Get status " +
                std::to_string(static_cast<int>(r.status));
@@ -527,11 +818,11 @@ class CrashChecker {
     }
     const GetResult r = get(*store, int_key(probe));
     if (r.status != Status::kSuccess || r.data != v) return "a Store after recovery reads wrong";
-    keys_checked_ += t_.keys;
+    counts_.keys += t_.keys;
     return "";
   }
 
-  std::string allowed(uint32_t k, size_t cut, const GetResult& r) {
+  std::string allowed(uint32_t k, size_t cut, const Read& r) {
     const std::vector<size_t>& ops = per_key_[k];
     // The last op on k acknowledged (success) before the barrier `cut` was issued.
     std::optional<size_t> last;
@@ -539,16 +830,21 @@ class CrashChecker {
       const Op& op = t_.ops[i];
       if (op.status == Status::kSuccess && op.acked <= cut) last = i;
     }
-    auto matches = [&](const Op& op) {
+    auto matches = [&](size_t i) {
+      const Op& op = t_.ops[i];
       if (!op.put) return r.status == Status::kKeyNotExist;
-      return r.status == Status::kSuccess && r.len == op.len &&
-             r.data == value_of(op.key, op.version, op.len);
+      const std::vector<std::byte>& want = expected(i);
+      return r.status == Status::kSuccess && r.len == op.len && r.data.size() == want.size() &&
+             (want.empty() || std::memcmp(r.data.data(), want.data(), want.size()) == 0);
     };
     if (!last) {
       if (r.status == Status::kKeyNotExist) return "";
     } else {
       const Op& l = t_.ops[*last];
-      if (matches(l)) return "";
+      if (matches(*last)) {
+        counts_.acked_reads += l.put;
+        return "";
+      }
       // Reclaimed: the segment holding it has a new header in this state (whole or torn).
       if (l.put && gone_[*last] < cut && applied_[gone_[*last]] &&
           r.status == Status::kKeyNotExist) {
@@ -568,7 +864,7 @@ class CrashChecker {
       const bool in_flight = op.status == Status::kSuccess && op.acked > cut;
       const bool failed =
           op.status == Status::kInternalError || op.status == Status::kCapacityExceeded;
-      if ((in_flight || failed) && matches(op)) return "";
+      if ((in_flight || failed) && matches(i)) return "";
     }
     std::string want = "absent";
     if (last) {
@@ -581,16 +877,17 @@ class CrashChecker {
     if (r.status == Status::kSuccess) {
       uint64_t ver = 0;
       if (r.data.size() >= 16) std::memcpy(&ver, r.data.data() + 8, 8);
-      got = std::to_string(r.len) + " bytes" +
-            (r.data.size() >= 16 ? " naming version " + std::to_string(ver) : "");
+      got = std::to_string(r.len) + " bytes";
+      if (r.data.size() >= 16) got += " naming version " + std::to_string(ver);
     }
     std::string hist;
     for (size_t i : ops) {
       const Op& op = t_.ops[i];
       hist += " [v" + std::to_string(op.version) + (op.put ? " put " : " del ") +
               std::to_string(op.len) + " sub " + std::to_string(op.submitted) + " ack " +
-              std::to_string(op.acked) + " st " + std::to_string(static_cast<int>(op.status)) +
-              (gone_[i] != ~uint64_t{0} ? " reused " + std::to_string(gone_[i]) : "") + "]";
+              std::to_string(op.acked) + " st " + std::to_string(static_cast<int>(op.status));
+      if (gone_[i] != ~uint64_t{0}) hist += " reused " + std::to_string(gone_[i]);
+      hist += "]";
     }
     return "key " + std::to_string(k) + ": expected " + want + ", got " + got + " (cut at event " +
            std::to_string(cut) + "; ops:" + hist + ")";
@@ -598,16 +895,24 @@ class CrashChecker {
 
   const Trace& t_;
   fs::path dir_;
+  bool tear_;
   std::vector<size_t> syncs_;
   std::vector<std::vector<size_t>> per_key_;
-  std::vector<uint64_t> gone_;  // per op: the event reusing its value's segment
-  std::vector<bool> applied_;   // per event: part of the state being checked
+  std::vector<uint64_t> gone_;                    // per op: the event reusing its value's segment
+  std::vector<std::vector<std::byte>> expected_;  // per op: its value's bytes, once needed
+  std::vector<bool> applied_;                     // per event: part of the state being checked
   std::vector<std::byte> base_;
   uint64_t base_size_ = 0;
   size_t base_upto_ = 0;
-
- public:
-  uint64_t keys_checked_ = 0;
+  struct Saved {
+    uint64_t off;
+    std::vector<std::byte> old;
+  };
+  std::vector<Saved> undo_;                     // what the state being checked overwrote in base_
+  std::map<size_t, std::set<uint64_t>> masks_;  // per epoch: the whole subsets drawn
+  std::map<size_t, uint64_t> repeats_;          // per epoch: repeats since its last new state
+  std::set<std::array<uint64_t, 3>> seen_;      // (size, XXH3-128) of every state checked
+  CheckCounts counts_;
 };
 
 fs::path scratch(const std::string& name) {
@@ -616,16 +921,30 @@ fs::path scratch(const std::string& name) {
   return root / ("gdkv-crash-" + std::to_string(::getpid()) + "-" + name);
 }
 
-// `reuse_only`: every state is a random subset (some torn) of an epoch that reuses a segment.
-void run_workload(const WorkloadSpec& w, uint64_t states, bool reuse_only = false) {
+struct RunOptions {
+  uint64_t states = 0;      // distinct crash states to check
+  bool reuse_only = false;  // every state a subset (some torn) of an epoch that reuses a segment
+  bool tear = true;         // false: no write is ever torn (only the guards' own test)
+};
+
+struct RunResult {
+  uint64_t acked = 0;  // ops acknowledged in the trace
+  CrashStats st;
+  CheckCounts counts;
+};
+
+// Records the workload and checks `o.states` distinct crash states of its trace; fails the test on
+// a violation, and when the run checked less than it claims.
+RunResult run_workload(const WorkloadSpec& w, const RunOptions& o) {
   const fs::path dir = scratch(w.name);
   std::error_code ec;
   fs::remove_all(dir, ec);
   const auto t0 = std::chrono::steady_clock::now();
   const Trace t = record(w, dir / "live", g_seed);
-  uint64_t acked = 0, failed = 0, syncs = 0, writes = 0, bytes = 0;
+  RunResult res;
+  uint64_t failed = 0, syncs = 0, writes = 0, bytes = 0;
   for (const Op& op : t.ops) {
-    acked += op.status == Status::kSuccess;
+    res.acked += op.status == Status::kSuccess;
     failed += op.status == Status::kInternalError;
   }
   for (const Event& ev : t.events) {
@@ -633,77 +952,135 @@ void run_workload(const WorkloadSpec& w, uint64_t states, bool reuse_only = fals
     writes += ev.kind == Event::kWrite;
     bytes += ev.data.size();
   }
-  CrashChecker checker(t, dir / "state");
+  CrashChecker checker(t, dir / "state", o.tear);
   std::mt19937_64 rng(g_seed * 7919 + 17);
-  CrashStats st;
+  CrashStats& st = res.st;
   Watchdog wd;
-  // Every barrier's own state first; then, alternately, an epoch with all its writes landed (in
-  // turn) and a random subset (random order, some torn) of a random epoch, until `states` states
-  // have been checked.
   const size_t E = checker.epochs();
-  const std::vector<size_t> busy =
-      reuse_only ? checker.epochs_reusing_segments() : checker.epochs_with_writes();
-  if (reuse_only) {
-    ASSERT_GE(busy.size(), 5u) << "the workload reused too few segments";
-    for (uint64_t i = 0; i < states && st.violations <= 20; ++i) {
-      checker.check(busy[i % busy.size()], 2 + i, rng, st, wd);
+  size_t max_writes = 0;
+  for (size_t e = 0; e < E; ++e) max_writes = std::max(max_writes, checker.writes_in(e));
+  // Where random states are drawn from; subsets that keep some writes whole need two or more.
+  const std::vector<size_t> pool =
+      o.reuse_only ? checker.epochs_reusing_segments() : checker.epochs_with_writes();
+  std::vector<size_t> multi;
+  for (size_t e : pool) {
+    if (checker.writes_in(e) >= 2) multi.push_back(e);
+  }
+  if (o.reuse_only) {
+    EXPECT_GE(pool.size(), 5u) << w.name << ": the workload reused too few segments";
+  }
+  const uint64_t want = o.states;
+  const uint64_t max_attempts = 4 * want + 64;
+  auto more = [&] { return st.states < want && st.attempts < max_attempts && st.violations <= 20; };
+  // Every barrier's own state first (with fewer states asked than twice the barriers, half of them,
+  // evenly spread). The barrier state of epoch e is also epoch e-1 with all its writes landed;
+  // checked first, as epoch e's, it must hold every op acknowledged before epoch e's own barrier
+  // was issued (the stricter of the two checks of that file).
+  if (!o.reuse_only) {
+    const uint64_t P = std::min<uint64_t>(E, std::max<uint64_t>(1, want / 2));
+    for (uint64_t i = 0; i < P && more(); ++i) {
+      checker.check(i * E / P, StateKind::kBarrier, rng, st, wd);
     }
   }
-  // With fewer states than twice the barriers, barrier states take half, evenly spread.
-  const uint64_t P = std::min<uint64_t>(E, std::max<uint64_t>(1, states / 2));
-  for (uint64_t i = 0; !reuse_only && i < states && st.violations <= 20; ++i) {
-    if (i < P) {
-      checker.check(i * E / P, 0, rng, st, wd);
-    } else if ((i - P) % 2 == 0 || busy.empty()) {
-      checker.check((i - P) / 2 % E, 1, rng, st, wd);
-    } else {
-      checker.check(busy[rng() % busy.size()], 2 + i, rng, st, wd);
+  // Then random states, alternately whole subsets (of an epoch with two or more writes) and torn
+  // ones, in epoch order so the file as of each barrier is built once per round. A state that
+  // repeats one already checked is drawn again, up to 4 times, torn from the second (the epoch's
+  // whole subsets may all have been checked).
+  for (uint64_t before = ~uint64_t{0}; more() && !pool.empty() && st.attempts != before;) {
+    before = st.attempts;
+    struct Slot {
+      size_t epoch;
+      StateKind kind;
+    };
+    std::vector<Slot> slots;
+    for (uint64_t i = 0; i < want - st.states; ++i) {
+      const bool whole = i % 2 == 0 && !multi.empty();
+      const std::vector<size_t>& from = whole ? multi : pool;
+      slots.push_back({from[rng() % from.size()], whole ? StateKind::kSubset : StateKind::kTorn});
+    }
+    std::stable_sort(slots.begin(), slots.end(),
+                     [](const Slot& a, const Slot& b) { return a.epoch < b.epoch; });
+    for (const Slot& s : slots) {
+      if (checker.spent(s.epoch)) continue;
+      StateKind kind = s.kind;
+      for (int n = 0; n < 4 && more(); ++n) {
+        if (n == 1) kind = StateKind::kTorn;
+        if (checker.check(s.epoch, kind, rng, st, wd)) break;
+      }
     }
   }
+  res.counts = checker.counts();
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  auto u = [](uint64_t v) { return static_cast<unsigned long long>(v); };
   std::printf(
       "[%s] trace: %zu ops (%llu acknowledged, %llu failed), %llu writes (%.1f MiB), %llu "
-      "barriers; checked "
-      "%llu "
-      "crash states over %zu epochs (%llu torn writes, %llu key reads): %llu violations, %.1f s\n",
-      w.name, t.ops.size(), static_cast<unsigned long long>(acked),
-      static_cast<unsigned long long>(failed), static_cast<unsigned long long>(writes),
-      static_cast<double>(bytes) / (1 << 20), static_cast<unsigned long long>(syncs),
-      static_cast<unsigned long long>(st.states), st.epochs.size(),
-      static_cast<unsigned long long>(st.torn_writes),
-      static_cast<unsigned long long>(checker.keys_checked_),
-      static_cast<unsigned long long>(st.violations), secs);
+      "barriers, %.1f writes per epoch with writes (at most %zu)\n"
+      "[%s] %llu distinct crash states over %zu epochs: %llu at a barrier, %llu with some of an "
+      "epoch's writes whole and the others missing, %llu with torn writes (%llu writes torn), "
+      "%llu others; %llu repeats skipped; %llu key reads (%llu an acknowledged value): %llu "
+      "violations, %.1f s\n",
+      w.name, t.ops.size(), u(res.acked), u(failed), u(writes),
+      static_cast<double>(bytes) / (1 << 20), u(syncs),
+      static_cast<double>(writes) /
+          static_cast<double>(std::max<size_t>(1, checker.epochs_with_writes().size())),
+      max_writes, w.name, u(st.states), st.epochs.size(), u(st.barrier), u(st.partial),
+      u(st.torn_states), u(st.torn_writes), u(st.states - st.barrier - st.partial - st.torn_states),
+      u(st.attempts - st.states), u(res.counts.keys), u(res.counts.acked_reads), u(st.violations),
+      secs);
+  std::fflush(stdout);
   EXPECT_EQ(st.violations, 0u);
+  // The run checked what it claims.
+  if (res.acked == 0) ADD_FAILURE() << w.name << ": no op was acknowledged";
+  if (res.counts.acked_reads == 0) {
+    ADD_FAILURE() << w.name << ": no key read back as the value an acknowledged Store wrote";
+  }
+  if (st.torn_writes == 0) ADD_FAILURE() << w.name << ": no state had a torn write";
+  if (st.partial == 0) {
+    ADD_FAILURE() << w.name
+                  << ": no state kept part of an epoch's writes (at most one write per epoch?)";
+  }
+  if (st.states < want) {
+    ADD_FAILURE() << w.name << ": " << st.states << " distinct crash states of the " << want
+                  << " asked (" << st.attempts - st.states
+                  << " more states built repeated a disk image already checked)";
+  }
+  if (w.fault_every > 0 && failed == 0) ADD_FAILURE() << w.name << ": no op failed";
   fs::remove_all(dir, ec);
+  return res;
 }
 
-// Segments roll over (1 MiB segments, ~8 MiB written, nothing reclaimed); every size class up to
-// 600 KiB (direct writes from the caller's buffer included), overwrites, deletes, and a clean
-// reopen (index rebuild) every 40 steps.
+// The share of --states a test checks, in percent; at least 20, so that the checks above can hold.
+uint64_t share(uint64_t percent) { return std::max<uint64_t>(20, g_states * percent / 100); }
+
+// Segments roll over (2 MiB segments, nothing reclaimed); every size class up to 600 KiB (large
+// values written straight from the caller's buffer, several per batch), overwrites, deletes, and a
+// clean reopen (index rebuild) every 5 steps.
 TEST(LocalCrash, StatesAcrossRolloverEverySizeAndRebuild) {
-  run_workload({"rollover", 1u << 20, 32u << 20, 48, 120, 40, 600u << 10}, g_states * 45 / 100);
+  run_workload({"rollover", 2u << 20, 64u << 20, 24, 12, 5, 600u << 10, 0, 5, 10}, {share(35)});
 }
 
-// A 4-segment log written several times over: the oldest segment is reclaimed again and again
-// (reclaim is the store's garbage collection), with tombstones, overwrites and reopens.
+// A 4-segment log (2 MiB segments) written several times over: the oldest segment is reclaimed
+// again and again (reclaim is the store's garbage collection), with tombstones, overwrites and
+// reopens; batches of up to ~7 values of 256-288 KiB.
 TEST(LocalCrash, StatesAcrossReclaim) {
-  run_workload({"reclaim", 256u << 10, 1u << 20, 32, 110, 30, 96u << 10}, g_states * 35 / 100);
+  run_workload({"reclaim", 2u << 20, 8u << 20, 24, 50, 20, 288u << 10, 0, 7, 10}, {share(30)});
 }
 
 // A power loss while the first batch of a reclaimed segment's new life was being written: the old
 // header may survive while some of the new batch's sectors land over the old life's values. The
 // old records must then not come back pointing at overwritten bytes (found by the long run: Gets
-// failed with 88h). 150 torn or partial states of such epochs (at least 5 in the trace).
+// failed with 88h). Every state is a subset (whole writes, or some torn) of such an epoch (at least
+// 5 in the trace).
 TEST(LocalCrash, PowerLossWhileReusingASegment) {
-  run_workload({"reuse", 256u << 10, 1u << 20, 32, 60, 1000, 96u << 10}, 150, true);
+  run_workload({"reuse", 2u << 20, 8u << 20, 24, 40, 1000, 288u << 10, 0, 7, 10},
+               {share(15), true});
 }
 
 // Failed batches in the trace: every third step one of its first writes or flushes fails with
 // EIO (its ops get 06h, the store zeroes the failed batch's header and reuses its place), then a
 // power loss anywhere around it.
 TEST(LocalCrash, StatesAroundFailedBatches) {
-  run_workload({"faults", 1u << 20, 32u << 20, 32, 60, 25, 600u << 10, 3},
-               g_states - g_states * 45 / 100 - g_states * 35 / 100);
+  run_workload({"faults", 2u << 20, 8u << 20, 24, 24, 8, 600u << 10, 3, 5, 10}, {share(20)});
 }
 
 // ---- injected I/O errors ------------------------------------------------------------------------
@@ -880,18 +1257,134 @@ TEST(LocalFaults, ErrorsAtEveryIoOfABatchGiveAStatusAndLoseNothing) {
   fs::remove_all(dir, ec);
 }
 
+// ---- the checks on the run itself -----------------------------------------------------------
+
+// The failures `f` reports, caught instead of failing the test.
+std::vector<std::string> failures_of(const std::function<void()>& f) {
+  testing::TestPartResultArray results;
+  {
+    testing::ScopedFakeTestPartResultReporter catcher(
+        testing::ScopedFakeTestPartResultReporter::INTERCEPT_ONLY_CURRENT_THREAD, &results);
+    f();
+  }
+  std::vector<std::string> out;
+  for (int i = 0; i < results.size(); ++i) out.emplace_back(results.GetTestPartResult(i).message());
+  return out;
+}
+
+bool any_has(const std::vector<std::string>& failures, const std::string& text) {
+  return std::any_of(failures.begin(), failures.end(),
+                     [&](const std::string& f) { return f.find(text) != std::string::npos; });
+}
+
+// A trace without a single op, and no tearing: nothing acknowledged, nothing read back, nothing
+// torn, no epoch with two writes, and fewer distinct states than asked. Each check fails the run.
+TEST(LocalCrashChecks, ARunThatChecksNothingFails) {
+  const auto f = failures_of([] {
+    run_workload({"nothing", 1u << 20, 4u << 20, 4, 0, 1000, 4096}, {20, false, false});
+  });
+  EXPECT_TRUE(any_has(f, "no op was acknowledged"));
+  EXPECT_TRUE(any_has(f, "no key read back as the value an acknowledged Store wrote"));
+  EXPECT_TRUE(any_has(f, "no state had a torn write"));
+  EXPECT_TRUE(any_has(f, "no state kept part of an epoch's writes"));
+  EXPECT_TRUE(any_has(f, "distinct crash states of the 20 asked"));
+}
+
+// One small Store per step, so each epoch is a single write; without tearing, a subset of it is
+// the file as of one of its two barriers again. Such repeats count once: asked for more distinct
+// states than the trace has, the run draws up to its limit and fails.
+TEST(LocalCrashChecks, RepeatedStatesDoNotCount) {
+  RunResult r;
+  const auto f = failures_of([&r] {
+    r = run_workload({"repeats", 1u << 20, 4u << 20, 4, 8, 1000, 1000, 0, 0, 1},
+                     {60, false, false});
+  });
+  EXPECT_GT(r.acked, 0u);
+  EXPECT_GT(r.counts.acked_reads, 0u);
+  EXPECT_LT(r.st.states, 60u);
+  EXPECT_GT(r.st.attempts, r.st.states);  // the states drawn beyond these repeated them
+  EXPECT_TRUE(any_has(f, "distinct crash states of the 60 asked"));
+  EXPECT_TRUE(any_has(f, "no state kept part of an epoch's writes"));
+  EXPECT_TRUE(any_has(f, "no state had a torn write"));
+  EXPECT_FALSE(any_has(f, "no op was acknowledged"));
+}
+
+// Decimal digits only (no sign, no space), from `min` to `max`.
+std::optional<uint64_t> whole_number(const char* s, uint64_t min, uint64_t max) {
+  if (*s == '\0') return std::nullopt;
+  uint64_t v = 0;
+  for (const char* p = s; *p != '\0'; ++p) {
+    if (*p < '0' || *p > '9') return std::nullopt;
+    const uint64_t d = static_cast<uint64_t>(*p - '0');
+    if (v > (max - d) / 10) return std::nullopt;
+    v = v * 10 + d;
+  }
+  if (v < min) return std::nullopt;
+  return v;
+}
+
+// The run length and seed from the environment, then the command line (which wins; gtest's own
+// flags are gone by then). A count of 0, a negative one or anything but a number ends the program
+// with status 2 and says so: a run asked to check nothing must not pass.
+void read_run_length(int argc, char** argv) {
+  constexpr uint64_t kMaxStates = 1000000000;
+  auto take = [](const char* name, const char* text, uint64_t min, uint64_t max, uint64_t& out) {
+    const std::optional<uint64_t> v = whole_number(text, min, max);
+    if (!v) {
+      std::fprintf(
+          stderr, "local_crash_test: %s must be a whole number from %llu to %llu, not '%s'\n", name,
+          static_cast<unsigned long long>(min), static_cast<unsigned long long>(max), text);
+      std::exit(2);
+    }
+    out = *v;
+  };
+  if (const char* s = std::getenv("GDKV_CRASH_STATES")) {
+    take("GDKV_CRASH_STATES", s, 1, kMaxStates, g_states);
+  }
+  if (const char* s = std::getenv("GDKV_CRASH_SEED")) {
+    take("GDKV_CRASH_SEED", s, 0, ~uint64_t{0}, g_seed);
+  }
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.rfind("--states=", 0) == 0) take("--states", argv[i] + 9, 1, kMaxStates, g_states);
+    if (a.rfind("--seed=", 0) == 0) take("--seed", argv[i] + 7, 0, ~uint64_t{0}, g_seed);
+  }
+}
+
+// read_run_length as `local_crash_test ARG`, and with GDKV_CRASH_STATES set to `states` (when not
+// null); returns the count taken.
+uint64_t states_read(const std::string& arg, const char* states = nullptr) {
+  if (states != nullptr) ::setenv("GDKV_CRASH_STATES", states, 1);
+  std::string prog = "local_crash_test", a = arg;
+  char* argv[] = {prog.data(), a.data(), nullptr};
+  read_run_length(2, argv);
+  return g_states;
+}
+
+TEST(LocalCrashChecks, AStateCountThatIsNotAPositiveNumberIsAnError) {
+  for (const char* bad : {"0", "-5", "abc", "12x", "", " 7", "99999999999999999999999"}) {
+    EXPECT_EXIT(states_read(std::string("--states=") + bad), testing::ExitedWithCode(2),
+                "--states must be a whole number from 1 to")
+        << "--states=" << bad;
+  }
+  for (const char* bad : {"0", "-1", "abc"}) {
+    EXPECT_EXIT(states_read("", bad), testing::ExitedWithCode(2),
+                "GDKV_CRASH_STATES must be a whole number from 1 to")
+        << "GDKV_CRASH_STATES=" << bad;
+  }
+  EXPECT_EXIT(states_read("--seed=x"), testing::ExitedWithCode(2), "--seed must be a whole number");
+  // A good count is taken; the command line wins over the environment. (In a child, so this run's
+  // own count stays.)
+  EXPECT_EXIT(std::exit(states_read("--states=12000", "7") == 12000 ? 0 : 1),
+              testing::ExitedWithCode(0), "");
+  EXPECT_EXIT(std::exit(states_read("", "7") == 7 ? 0 : 1), testing::ExitedWithCode(0), "");
+}
+
 }  // namespace
 }  // namespace gdkv::local::test
 
 int main(int argc, char** argv) {
-  using namespace gdkv::local::test;
-  if (const char* s = std::getenv("GDKV_CRASH_STATES")) g_states = std::strtoull(s, nullptr, 10);
-  if (const char* s = std::getenv("GDKV_CRASH_SEED")) g_seed = std::strtoull(s, nullptr, 10);
   ::testing::InitGoogleTest(&argc, argv);
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a.rfind("--states=", 0) == 0) g_states = std::strtoull(a.c_str() + 9, nullptr, 10);
-    if (a.rfind("--seed=", 0) == 0) g_seed = std::strtoull(a.c_str() + 7, nullptr, 10);
-  }
+  gdkv::local::test::read_run_length(argc, argv);
   return RUN_ALL_TESTS();
 }
