@@ -387,7 +387,7 @@ def test_sliding_window_group_loads_only_its_window(model_dir, tmp_path):
     others = [b for b in range(two.kcc.num_blocks) if b not in written]
     for pages in two.pages:
         assert int(pages[others].count_nonzero()) == 0   # nothing else written
-    assert two.worker.stats["loaded_values"] == 10
+    assert two.worker.stats["loaded_blocks"] == 10
     out, failed = two.step()
     assert out.num_scheduled_tokens == {"b": len(PROMPT_B) - 160} and not failed
     two.run()
@@ -564,7 +564,7 @@ def test_layerwise_loads_let_the_first_layers_run_while_the_last_load(model_dir,
     assert out.num_scheduled_tokens == {"b": len(PROMPT_B) - 10 * BS}
     assert seen == [(0, False), (1, False), (2, False), (3, True)]
     w = two.worker.stats
-    assert w["loaded_values"] == 10 and w["failed_values"] == 0 and w["layer_wait_s"] > 0
+    assert w["loaded_blocks"] == 10 and w["failed_values"] == 0 and w["layer_wait_s"] > 0
     two.on_layer = None
     two.run()
     assert b.is_finished() and w["saved_values"] == (len(PROMPT_B) // BS - 10) * LAYERS
@@ -900,7 +900,7 @@ def test_worker_without_gdkv_turns_the_scheduler_off(model_dir, tmp_path):
         for space in inst.worker.spaces:
             client.put(space.key(h), value)
     out, failed = inst.step()
-    assert len(failed) == 10 and inst.worker.stats["failed_values"] == 10
+    assert len(failed) == 10 and inst.worker.stats["failed_blocks"] == 10
     inst.run()
     assert b.is_finished()
     c = inst.add("c", list(range(2000, 2200)))

@@ -76,7 +76,10 @@ class WorkerSide:
         self.reported_errors: set[int] = set()
         self.queued_save_bytes = 0
         self.saved: OrderedDict[bytes, None] = OrderedDict()   # keys this worker put lately
+        # Loads and saves in two units: *_values count gdkv values (keys: one slot's part of
+        # blocks_per_value blocks), *_blocks the blocks of the request's block table they hold.
         self.stats = Stats(loaded_values=0, failed_values=0, saved_values=0,
+                           loaded_blocks=0, failed_blocks=0, saved_blocks=0,
                            skipped_present=0, dropped_saves=0, zero_copy_loads=0,
                            dropped_values=0, loaded_bytes=0, load_s=0.0, sync_wait_s=0.0,
                            gather_s=0.0, save_s=0.0, save_wait_s=0.0, layer_wait_s=0.0,
@@ -179,10 +182,20 @@ class WorkerSide:
             self.stats.add(sync_wait_s=time.perf_counter() - t0)
 
     def _finish_load(self, t: Transfer, failed: list[int]) -> None:
+        """Reports t's load: ``failed`` are the indices of its values (hashes) that did not
+        arrive whole; vLLM recomputes their blocks, so every gdkv value of them counts failed."""
+        per_hash = [0] * len(t.hashes)
+        for v, _ in self._items(t, self.slots):
+            per_hash[v] += 1
+        bad = set(failed)
+        bpv = self.plan.blocks_per_value
         with self.lock:
             for v in failed:
                 self.load_errors.update(b for b in t.block_ids[v] if b >= 0)
-            self.stats.add(failed_values=len(failed), loaded_values=len(t.hashes) - len(failed))
+            self.stats.add(failed_values=sum(per_hash[v] for v in bad),
+                           loaded_values=sum(n for v, n in enumerate(per_hash) if v not in bad),
+                           failed_blocks=len(bad) * bpv,
+                           loaded_blocks=(len(t.hashes) - len(bad)) * bpv)
             if self.plan.load_async:   # vLLM waits for these; a sync load is part of its step
                 self.finished_loads.add(t.req_id)
 
@@ -479,7 +492,13 @@ class WorkerSide:
                 event.synchronize()
             # A dropped save (gdkv unavailable, the store full...) is a later miss.
             keys = [sl.space.key(t.hashes[v]) for v, sl in items]
-            self.store.call(lambda c: self._put(c, keys, bufs), None, f"save of {t.req_id}")
+            stored = self.store.call(lambda c: self._put(c, keys, bufs), set(),
+                                     f"save of {t.req_id}")
+            # A block counts once: by its values of the first layers (a layerwise save puts
+            # each chunk of layers apart).
+            self.stats.add(saved_blocks=len({v for (v, sl), k in zip(items, keys)
+                                             if sl.chunk == 0 and k in stored})
+                           * self.plan.blocks_per_value)
             if self.plan.events:
                 with self.lock:   # the values whose every part is in gdkv now, per chunk
                     missing = {v for (v, _), k in zip(items, keys) if k not in self.saved}
@@ -496,10 +515,10 @@ class WorkerSide:
             self.stats.add(save_s=time.perf_counter() - t0, saves_queued=-1)
             self.write_stats()
 
-    def _put(self, client, keys: list[bytes], bufs: list[torch.Tensor]) -> None:
+    def _put(self, client, keys: list[bytes], bufs: list[torch.Tensor]) -> set[bytes]:
         """Puts the values ``bufs`` under ``keys`` that neither this worker nor gdkv has yet
         (EngineStore.present, .put): a value whose Exist failed is put again (a Store replaces
-        it), and one whose Store failed is saved by a later request."""
+        it), and one whose Store failed is saved by a later request. Returns the keys it put."""
         with self.lock:
             fresh = [i for i, k in enumerate(keys) if k not in self.saved]
         have = self.store.present(client, [keys[i] for i in fresh])
@@ -514,6 +533,7 @@ class WorkerSide:
             while len(self.saved) > 65536:
                 self.saved.popitem(last=False)
         self.stats.add(saved_values=sum(stored), skipped_present=len(keys) - len(todo))
+        return {keys[i] for i, ok in zip(todo, stored) if ok}
 
     # ---- results ----
     def results(self) -> KVConnectorTransferResults:
