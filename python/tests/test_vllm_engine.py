@@ -8,8 +8,9 @@ same 896 cached ones, and the outputs can be compared bit for bit. A reference e
 connector prefills B in full: the same tokens, logprobs within 1e-4 (a prefill over cached KV runs
 other kernel shapes than one prefill of the whole prompt).
 
-Each engine is a process of its own (about 40 s to start here); the tests share them where they
-can. The last test rebuilds the model's weights, so the file's order matters.
+Each engine is a process of its own (about 40 s to start here); the tests share their results
+where they can (first_runs: the reference outputs, and the chunked-prefill engine whose saved
+values the later engines load; the two start together).
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from conftest import Gdkvd  # noqa: E402
+from conftest import Gdkvd, until  # noqa: E402
 from gdkv_demo.vllm_demo import Server, build_engine_model, compare, prompts  # noqa: E402
+from vllm_instance import started_meanwhile  # noqa: E402
 
 BLOCK = 128
 VOCAB = 8192
@@ -68,10 +71,30 @@ def engine(model, connector, **kw) -> Server:
 
 
 @pytest.fixture(scope="module")
-def references(model):
-    """B, P1 and P2 prefilled in full by an engine without the connector."""
-    with engine(model, None) as s:
-        return {"B": s.complete(B), "P1": s.complete(P1, LONG), "P2": s.complete(P2, LONG)}
+def first_runs(model, gdkvd) -> dict:
+    """The module's first two engines, started together. One without the connector prefills B,
+    P1 and P2 in full (the references). One with chunked prefill (A's 1024 tokens computed, and
+    saved, 256 at a time) runs A, then B from vLLM's own prefix cache, then B again from gdkv
+    once that cache is emptied; A's values stay in gdkvd for the engines that load them later."""
+    with started_meanwhile(lambda: engine(model, None)) as started, \
+            engine(model, kv(gdkvd), args=("--max-num-batched-tokens", "256")) as s:
+        s.complete(A, 1)
+        own = s.complete(B)
+        own_external = s.metric(EXTERNAL)
+        s.reset_prefix_cache()
+        loaded = s.complete(B)
+        chunked = {"own": own, "own_external": own_external, "loaded": loaded,
+                   "external": s.metric(EXTERNAL), "tail": s.tail()}
+        s.stop()
+        ref = started()
+        references = {"B": ref.complete(B), "P1": ref.complete(P1, LONG),
+                      "P2": ref.complete(P2, LONG)}
+    return {"references": references, "chunked": chunked}
+
+
+@pytest.fixture(scope="module")
+def references(first_runs):
+    return first_runs["references"]
 
 
 @pytest.fixture(scope="module")
@@ -79,31 +102,41 @@ def reference(references):
     return references["B"]
 
 
-def test_loaded_kv_is_vllms_own_reuse_bit_for_bit(model, gdkvd, reference):
-    # Chunked prefill: A's 1024 tokens are computed (and saved) 256 at a time.
-    with engine(model, kv(gdkvd), args=("--max-num-batched-tokens", "256")) as s:
-        s.complete(A, 1)
-        # vLLM's own prefix cache hits first: gdkv is asked only past it, and has nothing more.
-        own = s.complete(B)
-        assert s.metric(EXTERNAL) == 0
-        s.reset_prefix_cache()
-        loaded = s.complete(B)
-        assert s.metric(EXTERNAL) == 7 * BLOCK
+@pytest.fixture(scope="module")
+def chunked(first_runs):
+    return first_runs["chunked"]
+
+
+def test_loaded_kv_is_vllms_own_reuse_bit_for_bit(chunked, reference):
+    # vLLM's own prefix cache hits first: gdkv is asked only past it, and has nothing more.
+    assert chunked["own_external"] == 0, chunked["tail"]
+    assert chunked["external"] == 7 * BLOCK, chunked["tail"]
+    own, loaded = chunked["own"], chunked["loaded"]
     assert loaded["tokens"] == own["tokens"] and loaded["logprobs"] == own["logprobs"]
     same = compare(loaded, reference, TOLERANCE)
     assert same["tokens_identical"] and same["logprobs_match"], same
 
 
-def test_a_fresh_engine_reuses_what_another_saved(model, gdkvd, reference):
-    with engine(model, kv(gdkvd)) as s:     # a second node's view: nothing cached locally
-        t0 = time.perf_counter()
+def test_other_weights_at_the_same_path_never_share_kv(model, gdkvd, chunked, reference):
+    """A's values in gdkv are of the model's first weights (the chunked engine saved them).
+    Other weights written to the same path, with the same config, find none of them; the first
+    weights written again do, in a fresh engine (a second node's view: nothing cached locally),
+    with the output of an engine that computed B in full."""
+    try:
+        build_engine_model(model, **{**MODEL, "seed": 5})
+        with engine(model, kv(gdkvd)) as s:
+            s.complete(B)
+            assert s.metric(EXTERNAL) == 0
+    finally:
+        build_engine_model(model, **MODEL)
+    with engine(model, kv(gdkvd)) as s:
         out = s.complete(B)
         assert s.metric(EXTERNAL) == 7 * BLOCK, s.tail()
     same = compare(out, reference, TOLERANCE)
-    assert same["tokens_identical"] and same["logprobs_match"], (same, time.perf_counter() - t0)
+    assert same["tokens_identical"] and same["logprobs_match"], same
 
 
-def test_bf16_never_reads_fp32_kv(model, gdkvd):
+def test_bf16_never_reads_fp32_kv(model, gdkvd, chunked):
     with engine(model, kv(gdkvd), dtype="bfloat16") as s:
         out = s.complete(B)
         assert s.metric(EXTERNAL) == 0
@@ -128,61 +161,69 @@ def settled(s: Server, name: str) -> float:
     return value
 
 
-def test_gdkvd_stopped_then_killed_the_engine_keeps_serving(model, gdkvd, reference):
-    """SIGSTOP for longer than the timeout: one request pays the timeout once, the engine serves
-    on without gdkv (no stall per request), the outputs stay right; SIGKILL while a load is under
-    way: the request is recomputed."""
+def test_gdkvd_stopped_the_engine_pays_the_timeout_once_and_keeps_serving(model, gdkvd, chunked,
+                                                                          reference):
+    """SIGSTOP for longer than the timeout: the scheduler's connector gives gdkv up at B's
+    lookup, the worker's at B's save (B's full blocks are A's, which this engine loaded and so
+    never put itself), each once; the engine serves on without gdkv (no stall per request), and
+    the outputs stay right."""
     with engine(model, kv(gdkvd, timeout_ms=1000, retry_interval_s=60)) as s:
-        s.complete(A, 1)          # connected; A's values in gdkv (loaded, or computed and saved)
-        s.reset_prefix_cache()    # (once A's saves have landed)
+        s.complete(A, 1)
+        assert s.metric(EXTERNAL) == 7 * BLOCK, s.tail()   # loaded: the chunked engine's values
+        s.reset_prefix_cache()
         before = settled(s, EXTERNAL)
         gdkvd.signal(signal.SIGSTOP)
         try:
             out = s.complete(B)
             assert settled(s, EXTERNAL) == before
             assert compare(out, reference, TOLERANCE)["tokens_identical"]
-            # The scheduler's connector gave gdkv up at B's lookup; the worker's gives up at
-            # B's save (on its own thread, a timeout later) when it has one to make: B's full
-            # blocks are A's, which a worker that saved A itself knows are stored. At most once
-            # each.
-            time.sleep(5)         # past the worker's timeout, had it a save to give up on
-            gave_up = failed(s)
-            assert gave_up in (1, 2), s.tail()
+            # The worker's save of B ends once its Exist timed out and it gave gdkv up.
+            s.saves_landed()
+            assert failed(s) == 2, s.tail()
             s.reset_prefix_cache()
             out = s.complete(B)   # gdkv is off for retry_interval_s: no second timeout
             assert compare(out, reference, TOLERANCE)["tokens_identical"]
-            time.sleep(2)         # longer than the timeout: a second try would have failed
-            assert failed(s) == gave_up, s.tail()
+            # A lookup would have timed out before the response, a save before saves_landed.
+            s.saves_landed()
+            assert failed(s) == 2, s.tail()
         finally:
             gdkvd.signal(signal.SIGCONT)
-    # A new engine connects, and gdkvd dies while B's values load.
-    with engine(model, kv(gdkvd, timeout_ms=1000)) as s:
-        s.reset_prefix_cache()
-        result: dict = {}
-        t = threading.Thread(target=lambda: result.update(s.complete(B)))
-        t.start()
-        time.sleep(0.05)
-        os.killpg(gdkvd.proc.pid, signal.SIGKILL)
-        t.join(300)
-        assert compare(result, reference, TOLERANCE)["tokens_identical"], s.tail()
-        s.reset_prefix_cache()
-        again = s.complete(B)     # still serving, without gdkv
-        assert compare(again, reference, TOLERANCE)["tokens_identical"]
 
 
-@pytest.fixture
-def memory_gdkvd():
-    """A gdkvd of its own (the module's is killed by the test above)."""
-    d = Gdkvd("--backend", "memory")
-    yield d
-    d.stop()
+def waiting_on_a_pipe(pid: int) -> bool:
+    """Whether a thread of process ``pid`` waits in the kernel to open a named pipe."""
+    for wchan in Path(f"/proc/{pid}/task").glob("*/wchan"):
+        try:
+            if wchan.read_text() == "wait_for_partner":
+                return True
+        except OSError:   # the thread ended
+            continue
+    return False
 
 
-def test_preempted_and_aborted_requests(model, memory_gdkvd, references):
-    """A KV space of 17 blocks: two 1000-token requests (8 blocks each) that both need a 9th
-    while they decode, so one is preempted and resumed; then a request aborted (its client
-    hangs up) just after gdkv granted its tokens, while they load."""
-    with engine(model, kv(memory_gdkvd), args=("--num-gpu-blocks-override", "17")) as s:
+@pytest.fixture(scope="class")
+def small(model, tmp_path_factory):
+    """One engine with a KV space of 17 blocks, on a gdkvd of its own whose files backend has no
+    cache in front of it (a read goes to the file), for the tests of TestSeventeenBlocks."""
+    store = tmp_path_factory.mktemp("seventeen") / "files"
+    d = Gdkvd("--backend", "files", "--files-dir", str(store), "--cache-bytes", "0")
+    try:
+        # No timeout in reach: a load ends when its values arrive or gdkvd dies.
+        with engine(model, kv(d, timeout_ms=600000),
+                    args=("--num-gpu-blocks-override", "17")) as s:
+            yield s, d, store
+    finally:
+        d.stop()
+
+
+class TestSeventeenBlocks:
+    """One engine (the small fixture) for both tests; the last kills its gdkvd."""
+
+    def test_preempted_and_aborted_requests(self, small, references):
+        """Two 1000-token requests (8 blocks each) that both need a 9th while they decode, so
+        one is preempted and resumed; then a request aborted (its client hangs up) just after
+        gdkv granted its tokens, while they load."""
+        s = small[0]
         outs: dict = {}
         threads = [threading.Thread(target=lambda k=k, p=p: outs.update({k: s.complete(p, LONG)}))
                    for k, p in (("P1", P1), ("P2", P2))]
@@ -216,16 +257,38 @@ def test_preempted_and_aborted_requests(model, memory_gdkvd, references):
         again = s.complete(P1, LONG)
         assert compare(again, references["P1"], TOLERANCE)["tokens_identical"]
 
+    def test_gdkvd_killed_while_a_load_waits_on_it(self, small, reference):
+        """gdkvd dies while B's values load: the load fails, vLLM recomputes B, and the engine
+        serves on without gdkv. A's values are named pipes in the files backend by then (a
+        lookup sees them, a read waits in open() for a writer that never comes), so the load is
+        under way, and cannot finish, when gdkvd is killed."""
+        s, d, store = small
 
-def test_other_weights_at_the_same_path_never_share_kv(model, memory_gdkvd):
-    with engine(model, kv(memory_gdkvd)) as s:
+        def values() -> set:
+            return {f for f in store.rglob("*") if f.is_file() and not f.name.startswith(".")}
+
+        before = values()
         s.complete(A, 1)
-        s.saves_landed()
-    build_engine_model(model, **{**MODEL, "seed": 5})   # new weights, same path and config
-    with engine(model, kv(memory_gdkvd)) as s:
-        s.complete(B)
-        assert s.metric(EXTERNAL) == 0
-    build_engine_model(model, **MODEL)                  # the first weights again: found
-    with engine(model, kv(memory_gdkvd)) as s:
-        s.complete(B)
-        assert s.metric(EXTERNAL) == 7 * BLOCK
+        s.reset_prefix_cache()    # (once A's saves have landed)
+        a = values() - before
+        assert len(a) == 8 * MODEL["kv_heads"], a   # A's 8 blocks, a value per KV head
+        for f in a:
+            f.unlink()
+            os.mkfifo(f)
+        granted = s.metric(EXTERNAL)
+        counts = lambda: [sum(w[k] for w in s.worker_stats())  # noqa: E731
+                          for k in ("loaded_values", "failed_values")]
+        loaded, failed = counts()
+        result: dict = {}
+        t = threading.Thread(target=lambda: result.update(s.complete(B)))
+        t.start()
+        until(lambda: waiting_on_a_pipe(d.pid), "a read of B's values waiting in gdkvd", 300)
+        d.kill(signal.SIGKILL)
+        t.join(300)
+        assert compare(result, reference, TOLERANCE)["tokens_identical"], s.tail()
+        assert s.metric(EXTERNAL) == granted + 7 * BLOCK, s.tail()   # granted, not delivered
+        now = counts()
+        assert now[0] == loaded and now[1] > failed, now   # nothing delivered, the load failed
+        s.reset_prefix_cache()
+        again = s.complete(B)     # still serving, without gdkv
+        assert compare(again, reference, TOLERANCE)["tokens_identical"]

