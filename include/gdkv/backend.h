@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
@@ -82,6 +83,13 @@ struct BackendOp {
 
   void complete(nvme::Status s, uint64_t len = 0) { done(this, s, len); }
 };
+
+// Byte limits per namespace: backend namespace → the key and value bytes it may hold (a namespace
+// not listed has no limit of its own). A namespace at its limit makes room by evicting its own
+// least recently used values, never another namespace's; a value larger than its namespace's limit
+// is refused with kCapacityExceeded (81h). gdkvd fills it from its [[namespace]] entries'
+// capacity_bytes; every backend and the host cache hold it.
+using NamespaceQuotas = std::map<uint32_t, uint64_t>;
 
 // Sizes a backend reports for `gdkv stat` (0 where unknown).
 struct BackendInfo {
@@ -190,6 +198,7 @@ void route_op(BackendOp* op, Backend& next, Get get, Write write, Exists exists)
 struct MemoryBackendOptions {
   uint64_t capacity_bytes = uint64_t{1} << 30;  // bytes, default 1 GiB (gdkvd --memory-capacity)
   uint32_t delay_us = 0;  // injected latency per op (tests of prefetch and slow backends)
+  NamespaceQuotas quotas;  // per-namespace limits within capacity_bytes (default: none)
 };
 std::shared_ptr<Backend> make_memory_backend(const MemoryBackendOptions& options = {});
 

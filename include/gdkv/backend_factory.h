@@ -25,6 +25,8 @@ struct BackendConfig {
   // tiered: the local store (`local`) in front of this far tier, a backend that can be one
   // ("rados", or "memory" for tests).
   std::string tiered_far = "rados";
+  // Per-namespace byte limits (backend.h); each backend's open passes them on.
+  NamespaceQuotas quotas;
   // The options of backends that bring their own struct, by backend name.
   std::map<std::string, std::any> options;
 

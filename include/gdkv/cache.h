@@ -67,6 +67,8 @@ struct CacheOptions {
   std::function<void*(size_t bytes)> alloc;
   std::function<void(void* p, size_t bytes)> free;
   size_t slab_page_bytes = size_t{1} << 20;  // bytes per slab page, default 1 MiB
+  // Per-namespace limits within capacity_bytes (backend.h; open_store passes the backend's).
+  NamespaceQuotas quotas;
 };
 
 // The policies make_cached_backend accepts.

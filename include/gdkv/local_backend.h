@@ -31,6 +31,7 @@ struct LocalBackendOptions {
   // the lock until the kernel has torn down its io_uring (usually milliseconds), so a restart
   // right after a crash waits briefly instead of failing. 0: fail at once if the store is in use.
   uint32_t lock_wait_ms = 2000;
+  NamespaceQuotas quotas;  // per-namespace limits within capacity_bytes (backend.h; default none)
 };
 
 // Opens (creating if needed) the store and rebuilds its index. An Error (gdkv/result.h) with a

@@ -55,6 +55,9 @@ struct RadosBackendOptions {
   // the tiers above their backend. Evicting nodes also watch `<events_object>.evictors`: its
   // watchers are the live nodes that split eviction. Empty: no watch, no notifications.
   std::string events_object = "gdkv.events";
+  // Per-namespace limits (backend.h): bytes a RADOS namespace may hold in the pool, counted as
+  // eviction counts them (one copy). Default: none.
+  NamespaceQuotas quotas;
 };
 
 // Maps a librados return code to the NVMe status gdkv reports (docs/rados.md has the table).

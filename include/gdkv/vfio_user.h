@@ -50,6 +50,8 @@ struct VfioUserNamespace {
   // Both empty: everyone who can open the socket.
   std::vector<uint32_t> uids;
   std::vector<uint32_t> gids;
+  // Bytes its backend namespace may hold (0: no limit of its own): NamespaceQuotas (backend.h).
+  uint64_t capacity_bytes = 0;
 };
 
 // Imports device (GPU) memory named by an IPC handle, for the vendor admin command C0h. gdkvd's

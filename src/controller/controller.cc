@@ -359,10 +359,18 @@ void Controller::Impl::execute(Command* cmd) {
 
 void Controller::Impl::on_backend_done(Command* cmd) {
   CommandState& st = state_of(cmd);
+  const auto opcode = static_cast<nvme::Opcode>(cmd->sqe.opcode);
+  if (opcode == nvme::Opcode::kRetrieve || opcode == nvme::Opcode::kScatterRetrieve) {
+    NamespaceStats& ns = ns_stats[st.op.nsid - 1];
+    if (st.status == Status::kSuccess) ns.hits.fetch_add(1, std::memory_order_relaxed);
+    if (st.status == Status::kKeyNotExist) ns.misses.fetch_add(1, std::memory_order_relaxed);
+  } else if (opcode == nvme::Opcode::kStore && st.status == Status::kSuccess) {
+    ns_stats[st.op.nsid - 1].bytes_written.fetch_add(cmd->sqe.cdw10, std::memory_order_relaxed);
+  }
   if (st.status != Status::kSuccess) return ::gdkv::finish(cmd, st.status);
   if (st.sink_failed) return ::gdkv::finish(cmd, Status::kInternalError);
   ReactorStats& rs = st.owner->stats();
-  switch (static_cast<nvme::Opcode>(cmd->sqe.opcode)) {
+  switch (opcode) {
     case nvme::Opcode::kRetrieve: {
       const uint64_t want = std::min(st.value_len, st.deliver_cap);
       bump(rs.bytes_out, want);
@@ -433,6 +441,7 @@ Controller::Controller(std::shared_ptr<Backend> backend, ControllerOptions optio
   }
   impl_->self = this;
   impl_->backend = backend_.get();
+  impl_->ns_stats = std::make_unique<Impl::NamespaceStats[]>(options_.namespaces);
   impl_->options = options_;
   for (uint32_t i = 0; i < options_.reactors; ++i) {
     impl_->reactors.push_back(std::make_unique<Reactor>(impl_.get(), i, options_.copy_engine(i)));
@@ -600,6 +609,17 @@ void Controller::collect(MetricList& out) const {
     }
     add("command_latency_jitter_seconds", "p99 minus p50 command latency", MetricType::kGauge,
         static_cast<double>(h.percentile(0.99) - h.percentile(0.5)) / 1e9);
+  }
+  MetricWriter w(out);
+  for (uint32_t i = 0; i < options_.namespaces; ++i) {
+    const Impl::NamespaceStats& ns = impl_->ns_stats[i];
+    const MetricLabels l{{"namespace", std::to_string(i + 1)}};
+    w.counter("namespace_hits_total", "Retrieves of the backend namespace that found their key",
+              ns.hits, l);
+    w.counter("namespace_misses_total", "Retrieves of the backend namespace that found no key",
+              ns.misses, l);
+    w.counter("namespace_written_bytes_total", "value bytes stored in the backend namespace",
+              ns.bytes_written, l);
   }
   backend_->collect(out);
 }

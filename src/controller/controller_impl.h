@@ -134,6 +134,15 @@ struct Controller::Impl {
   std::mutex queues_mu;
   std::vector<std::unique_ptr<Poller>> queues;  // in-process queue pollers
 
+  // Per backend namespace (index nsid - 1), summed over reactors (relaxed fetch_add): Retrieves
+  // that found their key and that did not, and value bytes stored.
+  struct NamespaceStats {
+    std::atomic<uint64_t> hits{0};
+    std::atomic<uint64_t> misses{0};
+    std::atomic<uint64_t> bytes_written{0};
+  };
+  std::unique_ptr<NamespaceStats[]> ns_stats;
+
   // Looks up [addr, addr+len): the region holding all of it, or none.
   bool find_region(uintptr_t addr, size_t len, MemoryRegion* out) const;
 

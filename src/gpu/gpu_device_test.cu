@@ -453,7 +453,7 @@ class Fixture {
 int run_all() {
   std::printf("device: %s\n", device_description(0).c_str());
   {
-    Fixture f(make_memory_backend({uint64_t{1} << 30, 0}), "memory backend");
+    Fixture f(make_memory_backend(), "memory backend");
     f.exercise(Mode::kThread);
     f.exercise(Mode::kWarp);
     f.exercise(Mode::kWarpBranches);

@@ -161,6 +161,11 @@ std::vector<NamespaceSetting> make_namespace_table() {
       "for logs and the namespace's NGUID (default: ns<backend_namespace>)",
       [](N & n) -> auto& { return n.name; }));
   t.push_back(setting_row<N>(
+      "capacity_bytes", "namespace.capacity_bytes", "", "bytes", 0, kAny, {},
+      "bytes its keys may hold in the host cache and the store (0: no limit of its own); at the "
+      "limit it evicts its own least recently used values, never another namespace's",
+      [](N & n) -> auto& { return n.capacity_bytes; }));
+  t.push_back(setting_row<N>(
       "uids", "namespace.uids", "", "", 0, 0, {},
       "peers with one of these uids may use it (uids and gids both empty: everyone)",
       [](N & n) -> auto& { return n.uids; }));
@@ -176,7 +181,9 @@ std::vector<NamespaceSetting> make_namespace_table() {
 Result<std::shared_ptr<Backend>> open_store(const StoreSettings& s) {
   auto backend = open_backend(s.backend);
   if (!backend || s.cache.capacity_bytes == 0) return backend;
-  return make_cached_backend(*backend, s.cache);
+  CacheOptions cache = s.cache;
+  cache.quotas = s.backend.quotas;
+  return make_cached_backend(*backend, cache);
 }
 
 const std::vector<StoreSetting>& store_settings() {

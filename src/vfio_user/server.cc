@@ -130,7 +130,7 @@ vfio_user::SessionConfig VfioUserServer::Impl::session_config(const ucred& peer,
   n.reactor = next_reactor++ % ctl.reactor_count();
   const std::vector<uint32_t> gids = peer_groups(peer);
   std::vector<VfioUserNamespace> spaces = options.namespaces;
-  if (spaces.empty()) spaces.push_back(VfioUserNamespace{1, 1, "default", {}, {}});
+  if (spaces.empty()) spaces.push_back(VfioUserNamespace{1, 1, "default", {}, {}, 0});
   for (const VfioUserNamespace& ns : spaces) {
     if (!allowed(ns, peer, gids)) continue;
     bool taken = false;

@@ -242,6 +242,18 @@ bool validate(Config& c, std::string* error) {
       }
     }
   }
+  // A quota belongs to the backend namespace: entries that share one must not disagree on it.
+  c.store.backend.quotas.clear();
+  for (const auto& ns : namespaces) {
+    if (ns.capacity_bytes == 0) continue;
+    auto [it, added] = c.store.backend.quotas.emplace(ns.backend_namespace, ns.capacity_bytes);
+    if (!added && it->second != ns.capacity_bytes) {
+      *error = "backend namespace " + std::to_string(ns.backend_namespace) +
+               " is given two capacity_bytes (" + std::to_string(it->second) + " and " +
+               std::to_string(ns.capacity_bytes) + ")";
+      return false;
+    }
+  }
   return true;
 }
 

@@ -296,6 +296,30 @@ TEST(Config, NamespacesFromFlagsAndEnvironmentReadBack) {
   }
 }
 
+TEST(Config, NamespaceQuotasGoToTheirBackendNamespace) {
+  Config c;
+  std::string err;
+  ASSERT_EQ(run({"--backend", "memory", "--namespace", "nsid=1,capacity_bytes=4096,uids=1",
+                 "--namespace", "nsid=1,backend_namespace=3,capacity_bytes=8192", "--namespace",
+                 "nsid=2,backend_namespace=3,capacity_bytes=8192", "--namespace", "nsid=4"},
+                c, &err),
+            0)
+      << err;
+  EXPECT_EQ(c.store.backend.quotas, (gdkv::NamespaceQuotas{{1, 4096}, {3, 8192}}));
+  Config back;
+  ASSERT_TRUE(load_toml(to_toml(c), "printed.toml", back, &err)) << err;
+  ASSERT_TRUE(validate(back, &err)) << err;
+  EXPECT_EQ(back.store.backend.quotas, c.store.backend.quotas);
+
+  Config x;
+  EXPECT_EQ(run({"--backend", "memory", "--namespace", "nsid=1,capacity_bytes=4096,uids=1",
+                 "--namespace", "nsid=2,backend_namespace=1,capacity_bytes=1"},
+                x, &err),
+            2);
+  EXPECT_EQ(err, "backend namespace 1 is given two capacity_bytes (4096 and 1)");
+  EXPECT_EQ(run({"--backend", "memory", "--namespace", "capacity_bytes=-1"}, x, &err), 2);
+}
+
 TEST(Config, SettingsRefuseBadValuesWithTheirReason) {
   Config c;
   std::string err;

@@ -30,6 +30,7 @@ void gdkv_register_backend_local(std::vector<gdkv::BackendRegistration>& registr
   b.open = [](const C& c) -> gdkv::Result<std::shared_ptr<gdkv::Backend>> {
     gdkv::LocalBackendOptions o = c.local;
     if (o.path.empty()) o.path = gdkv::default_store_dir();
+    o.quotas = c.quotas;
     return gdkv::make_local_backend(o);
   };
   registry.push_back(std::move(b));

@@ -370,7 +370,9 @@ void gdkv_register_backend_memory(std::vector<gdkv::BackendRegistration>& regist
       kSettingAny, {}, "memory backend capacity (full, it evicts least recently used)",
       [](C & c) -> auto& { return c.memory.capacity_bytes; }));
   b.open = [](const C& c) -> gdkv::Result<std::shared_ptr<gdkv::Backend>> {
-    return gdkv::make_memory_backend(c.memory);
+    gdkv::MemoryBackendOptions o = c.memory;
+    o.quotas = c.quotas;
+    return gdkv::make_memory_backend(o);
   };
   registry.push_back(std::move(b));
 }

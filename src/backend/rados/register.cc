@@ -68,7 +68,9 @@ void gdkv_register_backend_rados(std::vector<gdkv::BackendRegistration>& registr
       "the RADOS object Deletes are notified on (empty: no notifications)",
       [](C & c) -> auto& { return c.rados.events_object; }));
   b.open = [](const C& c) -> gdkv::Result<std::shared_ptr<gdkv::Backend>> {
-    return gdkv::make_rados_backend(c.rados);
+    gdkv::RadosBackendOptions o = c.rados;
+    o.quotas = c.quotas;
+    return gdkv::make_rados_backend(o);
   };
   registry.push_back(std::move(b));
 }
