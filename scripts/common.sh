@@ -16,7 +16,8 @@ GDKV_TEST_PACKAGES=(
   clang libclang-rt-14-dev
   hipcc
   e2fsprogs util-linux procps psmisc
-  iproute2 # scripts/netns-hosts: the multi-host tests
+  iproute2   # scripts/netns-hosts: the multi-host tests
+  prometheus # deploy/monitoring: a real Prometheus and promtool
 )
 
 gdkv_log() { printf '\n== %s %s\n' "$(date +%T)" "$*" >&2; }

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <ctime>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <random>
 #include <set>
@@ -404,6 +405,42 @@ TEST(MemoryBackend, CapacityExceededAndEviction) {
     if (x.name == "value_bytes_in_total") stored += x.value;
   }
   EXPECT_EQ(stored, 12000.0);
+}
+
+// Per backend namespace: Retrieves that found their key (hits) and that did not (misses), and
+// the value bytes of successful Stores; a namespace nobody used reports nothing.
+TEST(Controller, CountsHitsMissesAndBytesWrittenPerNamespace) {
+  ClientOptions co;
+  co.controller.namespaces = 3;
+  auto client = Client::open(make_memory_backend(), co).value();
+  ASSERT_TRUE(client->put(key("a"), random_bytes(100, 1), 0, 1).ok());
+  ASSERT_TRUE(client->put(key("a"), random_bytes(300, 2), 0, 3).ok());
+  ASSERT_TRUE(client->put(key("b"), random_bytes(50, 3), 0, 3).ok());
+  EXPECT_EQ(client->put(key("c"), random_bytes(70, 3), nvme::kStoreMustExist, 3).status,
+            Status::kKeyNotExist);  // not stored: not counted
+  std::vector<std::byte> out(300);
+  EXPECT_TRUE(client->get(key("a"), out, 3).ok());
+  EXPECT_TRUE(client->get(key("b"), out, 3).ok());
+  EXPECT_EQ(client->get(key("b"), out, 1).status, Status::kKeyNotExist);
+  EXPECT_EQ(client->get(key("zz"), out, 1).status, Status::kKeyNotExist);
+  EXPECT_EQ(client->get(key("zz"), out, 3).status, Status::kKeyNotExist);
+  MetricList m;
+  client->controller()->collect(m);
+  std::map<std::string, double> got;
+  for (const Metric& x : m) {
+    if (x.name != "namespace_hits_total" && x.name != "namespace_misses_total" &&
+        x.name != "namespace_written_bytes_total") {
+      continue;
+    }
+    ASSERT_EQ(x.labels.size(), 1u);
+    got[x.name + "/" + x.labels[0].second] = x.value;
+  }
+  const std::map<std::string, double> want = {
+      {"namespace_hits_total/1", 0},   {"namespace_misses_total/1", 2},
+      {"namespace_written_bytes_total/1", 100},
+      {"namespace_hits_total/3", 2},   {"namespace_misses_total/3", 1},
+      {"namespace_written_bytes_total/3", 350}};
+  EXPECT_EQ(got, want);
 }
 
 // The largest value is one number: a local store with 1 MiB segments takes values up to 1 MiB

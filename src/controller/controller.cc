@@ -303,7 +303,8 @@ void Controller::Impl::execute(Command* cmd) {
         return finish(cmd, s);
       }
       st.op.kind = BackendOpKind::kPut;
-      st.op.store_options = sqe.options & (nvme::kStoreMustExist | nvme::kStoreMustNotExist);
+      st.op.store_options = sqe.options & (nvme::kStoreMustExist | nvme::kStoreMustNotExist |
+                                           nvme::kStoreLowPriority);
       if (len == 0 || single_host_segment(st.segs)) {
         if (len != 0) st.op.value = {st.segs[0].addr, len};
         return submit_backend(cmd);
@@ -613,6 +614,11 @@ void Controller::collect(MetricList& out) const {
   MetricWriter w(out);
   for (uint32_t i = 0; i < options_.namespaces; ++i) {
     const Impl::NamespaceStats& ns = impl_->ns_stats[i];
+    if (ns.hits.load(std::memory_order_relaxed) == 0 &&
+        ns.misses.load(std::memory_order_relaxed) == 0 &&
+        ns.bytes_written.load(std::memory_order_relaxed) == 0) {
+      continue;  // a namespace nobody has used yet
+    }
     const MetricLabels l{{"namespace", std::to_string(i + 1)}};
     w.counter("namespace_hits_total", "Retrieves of the backend namespace that found their key",
               ns.hits, l);
