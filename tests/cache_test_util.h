@@ -85,6 +85,22 @@ inline nvme::Status put(Backend& b, const Key& k, const std::string& v, uint8_t 
   return op.run(b);
 }
 
+// A Store and a Retrieve in backend namespace `nsid`; get_in returns "" unless it succeeded.
+inline nvme::Status put_in(Backend& b, uint32_t nsid, const Key& k, const std::string& v,
+                           uint8_t options = 0) {
+  SyncOp op(BackendOpKind::kPut, k, bytes_of(v));
+  op.op.nsid = nsid;
+  op.op.store_options = options;
+  return op.run(b);
+}
+inline std::string get_in(Backend& b, uint32_t nsid, const Key& k, nvme::Status* s = nullptr) {
+  SyncOp op(BackendOpKind::kGet, k);
+  op.op.nsid = nsid;
+  const nvme::Status st = op.run(b);
+  if (s != nullptr) *s = st;
+  return st == nvme::Status::kSuccess ? op.value() : std::string();
+}
+
 // Counts the ops that reach the inner backend; can hold ops of a kind before they reach it
 // (hold_submit) or hold their completions (hold_done) until released.
 class GateBackend final : public Backend {
@@ -241,6 +257,24 @@ inline double metric(const Backend& b, const std::string& name, const std::strin
   MetricList ms;
   b.collect(ms);
   return metric(ms, name, label);
+}
+
+// The per-namespace sample `name` (namespace_held_bytes, namespace_evictions_total) of backend
+// namespace `nsid` in `tier` ("memory", "cache"), or -1.
+inline double ns_metric(const Backend& b, const std::string& name, uint32_t nsid,
+                        const std::string& tier) {
+  MetricList ms;
+  b.collect(ms);
+  for (const Metric& m : ms) {
+    if (m.name != name) continue;
+    bool ns = false, t = false;
+    for (const auto& [k, v] : m.labels) {
+      ns = ns || (k == "namespace" && v == std::to_string(nsid));
+      t = t || (k == "tier" && v == tier);
+    }
+    if (ns && t) return m.value;
+  }
+  return -1;
 }
 
 // Polls `pred` for up to `limit`.

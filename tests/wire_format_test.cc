@@ -99,6 +99,18 @@ TEST(WireFormat, OpcodeDirectionBits) {
 
 // The KeyList codec: every key length round-trips with 4-byte padding; the writer stops at the
 // buffer's end; the reader rejects each kind of damage and passes the entries before it.
+// Store options are CDW11 bits 15:8; the ones the controller accepts, each its own bit.
+TEST(WireFormat, StoreOptionBits) {
+  EXPECT_EQ(nvme::kStoreMustExist, 0x01);
+  EXPECT_EQ(nvme::kStoreMustNotExist, 0x02);
+  EXPECT_EQ(nvme::kStoreCompressHint, 0x04);
+  EXPECT_EQ(nvme::kStoreLowPriority, 0x08);
+  EXPECT_EQ(nvme::kStoreOptionsValid, 0x0F);
+  nvme::Sqe s{};
+  s.options = nvme::kStoreLowPriority | nvme::kStoreMustNotExist;
+  EXPECT_EQ(reinterpret_cast<const uint32_t*>(&s)[11], 0x0A00u);
+}
+
 TEST(WireFormat, KeyListCodec) {
   std::vector<std::vector<uint8_t>> keys;
   for (uint16_t len = 1; len <= 16; ++len) {

@@ -195,10 +195,30 @@ void route_op(BackendOp* op, Backend& next, Get get, Write write, Exists exists)
 // with capacity 0 every Store does. Values it copies live in an arena of prepared memory (faulted
 // in a region at a time, 2 MiB doubling to 64 MiB, at most capacity_bytes in all) that evicted
 // and deleted values return to; it is never handed back while the backend lives.
+//
+// Quotas and priorities. Values are evicted from pools: one shared by all namespaces without a
+// quota, one per namespace with a quota. A pool's next victim is its oldest value stored with
+// nvme::kStoreLowPriority and not read since (a Get makes such a value ordinary), else its least
+// recently used value. A Store:
+//   1. fails with 81h, evicting nothing, if its key and value are larger than its namespace's
+//      quota; or, for a namespace without a quota while the quotas sum to at most capacity_bytes,
+//      larger than capacity_bytes less the bytes the quota namespaces hold;
+//   2. in a namespace with a quota, evicts that namespace's own victims until the namespace's key
+//      and value bytes, with the new value, fit its quota;
+//   3. while the whole store would exceed capacity_bytes, evicts the shared pool's victims; only
+//      when the quotas sum to more than capacity_bytes and the shared pool is empty, the quota
+//      pools' (their oldest low-priority value, else the least recently used value among them).
+// So while the quotas sum to at most capacity_bytes a namespace with a quota keeps what it stored
+// until it needs the room itself, whatever the others store. Every eviction is reported to the
+// removal handler. Metrics per namespace (each with a quota or that has held a value, nsid up to
+// 1024; labels namespace and tier="memory"): namespace_held_bytes (key and value bytes) and
+// namespace_evictions_total.
 struct MemoryBackendOptions {
   uint64_t capacity_bytes = uint64_t{1} << 30;  // bytes, default 1 GiB (gdkvd --memory-capacity)
   uint32_t delay_us = 0;  // injected latency per op (tests of prefetch and slow backends)
-  NamespaceQuotas quotas;  // per-namespace limits within capacity_bytes (default: none)
+  // Per-namespace limits in key and value bytes within capacity_bytes (default: none); eviction
+  // rules above.
+  NamespaceQuotas quotas;
 };
 std::shared_ptr<Backend> make_memory_backend(const MemoryBackendOptions& options = {});
 

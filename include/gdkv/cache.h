@@ -12,7 +12,9 @@
 //   max_prefetch_inflight prefetch reads are outstanding, so they never queue ahead of demand
 //   reads in any number; the rest wait in a bounded queue.
 // - Eviction: a policy chosen by name ("adaptive", "prefix", "lru-k", "lru", "arc", "s3-fifo");
-// docs/cache.md compares them.
+// docs/cache.md compares them. Stores with nvme::kStoreLowPriority are evicted before the
+// policy's entries until a hit makes them ordinary; namespace quotas (CacheOptions::quotas) give
+// a namespace room no other namespace can take.
 //
 // Coherence covers the writes that pass through this cache, and Deletes by other nodes that the
 // backend reports (set_invalidation_handler: RADOS notifications). A key the backend removed
@@ -67,7 +69,18 @@ struct CacheOptions {
   std::function<void*(size_t bytes)> alloc;
   std::function<void(void* p, size_t bytes)> free;
   size_t slab_page_bytes = size_t{1} << 20;  // bytes per slab page, default 1 MiB
-  // Per-namespace limits within capacity_bytes (backend.h; open_store passes the backend's).
+  // Per-namespace limits in value bytes within capacity_bytes (backend.h; open_store passes the
+  // backend's). Each namespace with a quota has a policy of its own, sized by its quota; the
+  // namespaces without one share a policy sized by capacity_bytes. A namespace's cached values
+  // never exceed its quota: at it, the namespace evicts its own entries (its low-priority ones
+  // first, then as its policy chooses); a value larger than its quota is not cached. For the
+  // capacity, entries of namespaces without a quota go first (their low-priority ones first);
+  // while the quotas sum to at most capacity_bytes nothing else is evicted for it, and a value of
+  // a namespace without a quota larger than what the quota namespaces leave is not cached. When
+  // they sum to more, once the shared policy is empty the quota namespace fullest against its
+  // quota gives up an entry (those holding low-priority entries first). Metrics per namespace
+  // (each with a quota or that has held a value, nsid up to 1024; labels namespace and
+  // tier="cache"): namespace_held_bytes (value bytes) and namespace_evictions_total.
   NamespaceQuotas quotas;
 };
 

@@ -102,8 +102,11 @@ GDKV_HD constexpr const char* status_name(Status s) noexcept {
 inline constexpr uint8_t kStoreMustExist = 0x01;     // don't store if the key does not exist (87h)
 inline constexpr uint8_t kStoreMustNotExist = 0x02;  // don't store if the key exists (89h)
 inline constexpr uint8_t kStoreCompressHint = 0x04;  // accepted and ignored
+// Evict this value first: the host cache and the memory backend put it at the cold end; a later
+// read makes it an ordinary value.
+inline constexpr uint8_t kStoreLowPriority = 0x08;
 inline constexpr uint8_t kStoreOptionsValid =
-    kStoreMustExist | kStoreMustNotExist | kStoreCompressHint;
+    kStoreMustExist | kStoreMustNotExist | kStoreCompressHint | kStoreLowPriority;
 inline constexpr uint8_t kRetrieveRaw = 0x01;  // no decompression: gdkv never compresses
 inline constexpr uint8_t kRetrieveOptionsValid = kRetrieveRaw;
 // Prefetch (81h): bit 0 = scheduler hint. The keys will be read soon, in the list's order: the

@@ -17,14 +17,24 @@
 //      the next read asks the backend. A failed write drops the key too, unless the status says the
 //      backend rejected it unchanged (e.g. 89h key exists). A Delete always drops it.
 // A Store's completion is passed on only after rule 3 has updated the cache.
+//
+// Eviction groups (quotas, gdkv/cache.h): the namespaces without a quota share one group, each
+// namespace with a quota has its own. A group is a policy instance (sized by the capacity, or by
+// the quota) for its ordinary entries and a list of its low-priority ones (Stores with
+// nvme::kStoreLowPriority not read since), which go first, oldest first; a hit moves such an
+// entry into the policy as a demand add.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <functional>
+#include <list>
+#include <map>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
 #include <unordered_map>
+#include <vector>
 
 #include "cache/policy.h"
 #include "cache/prefetcher.h"
@@ -39,6 +49,18 @@ using cache::AddKind;
 using cache::Buffer;
 using cache::SlabAllocator;
 using nvme::Status;
+
+// Per-namespace metrics are kept for backend namespaces up to this one (bounded label sets).
+constexpr uint32_t kMaxMetricNamespace = 1024;
+// One help text per name for both tiers that report it (the memory backend's are the same).
+constexpr const char* kHeldHelp =
+    "bytes of the backend namespace held in the tier (memory: key and value bytes; cache: value "
+    "bytes)";
+constexpr const char* kEvictedHelp =
+    "values of the backend namespace the tier evicted (for its quota or for the capacity)";
+
+// The eviction policy of a group of `capacity_bytes` (the cache's, or a namespace's quota).
+using PolicyFactory = std::function<std::unique_ptr<cache::HintedPolicy>(uint64_t capacity_bytes)>;
 
 // A Store that failed with one of these left the backend's value as it was.
 bool rejected_unchanged(Status s) {
@@ -60,13 +82,22 @@ bool rejected_unchanged(Status s) {
 class CachedBackend final : public Backend {
  public:
   CachedBackend(std::shared_ptr<Backend> inner, const CacheOptions& o,
-                std::unique_ptr<cache::HintedPolicy> policy)
+                const PolicyFactory& make_policy)
       : inner_(std::move(inner)),
         capacity_(o.capacity_bytes),
         policy_name_(o.policy),
         slab_(SlabAllocator::create(o.alloc, o.free, o.slab_page_bytes, arena_step(o))),
-        policy_(std::move(policy)),
-        prefetch_(o, policy_->uses_chains()) {
+        shared_(make_policy(o.capacity_bytes)),
+        prefetch_(o, shared_.policy->uses_chains()) {
+    uint64_t sum = 0;
+    for (const auto& [nsid, quota] : o.quotas) {
+      Group& g = groups_.try_emplace(nsid, make_policy(std::min(quota, capacity_))).first->second;
+      g.limited = true;
+      g.quota = quota;
+      sum = quota > UINT64_MAX - sum ? UINT64_MAX : sum + quota;
+      if (NsStat* st = stat(nsid)) st->limited = true;
+    }
+    quotas_fit_ = sum <= capacity_;
     inner_->set_invalidation_handler(
         [this](uint32_t nsid, const Key& key) { invalidate(nsid, key); });
     inner_->set_removal_handler([this](uint32_t nsid, const Key& key) { removed(nsid, key); });
@@ -141,7 +172,14 @@ class CachedBackend final : public Backend {
       add("cache_slab_arena_growths_total", "arena regions allocated for the slab", kC,
           d(slab_->arena_growths()));
       prefetch_.collect(w);
-      policy_->collect(out);
+      shared_.policy->collect(out);  // the quota groups' policies report nothing of their own
+      for (uint32_t nsid = 0; nsid < ns_.size(); ++nsid) {
+        const NsStat& st = ns_[nsid];
+        if (!st.used && !st.limited) continue;
+        MetricLabels l{{"namespace", std::to_string(nsid)}, {"tier", "cache"}};
+        add("namespace_held_bytes", kHeldHelp, kG, d(st.held), l);
+        add("namespace_evictions_total", kEvictedHelp, kC, d(st.evictions), std::move(l));
+      }
     }
     inner_->collect(out);
   }
@@ -158,6 +196,23 @@ class CachedBackend final : public Backend {
   struct Entry {
     std::shared_ptr<Buffer> buf;
     bool prefetched = false;  // added by a prefetch and not read yet
+    bool low = false;         // in its group's low list, not its policy
+    std::list<NsKey>::iterator low_at;
+  };
+  // Entries evicted together (see the top of the file).
+  struct Group {
+    explicit Group(std::unique_ptr<cache::HintedPolicy> p) : policy(std::move(p)) {}
+    std::unique_ptr<cache::HintedPolicy> policy;  // the ordinary entries
+    std::list<NsKey> low;                         // low-priority entries, newest first
+    uint64_t bytes = 0;
+    bool limited = false;
+    uint64_t quota = 0;  // limited: the most `bytes` may be
+  };
+  struct NsStat {
+    uint64_t held = 0;
+    uint64_t evictions = 0;
+    bool used = false;     // has held a value
+    bool limited = false;  // has a quota
   };
   struct Flight {
     CachedBackend* self = nullptr;
@@ -186,6 +241,7 @@ class CachedBackend final : public Backend {
     void* user;
     bool chained = false;  // a Store that followed its chain predecessor `pred` on its stream
     NsKey pred;
+    bool low = false;  // stored with nvme::kStoreLowPriority
     // A Store's value copied into the slab before it went to the backend (the backend was handed
     // these bytes and may keep them by reference), and the caller's bytes it replaced in the op.
     std::shared_ptr<Buffer> buf;
@@ -232,8 +288,13 @@ class CachedBackend final : public Backend {
           it->second.prefetched = false;
           prefetch_.count_used();
         }
-        policy_->record_access(key, hit->len, tick());
-        if (chained) policy_->record_chain(key, pred);
+        Group& g = group_of(key.nsid);
+        if (it->second.low) {
+          promote(g, key, it->second);
+        } else {
+          g.policy->record_access(key, hit->len, tick());
+        }
+        if (chained) g.policy->record_chain(key, pred);
         ++n_.hits;
       } else if (auto f = flights_.find(key); f != flights_.end()) {
         Flight* fl = f->second;
@@ -387,9 +448,10 @@ class CachedBackend final : public Backend {
       detach(ctx->key);
       if (op->kind == BackendOpKind::kPut) {
         ctx->chained = prefetch_.learn_store(stream_id(op), ctx->key, &ctx->pred);
+        ctx->low = (op->store_options & nvme::kStoreLowPriority) != 0;
       }
       outstanding_.fetch_add(1, std::memory_order_relaxed);
-      sole = sole && put && op->value.size() <= capacity_;
+      sole = sole && put && cacheable(op->nsid, op->value.size());
     }
     if (sole && (ctx->buf = slab_->allocate(op->value.size())) != nullptr) {
       if (!op->value.empty()) std::memcpy(ctx->buf->data, op->value.data(), op->value.size());
@@ -417,22 +479,24 @@ class CachedBackend final : public Backend {
     const NsKey key = ctx->key;
     const bool chained = ctx->chained;
     const NsKey pred = ctx->pred;
+    const bool low = ctx->low;
     CachedBackend* self = ctx->self;
     delete ctx;
     if (s != Status::kSuccess) buf.reset();  // the cache is left as the backend left the key
-    self->finish_write(op, key, s, len, chained ? &pred : nullptr, std::move(buf));
+    self->finish_write(op, key, s, len, chained ? &pred : nullptr, std::move(buf), low);
   }
 
   // `buf`: the Store's value in the slab, when it was copied there and the backend took it.
+  // `low`: stored with nvme::kStoreLowPriority.
   void finish_write(BackendOp* op, const NsKey& key, Status s, uint64_t len, const NsKey* pred,
-                    std::shared_ptr<Buffer> buf) {
+                    std::shared_ptr<Buffer> buf, bool low) {
     const bool put = op->kind == BackendOpKind::kPut;
     {
       std::lock_guard lk(mu_);
       auto w = writes_.find(key);
       detach(key);
       if (buf && !w->second.overlapped) {
-        insert(key, std::move(buf), AddKind::kDemand, pred);
+        insert(key, std::move(buf), AddKind::kDemand, pred, low);
         ++n_.write_fills;
       } else if (!(put && s != Status::kSuccess && rejected_unchanged(s))) {
         erase(key);
@@ -466,7 +530,9 @@ class CachedBackend final : public Backend {
         const NsKey key{nsid, k};
         if (hinted) {
           auto e = entries_.find(key);
-          policy_->hint(key, e == entries_.end() ? 0 : e->second.buf->len, now);
+          // A low-priority entry is not in the policy: it learns the size once a read adds it.
+          const bool known = e != entries_.end() && !e->second.low;
+          group_of(nsid).policy->hint(key, known ? e->second.buf->len : 0, now);
           prefetch_.count_hint();
         }
         if (prefetch_.fetches()) prefetch_.fetch(key, cache::kHint, launch);
@@ -548,54 +614,168 @@ class CachedBackend final : public Backend {
     flights_.erase(it);
   }
 
-  // `pred`: the key's chain predecessor when it was read or stored right after it.
+  Group& group_of(uint32_t nsid) {
+    if (groups_.empty()) return shared_;
+    auto it = groups_.find(nsid);
+    return it != groups_.end() ? it->second : shared_;
+  }
+
+  // The namespace's metrics, or null past kMaxMetricNamespace.
+  NsStat* stat(uint32_t nsid) {
+    if (nsid > kMaxMetricNamespace) return nullptr;
+    if (nsid >= ns_.size()) ns_.resize(nsid + 1);
+    return &ns_[nsid];
+  }
+
+  // Whether a value of `size` bytes of namespace `nsid` may be cached: it fits the capacity and
+  // its namespace's quota; and while the quotas sum to at most the capacity, a namespace without a
+  // quota has only what the quota namespaces do not hold.
+  bool cacheable(uint32_t nsid, uint64_t size) {
+    if (size > capacity_) return false;
+    const Group& g = group_of(nsid);
+    if (g.limited) return size <= g.quota;
+    return !quotas_fit_ || size <= capacity_ - limited_bytes_;
+  }
+
+  void charge(const NsKey& key, Group& g, uint64_t n) {
+    bytes_ += n;
+    g.bytes += n;
+    if (g.limited) limited_bytes_ += n;
+    if (NsStat* st = stat(key.nsid)) {
+      st->held += n;
+      st->used = true;
+    }
+  }
+  void credit(const NsKey& key, Group& g, uint64_t n) {
+    bytes_ -= n;
+    g.bytes -= n;
+    if (g.limited) limited_bytes_ -= n;
+    if (NsStat* st = stat(key.nsid)) st->held -= n;
+  }
+
+  // A low-priority entry read: it becomes an ordinary one, added to its group's policy.
+  void promote(Group& g, const NsKey& key, Entry& e) {
+    g.low.erase(e.low_at);
+    e.low = false;
+    g.policy->prepare_insert(key, e.buf->len, AddKind::kDemand);
+    g.policy->add(key, e.buf->len, tick(), AddKind::kDemand);
+  }
+
+  // Room for `size` more bytes in `g`: its own victims while it is over its quota, then victims
+  // for the capacity (evict_for_capacity).
+  void make_room(Group& g, uint64_t size) {
+    while (g.limited && g.bytes + size > g.quota && evict_from(g)) {
+    }
+    while (bytes_ + size > capacity_ && evict_for_capacity()) {
+    }
+  }
+
+  // `pred`: the key's chain predecessor when it was read or stored right after it. `low`: a Store
+  // with nvme::kStoreLowPriority (its entry goes to the low list).
   void insert(const NsKey& key, std::shared_ptr<Buffer> buf, AddKind kind,
-              const NsKey* pred = nullptr) {
+              const NsKey* pred = nullptr, bool low = false) {
     const uint64_t size = buf->len;
     auto it = entries_.find(key);
-    if (size > capacity_) {
+    Group& g = group_of(key.nsid);
+    if (!cacheable(key.nsid, size)) {
       if (it != entries_.end()) erase(key);
       return;
     }
     const uint64_t now = tick();
     if (it != entries_.end()) {
       // A Store over a cached value: the same entry, a new reference.
-      if (it->second.prefetched) prefetch_.count_wasted();
-      bytes_ = bytes_ - it->second.buf->len + size;
-      it->second = Entry{std::move(buf), false};
-      policy_->record_access(key, size, now);
-      if (pred != nullptr) policy_->record_chain(key, *pred);
-      while (bytes_ > capacity_ && evict_one()) {
+      Entry& e = it->second;
+      if (e.prefetched) prefetch_.count_wasted();
+      credit(key, g, e.buf->len);
+      charge(key, g, size);
+      e.buf = std::move(buf);
+      e.prefetched = false;
+      if (low) {
+        if (e.low) {
+          g.low.splice(g.low.begin(), g.low, e.low_at);
+        } else {
+          g.policy->remove(key);
+          g.low.push_front(key);
+          e.low_at = g.low.begin();
+          e.low = true;
+        }
+      } else if (e.low) {
+        promote(g, key, e);
+      } else {
+        g.policy->record_access(key, size, now);
       }
+      if (pred != nullptr) g.policy->record_chain(key, *pred);
+      make_room(g, 0);
       return;
     }
-    policy_->prepare_insert(key, size, kind);
-    while (bytes_ + size > capacity_ && evict_one()) {
+    if (!low) g.policy->prepare_insert(key, size, kind);
+    make_room(g, size);
+    Entry& e = entries_.emplace(key, Entry{std::move(buf), kind == AddKind::kPrefetch, low, {}})
+                   .first->second;
+    charge(key, g, size);
+    if (low) {
+      g.low.push_front(key);
+      e.low_at = g.low.begin();
+      return;
     }
-    entries_.emplace(key, Entry{std::move(buf), kind == AddKind::kPrefetch});
-    bytes_ += size;
-    policy_->add(key, size, now, kind);
-    if (pred != nullptr) policy_->record_chain(key, *pred);
+    g.policy->add(key, size, now, kind);
+    if (pred != nullptr) g.policy->record_chain(key, *pred);
   }
 
-  bool evict_one() {
+  // Evicts `g`'s next victim: its oldest low-priority entry, else its policy's choice. False when
+  // it holds nothing.
+  bool evict_from(Group& g) {
     NsKey victim;
-    if (!policy_->evict(&victim)) return false;
+    if (!g.low.empty()) {
+      victim = g.low.back();
+      g.low.pop_back();
+    } else if (!g.policy->evict(&victim)) {
+      return false;
+    }
     auto it = entries_.find(victim);
-    if (it == entries_.end()) return true;  // cannot happen: the policy holds resident keys only
+    if (it == entries_.end()) return true;  // cannot happen: groups hold resident keys only
     if (it->second.prefetched) prefetch_.count_wasted();
-    bytes_ -= it->second.buf->len;
+    credit(victim, g, it->second.buf->len);
     entries_.erase(it);
     ++n_.evictions;
+    if (NsStat* st = stat(victim.nsid)) ++st->evictions;
     return true;
+  }
+
+  // Evicts for the capacity: from the shared group; from the quota groups only when the quotas
+  // sum to more than the capacity and the shared group is empty: then from the group fullest
+  // against its quota among those with low-priority entries, else among all.
+  bool evict_for_capacity() {
+    if (evict_from(shared_)) return true;
+    if (quotas_fit_) return false;
+    for (const bool low_only : {true, false}) {
+      Group* best = nullptr;
+      double best_fill = -1;
+      for (auto& [nsid, g] : groups_) {
+        if (g.bytes == 0 || (low_only && g.low.empty())) continue;
+        const double fill =
+            static_cast<double>(g.bytes) / static_cast<double>(std::max<uint64_t>(g.quota, 1));
+        if (fill > best_fill) {
+          best = &g;
+          best_fill = fill;
+        }
+      }
+      if (best != nullptr) return evict_from(*best);
+    }
+    return false;
   }
 
   void erase(const NsKey& key) {
     auto it = entries_.find(key);
     if (it == entries_.end()) return;
-    policy_->remove(key);
+    Group& g = group_of(key.nsid);
+    if (it->second.low) {
+      g.low.erase(it->second.low_at);
+    } else {
+      g.policy->remove(key);
+    }
     if (it->second.prefetched) prefetch_.count_wasted();
-    bytes_ -= it->second.buf->len;
+    credit(key, g, it->second.buf->len);
     entries_.erase(it);
     ++n_.invalidations;
   }
@@ -623,12 +803,16 @@ class CachedBackend final : public Backend {
   const std::shared_ptr<SlabAllocator> slab_;
 
   mutable std::mutex mu_;
-  std::unique_ptr<cache::HintedPolicy> policy_;
+  Group shared_;                      // the namespaces without a quota
+  std::map<uint32_t, Group> groups_;  // the namespaces with a quota; fixed at construction
+  bool quotas_fit_ = true;            // the quotas sum to at most the capacity
+  uint64_t limited_bytes_ = 0;        // cached for the namespaces with a quota
+  std::vector<NsStat> ns_;            // by namespace, up to kMaxMetricNamespace
   std::unordered_map<NsKey, Entry, NsKeyHash> entries_;
   uint64_t bytes_ = 0;
   std::unordered_map<NsKey, Flight*, NsKeyHash> flights_;  // attached flights
   std::unordered_map<NsKey, WriteState, NsKeyHash> writes_;
-  // Chain learning and the prefetch queue; after policy_ (it asks whether the policy orders by
+  // Chain learning and the prefetch queue; after shared_ (it asks whether the policy orders by
   // chains). Guarded by mu_ like the rest: every call into it holds the lock.
   cache::Prefetcher prefetch_;
   uint64_t last_tick_ = 0;
@@ -647,15 +831,18 @@ std::vector<std::string> cache_policies() { return cache::policy_names(); }
 Result<std::shared_ptr<Backend>> make_cached_backend(std::shared_ptr<Backend> inner,
                                                      const CacheOptions& options) {
   if (!inner) return Error{"cache: no backend to cache"};
-  cache::PolicyOptions po;
-  po.capacity_bytes = options.capacity_bytes;
-  po.k = options.k;
-  po.history_entries = options.history_entries;
-  po.correlated_window = options.correlated_window_us * 1000;  // the cache's clock is in ns
-  // A first guess (64 KiB values); the adaptive policy corrects it once the cache has filled.
-  po.expected_entries = options.capacity_bytes / (64 * 1024);
-  auto inner_policy = cache::make_policy(options.policy, po);
-  if (!inner_policy) {
+  // One policy per eviction group: the shared one sized by the capacity, one per quota by it.
+  auto policy_options = [&](uint64_t capacity) {
+    cache::PolicyOptions po;
+    po.capacity_bytes = capacity;
+    po.k = options.k;
+    po.history_entries = options.history_entries;
+    po.correlated_window = options.correlated_window_us * 1000;  // the cache's clock is in ns
+    // A first guess (64 KiB values); the adaptive policy corrects it once the cache has filled.
+    po.expected_entries = capacity / (64 * 1024);
+    return po;
+  };
+  if (!cache::make_policy(options.policy, policy_options(options.capacity_bytes))) {
     if (options.policy == "lru-k") {
       return Error{"cache: k must be 1.." + std::to_string(cache::kMaxK) + ", not " +
                    std::to_string(options.k)};
@@ -664,14 +851,17 @@ Result<std::shared_ptr<Backend>> make_cached_backend(std::shared_ptr<Backend> in
     for (const std::string& n : cache::policy_names()) all += (all.empty() ? "" : ", ") + n;
     return Error{"cache: unknown policy '" + options.policy + "' (" + all + ")"};
   }
-  cache::HintOptions ho;
-  ho.capacity_bytes = options.capacity_bytes;
-  ho.max_hints = std::max<uint64_t>(1, options.hint_entries);
-  ho.ttl = options.hint_ttl_us * 1000;
-  ho.max_share = std::clamp(options.hint_share, 0.0, 1.0);
+  const PolicyFactory make_policy = [&](uint64_t capacity) {
+    cache::HintOptions ho;
+    ho.capacity_bytes = capacity;
+    ho.max_hints = std::max<uint64_t>(1, options.hint_entries);
+    ho.ttl = options.hint_ttl_us * 1000;
+    ho.max_share = std::clamp(options.hint_share, 0.0, 1.0);
+    return cache::make_hinted_policy(cache::make_policy(options.policy, policy_options(capacity)),
+                                     ho);
+  };
   return catch_error([&]() -> std::shared_ptr<Backend> {
-    auto policy = cache::make_hinted_policy(std::move(inner_policy), ho);
-    return std::make_shared<CachedBackend>(std::move(inner), options, std::move(policy));
+    return std::make_shared<CachedBackend>(std::move(inner), options, make_policy);
   });
 }
 

@@ -887,5 +887,237 @@ TEST(CacheWrites, AStoreFailingInTheBackendLeavesTheCacheUnchanged) {
   EXPECT_EQ(get(*memory), v2);
 }
 
+// ---- quotas and low-priority Stores ----
+
+constexpr uint32_t kA = 1, kB = 2, kC = 3;
+constexpr uint64_t kKiB = 1024;
+
+Key nkey(char tag, int i) {
+  char buf[8];
+  std::snprintf(buf, sizeof buf, "%c%04d", tag, i % 10000);
+  return key(buf);
+}
+// 1 KiB that differs from every other (tag, i).
+std::string nvalue(char tag, int i, size_t n = kKiB) {
+  std::string v(n, '\0');
+  uint32_t x = static_cast<uint32_t>(tag) * 2654435761u ^ static_cast<uint32_t>(i) * 40503u;
+  for (char& c : v) {
+    x = x * 1664525u + 1013904223u;
+    c = static_cast<char>(x >> 24);
+  }
+  return v;
+}
+double ns_metric(const Backend& b, const char* name, uint32_t nsid) {
+  return test::ns_metric(b, name, nsid, "cache");
+}
+// Whether the cache holds the key: an Exist it answers never reaches the backend.
+bool cached(Fixture& f, uint32_t nsid, const Key& k) {
+  const uint64_t before = f.gate->count(BackendOpKind::kExists);
+  SyncOp op(BackendOpKind::kExists, k);
+  op.op.nsid = nsid;
+  EXPECT_EQ(op.run(*f.cache), Status::kSuccess);
+  return f.gate->count(BackendOpKind::kExists) == before;
+}
+
+class CacheQuota : public testing::TestWithParam<std::string> {};
+INSTANTIATE_TEST_SUITE_P(Policies, CacheQuota, testing::ValuesIn(cache_policies()));
+
+// Tenant B (quota 16 KiB) caches 12 KiB; tenant A, without a quota, stores ten times the cache's
+// capacity through it. Whatever the policy, all of B's values stay cached (the old single policy
+// evicted them) and A's entries alone are evicted.
+TEST_P(CacheQuota, FloodWithoutQuotaKeepsQuotaNamespace) {
+  CacheOptions o;
+  o.policy = GetParam();
+  o.capacity_bytes = 64 * kKiB;
+  o.quotas = {{kB, 16 * kKiB}};
+  Fixture f(o);
+  for (int i = 0; i < 12; ++i) {
+    ASSERT_EQ(test::put_in(*f.cache, kB, nkey('b', i), nvalue('b', i)), Status::kSuccess);
+  }
+  constexpr int kFlood = 640;
+  for (int i = 0; i < kFlood; ++i) {
+    ASSERT_EQ(test::put_in(*f.cache, kA, nkey('a', i), nvalue('a', i)), Status::kSuccess);
+    // A read now and then, so that frequency-aware policies see more than one reference.
+    if (i % 8 == 0) {
+      EXPECT_EQ(test::get_in(*f.cache, kA, nkey('a', i)), nvalue('a', i));
+    }
+  }
+  const uint64_t gets = f.gate->count(BackendOpKind::kGet);
+  for (int i = 0; i < 12; ++i) {
+    EXPECT_EQ(test::get_in(*f.cache, kB, nkey('b', i)), nvalue('b', i)) << i;
+  }
+  EXPECT_EQ(f.gate->count(BackendOpKind::kGet), gets);  // every one a hit
+  EXPECT_EQ(ns_metric(*f.cache, "namespace_held_bytes", kB), 12.0 * kKiB);
+  EXPECT_EQ(ns_metric(*f.cache, "namespace_evictions_total", kB), 0);
+  const double held_a = ns_metric(*f.cache, "namespace_held_bytes", kA);
+  EXPECT_LE(held_a, 52.0 * kKiB);
+  EXPECT_GT(held_a, 0);
+  EXPECT_EQ(ns_metric(*f.cache, "namespace_evictions_total", kA), kFlood - held_a / kKiB);
+  EXPECT_EQ(metric(*f.cache, "cache_evictions_total"), kFlood - held_a / kKiB);
+}
+
+// The same flood under LRU: A's own entries go oldest first, exactly.
+TEST(CacheQuotaLru, NamespaceWithoutQuotaEvictsItsOwnOldestFirst) {
+  CacheOptions o;
+  o.policy = "lru";
+  o.capacity_bytes = 64 * kKiB;
+  o.quotas = {{kB, 16 * kKiB}};
+  Fixture f(o);
+  for (int i = 0; i < 12; ++i) {
+    ASSERT_EQ(test::put_in(*f.cache, kB, nkey('b', i), nvalue('b', i)), Status::kSuccess);
+  }
+  for (int i = 0; i < 640; ++i) {
+    ASSERT_EQ(test::put_in(*f.cache, kA, nkey('a', i), nvalue('a', i)), Status::kSuccess);
+  }
+  EXPECT_EQ(ns_metric(*f.cache, "namespace_held_bytes", kA), 52.0 * kKiB);
+  EXPECT_EQ(ns_metric(*f.cache, "namespace_evictions_total", kA), 640 - 52);
+  for (int i = 640 - 52; i < 640; ++i) EXPECT_TRUE(cached(f, kA, nkey('a', i))) << i;
+  EXPECT_FALSE(cached(f, kA, nkey('a', 640 - 53)));
+  for (int i = 0; i < 12; ++i) EXPECT_TRUE(cached(f, kB, nkey('b', i))) << i;
+}
+
+// Tenant A has a quota of its own (8 KiB) and stores ten times it: it never holds more, it evicts
+// its own entries oldest first (a read is a use), and B's and a namespace without a quota's stay.
+TEST(CacheQuotaLru, QuotaNamespaceEvictsOnlyItsOwnOldestFirst) {
+  CacheOptions o;
+  o.policy = "lru";
+  o.capacity_bytes = 32 * kKiB;
+  o.quotas = {{kA, 8 * kKiB}, {kB, 16 * kKiB}};
+  Fixture f(o);
+  for (int i = 0; i < 16; ++i) {
+    ASSERT_EQ(test::put_in(*f.cache, kB, nkey('b', i), nvalue('b', i)), Status::kSuccess);
+  }
+  for (int i = 0; i < 8; ++i) {
+    ASSERT_EQ(test::put_in(*f.cache, kC, nkey('c', i), nvalue('c', i)), Status::kSuccess);
+  }
+  for (int i = 0; i < 8; ++i) {
+    ASSERT_EQ(test::put_in(*f.cache, kA, nkey('a', i), nvalue('a', i)), Status::kSuccess);
+  }
+  EXPECT_EQ(test::get_in(*f.cache, kA, nkey('a', 0)), nvalue('a', 0));  // a1 is now the oldest
+  for (int i = 8; i < 80; ++i) {
+    ASSERT_EQ(test::put_in(*f.cache, kA, nkey('a', i), nvalue('a', i)), Status::kSuccess);
+    EXPECT_LE(ns_metric(*f.cache, "namespace_held_bytes", kA), 8.0 * kKiB);
+    if (i == 14) {  // seven new keys: a1..a7 went, a0 (read after them) stays
+      EXPECT_TRUE(cached(f, kA, nkey('a', 0)));
+      for (int j = 1; j < 8; ++j) EXPECT_FALSE(cached(f, kA, nkey('a', j))) << j;
+    }
+  }
+  for (int i = 72; i < 80; ++i) EXPECT_TRUE(cached(f, kA, nkey('a', i))) << i;
+  EXPECT_FALSE(cached(f, kA, nkey('a', 71)));
+  const uint64_t gets = f.gate->count(BackendOpKind::kGet);
+  for (int i = 0; i < 16; ++i) EXPECT_EQ(test::get_in(*f.cache, kB, nkey('b', i)), nvalue('b', i));
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(test::get_in(*f.cache, kC, nkey('c', i)), nvalue('c', i));
+  EXPECT_EQ(f.gate->count(BackendOpKind::kGet), gets);
+  EXPECT_EQ(ns_metric(*f.cache, "namespace_evictions_total", kA), 72);
+  EXPECT_EQ(ns_metric(*f.cache, "namespace_evictions_total", kB), 0);
+  EXPECT_EQ(ns_metric(*f.cache, "namespace_evictions_total", kC), 0);
+  EXPECT_EQ(ns_metric(*f.cache, "namespace_held_bytes", kC), 8.0 * kKiB);
+}
+
+// Over a memory backend with the same quotas (as open_store sets them up): a value larger than
+// its namespace's quota is refused with 81h and nothing cached is evicted. Over a backend without
+// quotas the Store succeeds, and the cache does not keep the value.
+TEST(CacheQuotaLru, ValueLargerThanTheQuota) {
+  CacheOptions o;
+  o.policy = "lru";
+  o.capacity_bytes = 64 * kKiB;
+  o.quotas = {{kB, 8 * kKiB}};
+  MemoryBackendOptions mo;
+  mo.quotas = o.quotas;
+  Fixture f(o, mo);
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_EQ(test::put_in(*f.cache, kB, nkey('b', i), nvalue('b', i)), Status::kSuccess);
+  }
+  EXPECT_EQ(test::put_in(*f.cache, kB, nkey('b', 9), nvalue('b', 9, 8 * kKiB)),
+            Status::kCapacityExceeded);
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(cached(f, kB, nkey('b', i))) << i;
+  EXPECT_EQ(ns_metric(*f.cache, "namespace_evictions_total", kB), 0);
+
+  Fixture plain(o);
+  ASSERT_EQ(test::put_in(*plain.cache, kB, nkey('b', 0), nvalue('b', 0)), Status::kSuccess);
+  ASSERT_EQ(test::put_in(*plain.cache, kB, nkey('b', 9), nvalue('b', 9, 9 * kKiB)),
+            Status::kSuccess);
+  EXPECT_EQ(test::get_in(*plain.cache, kB, nkey('b', 9)), nvalue('b', 9, 9 * kKiB));
+  EXPECT_EQ(ns_metric(*plain.cache, "namespace_held_bytes", kB), 1.0 * kKiB);
+  EXPECT_TRUE(cached(plain, kB, nkey('b', 0)));
+}
+
+// A low-priority Store is evicted before any ordinary entry of its group, even a less recently
+// used one; a read makes it ordinary. Within a quota namespace, the same.
+TEST(CacheQuotaLru, LowPriorityGoesFirstAndAReadPromotes) {
+  CacheOptions o;
+  o.policy = "lru";
+  o.capacity_bytes = 10 * kKiB;  // B's quota and 6 KiB for A
+  o.quotas = {{kB, 4 * kKiB}};
+  Fixture f(o);
+  const auto put = [&](uint32_t ns, char tag, int i, uint8_t opt = 0) {
+    ASSERT_EQ(test::put_in(*f.cache, ns, nkey(tag, i), nvalue(tag, i), opt), Status::kSuccess);
+  };
+  put(kA, 'a', 0);
+  put(kA, 'a', 1);
+  put(kA, 'a', 2, nvme::kStoreLowPriority);
+  put(kA, 'a', 3, nvme::kStoreLowPriority);
+  EXPECT_EQ(test::get_in(*f.cache, kA, nkey('a', 3)), nvalue('a', 3));  // a hit: now ordinary
+  put(kB, 'b', 0, nvme::kStoreLowPriority);
+  put(kB, 'b', 1);
+  put(kB, 'b', 2);
+  put(kB, 'b', 3, nvme::kStoreLowPriority);
+  put(kA, 'a', 4);
+  put(kA, 'a', 5);
+  put(kA, 'a', 6);  // the capacity takes a2 (low) first
+  EXPECT_FALSE(cached(f, kA, nkey('a', 2)));
+  EXPECT_TRUE(cached(f, kA, nkey('a', 0)));
+  put(kA, 'a', 7);  // then a0 (least recently used), not a3 (promoted, read after a1)
+  EXPECT_FALSE(cached(f, kA, nkey('a', 0)));
+  put(kB, 'b', 4);  // B's quota: b0 (its oldest low-priority entry), not b1
+  EXPECT_FALSE(cached(f, kB, nkey('b', 0)));
+  EXPECT_TRUE(cached(f, kB, nkey('b', 1)));
+  put(kB, 'b', 5);  // then b3
+  EXPECT_FALSE(cached(f, kB, nkey('b', 3)));
+  put(kB, 'b', 6);  // then b1
+  EXPECT_FALSE(cached(f, kB, nkey('b', 1)));
+  for (int i : {1, 3, 4, 5, 6, 7}) EXPECT_TRUE(cached(f, kA, nkey('a', i))) << i;
+  for (int i : {2, 4, 5, 6}) EXPECT_TRUE(cached(f, kB, nkey('b', i))) << i;
+  EXPECT_EQ(ns_metric(*f.cache, "namespace_evictions_total", kA), 2);
+  EXPECT_EQ(ns_metric(*f.cache, "namespace_evictions_total", kB), 3);
+  // Rewritten as low priority, a cached ordinary entry goes first again.
+  put(kA, 'a', 7, nvme::kStoreLowPriority);
+  put(kA, 'a', 8);
+  EXPECT_FALSE(cached(f, kA, nkey('a', 7)));
+  EXPECT_TRUE(cached(f, kA, nkey('a', 1)));
+}
+
+// Hints and prefetch inside a quota namespace: a hinted entry survives its namespace's own
+// eviction, and prefetched values never take the namespace past its quota.
+TEST(CacheQuotaLru, HintsAndPrefetchWorkWithinAQuota) {
+  CacheOptions o;
+  o.policy = "lru";
+  o.capacity_bytes = 64 * kKiB;
+  o.quotas = {{kB, 8 * kKiB}};
+  Fixture f(o);
+  for (int i = 0; i < 8; ++i) {
+    ASSERT_EQ(test::put_in(*f.cache, kB, nkey('b', i), nvalue('b', i)), Status::kSuccess);
+  }
+  const Key hinted = nkey('b', 0);
+  f.cache->hint(kB, std::span(&hinted, 1));
+  ASSERT_EQ(test::put_in(*f.cache, kB, nkey('b', 8), nvalue('b', 8)), Status::kSuccess);
+  EXPECT_TRUE(cached(f, kB, nkey('b', 0)));  // the LRU victim, kept by its hint
+  EXPECT_FALSE(cached(f, kB, nkey('b', 1)));
+  // Twelve values only the backend has, prefetched into the namespace.
+  std::vector<Key> ahead;
+  for (int i = 20; i < 32; ++i) {
+    ASSERT_EQ(test::put_in(*f.memory, kB, nkey('b', i), nvalue('b', i)), Status::kSuccess);
+    ahead.push_back(nkey('b', i));
+  }
+  const uint64_t gets = f.gate->count(BackendOpKind::kGet);
+  f.cache->prefetch(kB, ahead);
+  ASSERT_TRUE(test::eventually([&] { return f.gate->count(BackendOpKind::kGet) == gets + 12; }));
+  f.cache->drain();
+  EXPECT_LE(ns_metric(*f.cache, "namespace_held_bytes", kB), 8.0 * kKiB);
+  EXPECT_TRUE(cached(f, kB, nkey('b', 31)));
+  EXPECT_EQ(test::get_in(*f.cache, kB, nkey('b', 31)), nvalue('b', 31));
+  EXPECT_EQ(f.gate->count(BackendOpKind::kGet), gets + 12);
+}
+
 }  // namespace
 }  // namespace gdkv

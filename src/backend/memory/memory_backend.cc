@@ -6,6 +6,14 @@
 // kernel fault in and zero fresh pages. At capacity it evicts like a cache, least
 // recently used first (Stores and Gets count as uses), rather than failing with 81h. With delay_us
 // set, completions are held back by a timer thread, so it can stand in for a slow backend.
+//
+// Eviction order (gdkv/backend.h states the rule): values live in pools, one shared by every
+// namespace without a quota and one per namespace with a quota. A pool keeps two lists, its
+// low-priority values (newest first) and the rest (most recently used first); its victim is the
+// oldest low-priority value, else the least recently used one. Each value carries the sequence
+// number of its last use, so the least recently used value of all the quota pools is the oldest
+// of their list tails: that scan (one step per quota) runs only when the quotas sum to more than
+// the capacity and the shared pool is empty.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -16,6 +24,7 @@
 #include <map>
 #include <mutex>
 #include <queue>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -33,11 +42,28 @@ struct Value {
   std::shared_ptr<const void> keep;
 };
 using Clock = std::chrono::steady_clock;
+// Per-namespace metrics are kept for backend namespaces up to this one (bounded label sets).
+constexpr uint32_t kMaxMetricNamespace = 1024;
+// One help text per name for both tiers that report it (the host cache's are the same).
+constexpr const char* kHeldHelp =
+    "bytes of the backend namespace held in the tier (memory: key and value bytes; cache: value "
+    "bytes)";
+constexpr const char* kEvictedHelp =
+    "values of the backend namespace the tier evicted (for its quota or for the capacity)";
 
 class MemoryBackend final : public Backend {
  public:
   explicit MemoryBackend(const MemoryBackendOptions& o)
       : options_(o), arena_(std::make_shared<Arena>(arena_options(o))) {
+    uint64_t sum = 0;
+    for (const auto& [nsid, quota] : options_.quotas) {
+      Pool& p = quota_pools_[nsid];
+      p.limited = true;
+      p.quota = quota;
+      sum = quota > UINT64_MAX - sum ? UINT64_MAX : sum + quota;
+      space(nsid);  // reported from the start
+    }
+    quotas_fit_ = sum <= options_.capacity_bytes;
     if (options_.delay_us > 0) timer_ = std::thread([this] { run_timer(); });
   }
   ~MemoryBackend() override {
@@ -61,7 +87,7 @@ class MemoryBackend final : public Backend {
     std::lock_guard lk(mu_);
     BackendInfo i;
     i.name = "memory";
-    for (const auto& [ns, map] : spaces_) i.keys += map.size();
+    for (const auto& [ns, sp] : spaces_) i.keys += sp.map.size();
     i.bytes_used = used_;
     i.capacity_bytes = options_.capacity_bytes;
     return i;
@@ -87,6 +113,7 @@ class MemoryBackend final : public Backend {
               "still held, or fragmentation)",
               heap_values_);
     w.gauge("backend_bytes_used", "bytes stored", static_cast<double>(i.bytes_used));
+    collect_namespaces(out);
   }
 
   void drain() override {
@@ -96,15 +123,32 @@ class MemoryBackend final : public Backend {
 
  private:
   struct Slot {
-    uint32_t nsid;
-    Key key;
+    NsKey key;
+    uint64_t seq;  // use_seq_ at its last use (a Store or a Get)
   };
-  using Lru = std::list<Slot>;  // front: most recently used
+  using Lru = std::list<Slot>;  // front: most recently used (or stored)
   struct Entry {
     Value value;
     Lru::iterator lru;
+    bool low;  // in its pool's low list (stored with kStoreLowPriority, not read since)
   };
   using Map = std::map<Key, Entry>;
+  // Values evicted together: all namespaces without a quota share one pool, each namespace with
+  // a quota has its own.
+  struct Pool {
+    Lru ordinary;
+    Lru low;
+    uint64_t bytes = 0;  // key and value bytes
+    bool limited = false;
+    uint64_t quota = 0;  // limited: the most `bytes` may be
+  };
+  struct Space {
+    Map map;
+    Pool* pool = nullptr;
+    uint64_t held = 0;       // key and value bytes
+    uint64_t evictions = 0;  // values evicted, for its quota or for the capacity
+    bool used = false;       // has held a value
+  };
 
   // Regions of 64 MiB (or the capacity, when smaller), at most the capacity in all.
   static Arena::Options arena_options(const MemoryBackendOptions& o) {
@@ -127,7 +171,8 @@ class MemoryBackend final : public Backend {
     }
     {
       std::lock_guard lk(mu_);
-      Map& m = spaces_[op->nsid];
+      Space& sp = space(op->nsid);
+      Map& m = sp.map;
       switch (op->kind) {
         case BackendOpKind::kPut:
           break;
@@ -137,7 +182,7 @@ class MemoryBackend final : public Backend {
             s = Status::kKeyNotExist;
             break;
           }
-          lru_.splice(lru_.begin(), lru_, it->second.lru);
+          touch(sp, it->second);
           len = it->second.value.bytes.size();
           op->view = ValueView{it->second.value.bytes, it->second.value.keep};
           break;
@@ -148,7 +193,7 @@ class MemoryBackend final : public Backend {
             s = Status::kKeyNotExist;
             break;
           }
-          erase_locked(m, it, gone);
+          erase_locked(sp, it, gone);
           removed_.push_back(NsKey{op->nsid, op->key});
           has_removed_.store(true, std::memory_order_release);
           break;
@@ -185,6 +230,10 @@ class MemoryBackend final : public Backend {
   Status store(const BackendOp& op, std::vector<Value>& gone) {
     // Larger than the whole store: no eviction can make room.
     if (op.key.len + op.value.size() > options_.capacity_bytes) return Status::kCapacityExceeded;
+    if (!options_.quotas.empty()) {  // refused before the copy, and before evicting for it
+      std::lock_guard lk(mu_);
+      if (Status s = admit(op); s != Status::kSuccess) return s;
+    }
     Value v;
     if (Status s = take(op, v, gone); s != Status::kSuccess) return s;
     std::lock_guard lk(mu_);
@@ -214,16 +263,20 @@ class MemoryBackend final : public Backend {
     while (p == nullptr && evicted < max_evicted) {
       {
         std::lock_guard lk(mu_);
-        // A Store its options refuse evicts nothing.
-        if (Status s = check_options(spaces_[op.nsid], op); s != Status::kSuccess) return s;
-        if (lru_.empty()) break;
+        // A Store its options or quota refuse evicts nothing.
+        if (Status s = admit(op); s != Status::kSuccess) return s;
         // A rewrite never evicts its own key (a Store that then failed would have changed it);
-        // the old value goes when the new one is in.
-        if (lru_.back().nsid == op.nsid && lru_.back().key == op.key) {
-          if (lru_.size() == 1) break;
-          lru_.splice(lru_.begin(), lru_, std::prev(lru_.end()));
+        // the old value goes when the new one is in. Room its namespace's quota needs anyway
+        // comes from that namespace.
+        const NsKey self{op.nsid, op.key};
+        Space& sp = space(op.nsid);
+        const Slot* victim = nullptr;
+        if (sp.pool->limited && held_after(sp, op) > sp.pool->quota) {
+          victim = victim_of(*sp.pool, &self);
         }
-        evicted += evict_one_locked(gone);
+        if (victim == nullptr) victim = capacity_victim(&self);
+        if (victim == nullptr) break;
+        evicted += evict_locked(*victim, gone);
       }
       gone.clear();  // the evicted extents go back to the arena (unless a view holds one)
       p = arena_->allocate(n);
@@ -250,49 +303,153 @@ class MemoryBackend final : public Backend {
     return nothing;
   }
 
-  // REQUIRES: mu_ held.
-  static Status check_options(const Map& m, const BackendOp& op) {
-    const bool exists = m.contains(op.key);
+  // REQUIRES: mu_ held. The namespace's Space (created empty, in its pool, on first use).
+  Space& space(uint32_t nsid) {
+    auto [it, fresh] = spaces_.try_emplace(nsid);
+    if (fresh) {
+      auto q = quota_pools_.find(nsid);
+      it->second.pool = q != quota_pools_.end() ? &q->second : &shared_;
+    }
+    return it->second;
+  }
+
+  // REQUIRES: mu_ held. Whether the Store may go ahead: its options (MustExist, MustNotExist), and
+  // room: a value larger than its namespace's quota never fits; while the quotas sum to at most
+  // the capacity, a namespace without a quota has only what the quota namespaces do not hold.
+  Status admit(const BackendOp& op) {
+    Space& sp = space(op.nsid);
+    const bool exists = sp.map.contains(op.key);
     if (op.store_options & nvme::kStoreMustExist && !exists) return Status::kKeyNotExist;
     if (op.store_options & nvme::kStoreMustNotExist && exists) return Status::kKeyExists;
+    const uint64_t add = op.key.len + op.value.size();
+    if (sp.pool->limited) {
+      if (add > sp.pool->quota) return Status::kCapacityExceeded;
+    } else if (quotas_fit_ && add > options_.capacity_bytes - limited_bytes_) {
+      return Status::kCapacityExceeded;
+    }
     return Status::kSuccess;
+  }
+
+  // REQUIRES: mu_ held. The bytes op's namespace holds once the Store replaces its old value.
+  static uint64_t held_after(const Space& sp, const BackendOp& op) {
+    uint64_t held = sp.pool->bytes + op.key.len + op.value.size();
+    if (auto it = sp.map.find(op.key); it != sp.map.end()) {
+      held -= it->first.len + it->second.value.bytes.size();
+    }
+    return held;
   }
 
   // REQUIRES: mu_ held, and the value fits in the capacity. `v` becomes the key's value; the one it
   // replaces and those evicted to make room go to `gone`.
   Status put(const BackendOp& op, Value v, std::vector<Value>& gone) {
-    Map& m = spaces_[op.nsid];
-    if (Status s = check_options(m, op); s != Status::kSuccess) return s;
-    if (auto it = m.find(op.key); it != m.end()) erase_locked(m, it, gone);
+    if (Status s = admit(op); s != Status::kSuccess) return s;
+    Space& sp = space(op.nsid);
+    Pool& pool = *sp.pool;
+    if (auto it = sp.map.find(op.key); it != sp.map.end()) erase_locked(sp, it, gone);
     const uint64_t add = op.key.len + v.bytes.size();
-    while (used_ + add > options_.capacity_bytes && !lru_.empty()) evict_one_locked(gone);
-    lru_.push_front(Slot{op.nsid, op.key});
-    m.emplace(op.key, Entry{std::move(v), lru_.begin()});
+    // First the namespace's quota, from its own values; then the capacity (capacity_victim).
+    while (pool.limited && pool.bytes + add > pool.quota) {
+      const Slot* victim = victim_of(pool, nullptr);
+      if (victim == nullptr) break;
+      evict_locked(*victim, gone);
+    }
+    while (used_ + add > options_.capacity_bytes) {
+      const Slot* victim = capacity_victim(nullptr);
+      if (victim == nullptr) break;
+      evict_locked(*victim, gone);
+    }
+    const bool low = (op.store_options & nvme::kStoreLowPriority) != 0;
+    Lru& list = low ? pool.low : pool.ordinary;
+    list.push_front(Slot{NsKey{op.nsid, op.key}, ++use_seq_});
+    sp.map.emplace(op.key, Entry{std::move(v), list.begin(), low});
     used_ += add;
+    pool.bytes += add;
+    if (pool.limited) limited_bytes_ += add;
+    sp.held += add;
+    sp.used = true;
     return Status::kSuccess;
   }
 
-  // REQUIRES: mu_ held.
-  void erase_locked(Map& m, Map::iterator it, std::vector<Value>& gone) {
-    used_ -= it->first.len + it->second.value.bytes.size();
-    gone.push_back(std::move(it->second.value));
-    lru_.erase(it->second.lru);
-    m.erase(it);
+  // REQUIRES: mu_ held. A Get of the value: it becomes its pool's most recently used, and an
+  // ordinary value if it was a low-priority one.
+  void touch(Space& sp, Entry& e) {
+    Pool& pool = *sp.pool;
+    pool.ordinary.splice(pool.ordinary.begin(), e.low ? pool.low : pool.ordinary, e.lru);
+    e.low = false;
+    e.lru->seq = ++use_seq_;
   }
 
-  // REQUIRES: mu_ held, lru_ not empty. Evicts the least recently used value; returns its bytes.
-  uint64_t evict_one_locked(std::vector<Value>& gone) {
-    const Slot& s = lru_.back();
-    Map& m = spaces_[s.nsid];
-    auto it = m.find(s.key);
+  // REQUIRES: mu_ held.
+  void erase_locked(Space& sp, Map::iterator it, std::vector<Value>& gone) {
+    const uint64_t bytes = it->first.len + it->second.value.bytes.size();
+    used_ -= bytes;
+    sp.held -= bytes;
+    sp.pool->bytes -= bytes;
+    if (sp.pool->limited) limited_bytes_ -= bytes;
+    gone.push_back(std::move(it->second.value));
+    (it->second.low ? sp.pool->low : sp.pool->ordinary).erase(it->second.lru);
+    sp.map.erase(it);
+  }
+
+  // The oldest slot of `list` that is not `keep`; null if none. A key is in a list at most once,
+  // so the last two slots are all there is to look at.
+  static const Slot* oldest(const Lru& list, const NsKey* keep) {
+    auto it = list.rbegin();
+    if (it == list.rend()) return nullptr;
+    if (keep == nullptr || !(it->key == *keep)) return &*it;
+    return ++it == list.rend() ? nullptr : &*it;
+  }
+
+  // The value `pool` gives up next: its oldest low-priority value, else its least recently used.
+  static const Slot* victim_of(const Pool& pool, const NsKey* keep) {
+    if (const Slot* s = oldest(pool.low, keep)) return s;
+    return oldest(pool.ordinary, keep);
+  }
+
+  // REQUIRES: mu_ held. The value to evict for the capacity: the shared pool's victim; a quota
+  // pool's only when the shared pool has none to give and the quotas sum to more than the
+  // capacity (else the quota namespaces hold at most their quotas and admit() kept the others
+  // within the rest): then the oldest low-priority value of all quota pools, else their least
+  // recently used value.
+  const Slot* capacity_victim(const NsKey* keep) const {
+    if (const Slot* s = victim_of(shared_, keep)) return s;
+    if (quotas_fit_) return nullptr;
+    for (const Lru Pool::*list : {&Pool::low, &Pool::ordinary}) {
+      const Slot* best = nullptr;
+      for (const auto& [nsid, pool] : quota_pools_) {
+        const Slot* s = oldest(pool.*list, keep);
+        if (s != nullptr && (best == nullptr || s->seq < best->seq)) best = s;
+      }
+      if (best != nullptr) return best;
+    }
+    return nullptr;
+  }
+
+  // REQUIRES: mu_ held. Evicts `victim`'s value and reports it removed; returns its value bytes.
+  uint64_t evict_locked(const Slot& victim, std::vector<Value>& gone) {
+    const NsKey key = victim.key;  // erase_locked drops the slot
+    Space& sp = space(key.nsid);
+    auto it = sp.map.find(key.key);
     const uint64_t bytes = it->second.value.bytes.size();
-    const uint32_t nsid = s.nsid;
-    const Key key = s.key;  // erase_locked drops the slot `s`
-    erase_locked(m, it, gone);
+    erase_locked(sp, it, gone);
+    ++sp.evictions;
     evictions_.fetch_add(1, std::memory_order_relaxed);
-    removed_.push_back(NsKey{nsid, key});
+    removed_.push_back(key);
     has_removed_.store(true, std::memory_order_release);
     return bytes;
+  }
+
+  // Each namespace with a quota, and each that has held a value (up to kMaxMetricNamespace).
+  void collect_namespaces(MetricList& out) const {
+    MetricWriter w(out, {{"tier", "memory"}});
+    std::lock_guard lk(mu_);
+    for (const auto& [nsid, sp] : spaces_) {
+      if (nsid > kMaxMetricNamespace) break;
+      if (!sp.used && !sp.pool->limited) continue;
+      const MetricLabels l{{"namespace", std::to_string(nsid)}};
+      w.gauge("namespace_held_bytes", kHeldHelp, static_cast<double>(sp.held), l);
+      w.counter("namespace_evictions_total", kEvictedHelp, static_cast<double>(sp.evictions), l);
+    }
   }
 
   struct Timer {
@@ -327,8 +484,12 @@ class MemoryBackend final : public Backend {
   MemoryBackendOptions options_;
   const std::shared_ptr<Arena> arena_;
   mutable std::mutex mu_;
-  std::map<uint32_t, Map> spaces_;
-  Lru lru_;
+  std::map<uint32_t, Space> spaces_;
+  Pool shared_;                           // the namespaces without a quota
+  std::map<uint32_t, Pool> quota_pools_;  // by namespace; fixed at construction
+  bool quotas_fit_ = true;                // the quotas sum to at most the capacity
+  uint64_t limited_bytes_ = 0;            // held by the quota namespaces
+  uint64_t use_seq_ = 0;
   uint64_t used_ = 0;
   std::atomic<uint64_t> ops_{0};
   std::atomic<uint64_t> copied_{0};
