@@ -22,6 +22,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "gdkv/copy_engine.h"
 #include "gdkv/key.h"
@@ -37,14 +38,42 @@ std::string prometheus_text(const MetricList& metrics);
 std::string metrics_table(const MetricList& metrics);
 
 // The keys the store no longer holds, in the order it reported them (Backend::set_removal_handler),
-// for subscribers that follow them by polling: gdkvd serves it at /removed (docs/integrations.md,
-// "KV events"). Each removal gets the next sequence number (from 1); the newest `capacity` are
-// kept. Thread-safe; add() is a short critical section, callable from a backend's threads.
+// for subscribers that follow them by polling: gdkvd serves it at /removed on the metrics port
+// (every namespace, for routers) and, one namespace at a time, as the vendor log page C0h of its
+// vfio-user device (docs/integrations.md, "KV events"). Each removal gets the next sequence number
+// (from 1); the newest `capacity` are kept. Thread-safe; add() is a short critical section,
+// callable from a backend's threads, and readers copy what they need under the lock and format it
+// outside, so a subscriber never holds the data path up for longer than a bounded copy.
 class RemovalLog {
  public:
+  struct Record {
+    uint64_t seq;
+    uint32_t nsid;  // the backend namespace; 0 (with an empty key): removals may have been missed
+    Key key;
+  };
+  // What one read returns (slice()).
+  struct Slice {
+    uint64_t boot = 0;   // this log's life (see json())
+    uint64_t last = 0;   // the newest sequence number given (0: none yet)
+    uint64_t first = 0;  // the oldest kept (last + 1 when none)
+    // The cursor to pass as `after` next: the newest sequence number this read looked at (so a
+    // namespace's subscriber moves past other namespaces' records); `last` without `after`.
+    uint64_t next = 0;
+    bool lost = false;  // records were dropped before they were read, or `after` is not of this
+                        // life (after > last), or a record with nsid 0 was passed over
+    bool more = false;  // records after `next` remain: read again at once
+    std::vector<Record> records;  // oldest first
+  };
+
   explicit RemovalLog(size_t capacity = 65536);
   void add(uint32_t nsid, const Key& key);  // nsid 0, empty key: removals may have been missed
-  // The answer to GET /removed[?after=SEQ] as JSON:
+  // The records after `after`, oldest first: at most `max` of them, looking at no more than
+  // `max_scan` records. With `nsid` only that backend namespace's records are returned (a record
+  // with nsid 0 sets `lost` instead); without it every record is, those with nsid 0 included.
+  // Without `after` (nullopt) no records: a new subscriber starts from `last`.
+  Slice slice(std::optional<uint64_t> after, size_t max,
+              std::optional<uint32_t> nsid = std::nullopt, size_t max_scan = 16384) const;
+  // The answer to GET /removed[?after=SEQ] as JSON (slice() of every namespace):
   //   {"boot": B, "last": L, "first": F, "lost": bool, "removed": [[seq, nsid, "hex key"], ...]}
   // B names this log's life (a new one after a restart: a subscriber's cursor is then void);
   // L is the newest sequence number given (0: none yet); F the oldest kept (L + 1 when none).
@@ -54,11 +83,6 @@ class RemovalLog {
   std::string json(std::optional<uint64_t> after, size_t max = 4096) const;
 
  private:
-  struct Record {
-    uint64_t seq;
-    uint32_t nsid;
-    Key key;
-  };
   const size_t capacity_;
   const uint64_t boot_;
   mutable std::mutex mu_;
@@ -73,7 +97,7 @@ class MetricsServer {
   // /removed. An Error (gdkv/result.h) with a clear message when it cannot listen.
   static Result<std::unique_ptr<MetricsServer>> start(uint16_t port,
                                                       std::function<MetricList()> source,
-                                                      const std::string& bind_address = "0.0.0.0",
+                                                      const std::string& bind_address = "127.0.0.1",
                                                       const RemovalLog* removals = nullptr);
   ~MetricsServer();  // stops the thread and closes every connection
   MetricsServer(const MetricsServer&) = delete;

@@ -50,7 +50,10 @@ struct DaemonSettings {
     return o;
   }();
   int32_t metrics_port = 9464;  // -1: no /metrics; 0: any free port (logged)
-  std::string metrics_bind = "0.0.0.0";
+  // Where /metrics and /removed listen: loopback by default, since /removed lists every
+  // namespace's removed keys (tenants read their own over the NVMe connection, log page C0h);
+  // "0.0.0.0" for a Prometheus or router on another host.
+  std::string metrics_bind = "127.0.0.1";
   bool gpu = true;  // CUDA builds: use the GPU when the machine has one
 };
 

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -67,6 +68,28 @@ class DeviceMemoryImporter {
   virtual void close(void* ptr) = 0;
 };
 
+// The keys the store removed from one namespace after a subscriber's cursor: what the vendor log
+// page C0h carries (docs/vfio-user.md), read by VfioUserDevice::removed and given to the server by
+// VfioUserServerOptions::removals.
+struct RemovedKeys {
+  struct Entry {
+    uint64_t seq;  // the removal's sequence number
+    Key key;
+  };
+  uint64_t boot = 0;   // the removal log's life: a new one after a gdkvd restart voids a cursor
+  uint64_t last = 0;   // the newest sequence number given, all namespaces (0: none yet)
+  uint64_t first = 0;  // the oldest kept (last + 1 when none)
+  uint64_t next = 0;   // the cursor to pass next (past the other namespaces' records too)
+  bool lost = false;   // removals were missed: treat every key followed as possibly gone
+  bool more = false;   // records after `next` remain: read again at once
+  std::vector<Entry> records;  // oldest first
+};
+
+// The records of backend namespace `backend_nsid` after `after` (nullopt: none, the position
+// only), at most `max`: RemovedKeys. Called on a reactor thread, so it must copy and return.
+using RemovalSource =
+    std::function<RemovedKeys(uint32_t backend_nsid, std::optional<uint64_t> after, size_t max)>;
+
 struct VfioUserServerOptions {
   std::string socket_dir;       // required; the socket is <socket_dir>/cntrl (created if missing)
   uint32_t socket_mode = 0660;  // permissions of the socket file
@@ -92,6 +115,9 @@ struct VfioUserServerOptions {
   uint64_t message_bounce_bytes = uint64_t{256} << 20;
   // One line per connection event (accept, reject, disconnect, errors); default: stderr.
   std::function<void(const std::string&)> log;
+  // Removed keys for the log page C0h, per namespace (gdkvd: its RemovalLog). Null: the page is
+  // not served (Invalid Log Page) and the Identify vendor flag kVendorRemovalLog is clear.
+  RemovalSource removals;
 };
 
 class VfioUserServer {
@@ -191,6 +217,12 @@ class VfioUserDevice : public std::enable_shared_from_this<VfioUserDevice> {
   virtual CmdResult register_device_memory(const void* ipc_handle, uint64_t iova,
                                            uint64_t size) = 0;
   virtual CmdResult unregister_device_memory(uint64_t iova, uint64_t size) = 0;
+  // The keys gdkvd's store removed from namespace `nsid` after the cursor `after` (nullopt: no
+  // records, the position to start from), at most `max_records` (1..4096): log page C0h.
+  // 0Bh (invalid namespace) for a namespace this peer may not use; 02h for a bad `max_records`;
+  // 09h (command specific) from a gdkvd that keeps no removal log.
+  virtual CmdResult removed(uint32_t nsid, std::optional<uint64_t> after, RemovedKeys* out,
+                            uint32_t max_records = 4096) = 0;
   // Whether the daemon offers device memory registration (Identify vendor flags).
   virtual bool device_memory_supported() const = 0;
   // Whether this connection signals gdkvd's doorbell ioeventfd, and whether its Clients block on

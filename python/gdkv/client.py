@@ -25,7 +25,7 @@ import asyncio
 import concurrent.futures
 import functools
 import math
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, NamedTuple, Optional, Sequence
 
 from . import _core
 from .errors import Error
@@ -34,6 +34,16 @@ Key = bytes | bytearray | str
 #: A buffer: anything with the buffer protocol (bytes, bytearray, memoryview, numpy) or DLPack
 #: (torch tensors, CPU or CUDA).
 Buffer = Any
+
+
+class Removed(NamedTuple):
+    """One read of gdkvd's removed keys of a namespace (:meth:`Client.removed`)."""
+
+    boot: int          #: the removal log's life: another value means gdkvd restarted
+    last: int          #: the cursor to pass as ``after`` next
+    lost: bool         #: removals were missed: every key followed may be gone
+    keys: list[bytes]  #: the keys removed, oldest first
+    more: bool         #: more records follow ``last``: read again at once
 
 
 class Client:
@@ -179,6 +189,21 @@ class Client:
         if not keys:
             raise ValueError("hint: no keys")
         self._core.hint(keys)
+
+    def removed(self, after: Optional[int] = None, *, nsid: int = 0,
+                max_records: int = 4096) -> Removed:
+        """The keys gdkvd's store removed (deleted, evicted) from this client's namespace (or
+        ``nsid``, one this connection may use) since the cursor ``after``, read over the
+        connection (log page C0h): another tenant's removals are never seen. ``after=None``
+        returns no keys, only the position to start from. Through gdkvd only (ValueError
+        in-process); a namespace this peer may not use raises gdkv.Error with status 0x0B.
+
+        >>> start = c.removed()            # Removed(boot=..., last=41, lost=False, keys=[], ...)
+        >>> c.delete(b"block-0")
+        >>> c.removed(start.last).keys     # [b'block-0']
+        """
+        boot, last, lost, more, keys = self._core.removed(after, nsid, max_records)
+        return Removed(boot, last, lost, keys, more)
 
     def delete_many(self, keys: Iterable[Key], *,
                     missing_ok: bool = False) -> list[Optional[Error]]:

@@ -132,8 +132,15 @@ VLLM_KEYS: list[Key] = [
         "files' fingerprint); set it alike on nodes that keep the model at different paths"),
     Key("save_queue_bytes", int, 1 << 30, "saves waiting for gdkv beyond this are dropped (the "
         "engine never waits for a save)", 0, unit="bytes"),
-    Key("removals_url", str, "", "gdkvd's /removed feed (http://HOST:PORT/removed): BlockRemoved "
-        "KV events for values gdkvd removed (empty: none)"),
+    Key("removals_url", str, "", "BlockRemoved KV events for values gdkvd removed are read over "
+        "the connector's own gdkvd connection (its namespace only); an http://HOST:PORT/removed "
+        "URL reads gdkvd's metrics port instead (every namespace)"),
+    Key("kv_events_medium", str, "STORAGE", "the medium of the connector's KV events: STORAGE "
+        "(gdkvd keeps values on a local store or RADOS) or CPU (a gdkvd that holds DRAM only: "
+        "its memory backend)", choices=("STORAGE", "CPU")),
+    Key("kv_events_locality", str, "LOCAL", "the locality of the connector's KV events: LOCAL "
+        "(gdkvd on this node) or REMOTE (a gdkvd this engine reaches on another node)",
+        choices=("LOCAL", "REMOTE")),
 ]
 #: The LMCache connector's own keys (gdkv.lmcache).
 LMCACHE_KEYS: list[Key] = [

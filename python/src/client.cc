@@ -135,6 +135,24 @@ void PyClient::hint(nb::handle keys_obj) {
   check("hint", nullptr, r);
 }
 
+std::tuple<uint64_t, uint64_t, bool, bool, nb::list> PyClient::removed(
+    std::optional<uint64_t> after, uint32_t nsid, uint32_t max_records) {
+  if (!remote_) {
+    raise_value("removed() reads gdkvd's removal log: it needs a client of gdkv.connect");
+  }
+  gdkv::RemovedKeys got;
+  const CmdResult r = run([&](gdkv::Client&) {
+    if (!device_) return CmdResult{Status::kAbortRequested, gdkv::nvme::kSctGeneric, 0};
+    return device_->removed(nsid != 0 ? nsid : nsid_, after, &got, max_records);
+  });
+  check("removed", nullptr, r);
+  nb::list keys;
+  for (const gdkv::RemovedKeys::Entry& e : got.records) {
+    keys.append(nb::bytes(reinterpret_cast<const char*>(e.key.bytes), e.key.len));
+  }
+  return {got.boot, got.next, got.lost, got.more, keys};
+}
+
 nb::list PyClient::exists_many(nb::handle keys_obj) {
   std::vector<Key> keys = to_keys(keys_obj);
   std::vector<CmdResult> r;

@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <shared_mutex>
 #include <string>
 #include <tuple>
@@ -58,6 +59,12 @@ class PyClient {
   // A scheduler hint: these keys will be read soon, in this order (one Prefetch with the hint
   // option). Empty list or one too long: ValueError (02h); bad key: the key error.
   void hint(nb::handle keys_obj);
+
+  // The keys gdkvd removed from namespace `nsid` (0: this client's) after the cursor `after`
+  // (None: none, the position to start from), at most `max_records`: VfioUserDevice::removed,
+  // log page C0h. (boot, next cursor, lost, more, [key bytes...]). ValueError in-process.
+  std::tuple<uint64_t, uint64_t, bool, bool, nb::list> removed(std::optional<uint64_t> after,
+                                                               uint32_t nsid, uint32_t max_records);
 
   // ---- batches: one submission round for many keys, one result per key ----
   // A key whose command failed gets its gdkv.Error in its place (not raised); a failed or closed

@@ -153,6 +153,8 @@ void define_module(nb::module_& m) {
       .def("exists_many", &PyClient::exists_many, nb::arg("keys"))
       .def("lookup", &PyClient::lookup, nb::arg("keys"))
       .def("hint", &PyClient::hint, nb::arg("keys"))
+      .def("removed", &PyClient::removed, nb::arg("after").none(), nb::arg("nsid"),
+           nb::arg("max_records"))
       .def("delete_many", &PyClient::delete_many, nb::arg("keys"), nb::arg("missing_ok"))
       .def("put_many", &PyClient::put_many, nb::arg("keys"), nb::arg("values"))
       .def("get_many", &PyClient::get_many, nb::arg("keys"), nb::arg("size_hint"))

@@ -1,12 +1,14 @@
-"""gdkvd's feed of removed keys (/removed) through gdkv.engine.RemovalFeed, against real gdkvd
-processes: deletes and evictions in order, across pages, a restart and records dropped reported as
-missed, an unreachable gdkvd is no error. The connector's use of it (BlockRemoved on the engine's
-KV events) is in test_vllm_features.py; the C++ side in metrics_server_test and each backend's
-tests."""
+"""gdkvd's removed keys through gdkv.engine.RemovalFeed, against real gdkvd processes: over a
+client's own connection (one namespace: another tenant's removals are never seen) and from
+/removed on the metrics port (every namespace); deletes and evictions in order, across pages, a
+restart and records dropped reported as missed, an unreachable gdkvd is no error. The
+connector's use of it (BlockRemoved on the engine's KV events) is in test_vllm_features.py; the
+C++ side in metrics_server_test, vfio_user_e2e_test (log page C0h) and each backend's tests."""
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -49,6 +51,102 @@ def test_deletes_and_evictions_in_order_across_pages():
             assert held | set(got) | {key(1)} == {key(i) for i in range(5000)}
     finally:
         d.stop()
+
+
+def test_a_clients_feed_sees_only_its_namespace():
+    """Two namespaces of one gdkvd (two tenants' key spaces) and one this process may not use:
+    RemovalFeed over a client follows its own namespace only, over the NVMe connection."""
+    other = os.getuid() + 4242
+    d = Gdkvd("--backend", "memory", "--memory-capacity", str(256 << 10),
+              "--namespace", "nsid=1,backend_namespace=1,name=a",
+              "--namespace", "nsid=2,backend_namespace=2,name=b",
+              "--namespace", f"nsid=3,backend_namespace=3,name=c,uids={other}")
+    try:
+        with gdkv.connect(d.dir, nsid=1) as a, gdkv.connect(d.dir, nsid=2) as b:
+            feed_a, feed_b = RemovalFeed(a), RemovalFeed(b)
+            assert feed_a.poll() == [] and feed_b.poll() == []
+            start = b.removed()
+            assert start.keys == [] and not start.lost
+            bkey = lambda i: b"tenant-b-%04d" % i  # noqa: E731 (B's names, unlike A's)
+            for i in range(3):
+                a.put(key(i), b"a" * 100)
+                b.put(bkey(i), b"b" * 100)
+            a.delete(key(0))
+            a.delete(key(1))
+            b.delete(bkey(2))
+            assert feed_a.poll() == [key(0), key(1)]
+            assert feed_b.poll() == [bkey(2)]
+            # A's evictions (1 KiB values into a 256 KiB store, which both namespaces share):
+            # A's feed has A's keys only, B's feed B's only (the store may evict B's too).
+            for i in range(10, 400):
+                a.put(key(i), b"x" * 1024)
+            got_a, got_b = feed_a.poll(), feed_b.poll()
+            assert got_a and not set(got_a) & set(a.list())
+            assert all(k.startswith(b"removal-") for k in got_a), got_a
+            assert all(k.startswith(b"tenant-b-") for k in got_b), got_b
+            page = b.removed(start.last)
+            assert page.keys[0] == bkey(2) and page.boot == start.boot
+            assert all(k.startswith(b"tenant-b-") for k in page.keys)
+            # A namespace this peer may not use; one that does not exist.
+            for ns in (3, 9):
+                with pytest.raises(gdkv.Error) as e:
+                    a.removed(start.last, nsid=ns)
+                assert e.value.status == 0x0B
+            # A cursor from the future (another boot's): lost.
+            assert a.removed(start.last + 10**9).lost
+    finally:
+        d.stop()
+
+
+def test_in_process_clients_have_no_removal_log():
+    with gdkv.open(backend="memory") as c:
+        with pytest.raises(ValueError):
+            c.removed()
+        feed = RemovalFeed(c)
+        assert feed.poll() == [] and feed.cursor is None    # warned, nothing known
+    with pytest.raises(TypeError):
+        RemovalFeed(42)
+
+
+class _FakeClient:
+    """Answers removed() from ``answers`` in turn (an exception is raised)."""
+
+    def __init__(self, *answers):
+        self.answers = list(answers)
+        self.calls = []
+
+    def removed(self, after, *, nsid=0, max_records=4096):
+        self.calls.append((after, nsid, max_records))
+        a = self.answers.pop(0)
+        if isinstance(a, BaseException):
+            raise a
+        return a
+
+
+def test_a_client_feed_checks_answers_and_pages():
+    R = gdkv.client.Removed
+    keys = [key(i) for i in range(RemovalFeed.PAGE)]
+    fake = _FakeClient(
+        R(7, 10, False, [], False),                       # the position
+        gdkv.errors.ConnectionError("gone"),             # unavailable: [] and the cursor kept
+        R(7, 9, False, [key(1)], False),                 # behind the cursor: refused
+        R(7, 12, False, [b""], False),                   # not a key: refused
+        R(7, 12, False, [key(1)], False),
+        R(7, 12 + RemovalFeed.PAGE, False, keys, True),  # a full page, more follow
+        R(7, 20 + RemovalFeed.PAGE, False, [key(2)], False),
+        R(7, 30 + RemovalFeed.PAGE, True, [key(3)], False),   # lost
+        R(8, 5, True, [], False),                        # another boot: a restart
+    )
+    feed = RemovalFeed(fake, nsid=2)
+    assert feed.poll() == [] and feed.cursor == 10 and feed.boot == 7
+    assert fake.calls[0] == (None, 2, RemovalFeed.PAGE)
+    for _ in range(3):
+        assert feed.poll() == [] and feed.cursor == 10
+    assert feed.poll() == [key(1)] and feed.cursor == 12
+    assert feed.poll() == keys + [key(2)] and feed.cursor == 20 + RemovalFeed.PAGE
+    assert feed.poll() is None and feed.cursor == 30 + RemovalFeed.PAGE
+    assert feed.poll() is None and (feed.boot, feed.cursor) == (8, 5)
+    assert not fake.answers
 
 
 def free_port() -> int:

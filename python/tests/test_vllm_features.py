@@ -421,9 +421,10 @@ def received(sub, done, timeout: float = 60) -> list:
 
 def test_kv_events_name_what_gdkv_holds(gdkvd, model):
     """An engine started with --kv-events-config publishes, besides vLLM's own events, a
-    BlockStored with medium GDKV for each block once every worker has put it into gdkv (the
-    same block hashes and tokens as vLLM's own BlockStored for it), and a BlockRemoved with
-    medium GDKV for a block it announced and then could not load."""
+    BlockStored of gdkv's tier (medium STORAGE, locality LOCAL, ownership "gdkv": vLLM's
+    vocabulary for an offloading tier) for each block once every worker has put it into gdkv
+    (the same block hashes and tokens as vLLM's own BlockStored for it), and a BlockRemoved of
+    that tier for a block it announced and then could not load."""
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
     config, sub = subscriber()
@@ -431,11 +432,12 @@ def test_kv_events_name_what_gdkv_holds(gdkvd, model):
     try:
         with engine(model, kv(d, "events"), ("--kv-events-config", config)) as s:
             s.complete(C)
-            ours = lambda evs: [e for e in evs if getattr(e, "medium", None) == "GDKV"]  # noqa
+            ours = lambda evs: [e for e in evs if getattr(e, "ownership", None) == "gdkv"]  # noqa
             events = received(sub, lambda evs: len(ours(evs)) >= 7)
             stored = [e for e in ours(events) if isinstance(e, BlockStored)]
             assert len(stored) == 7, events
-            own = {h: e for e in events if isinstance(e, BlockStored) and e.medium != "GDKV"
+            assert all(e.medium == "STORAGE" and e.locality == "LOCAL" for e in ours(events))
+            own = {h: e for e in events if isinstance(e, BlockStored) and e.medium == "GPU"
                    for h in e.block_hashes}
             for i, e in enumerate(stored):
                 assert len(e.block_hashes) == 1 and e.block_size == BLOCK
@@ -459,19 +461,22 @@ def test_kv_events_name_what_gdkv_holds(gdkvd, model):
 
 
 def test_kv_events_report_what_gdkvd_evicted(model):
-    """With removals_url (gdkvd's /removed), blocks the engine announced in gdkv and gdkvd then
-    evicted are reported as BlockRemoved with medium GDKV, at the engine's next step."""
+    """Blocks the engine announced in gdkv and gdkvd then evicted are reported as BlockRemoved
+    of gdkv's tier at the engine's next step: the connector reads its namespace's removals over
+    its own gdkvd connection (no metrics port). A gdkvd that holds DRAM only is medium CPU
+    (kv_events_medium)."""
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
     config, sub = subscriber()
     # A store of 32 MiB that evicts least recently used first.
-    d = Gdkvd("--backend", "memory", "--memory-capacity", str(32 << 20), metrics=True)
+    d = Gdkvd("--backend", "memory", "--memory-capacity", str(32 << 20))
     try:
-        connector = {**kv(d, "evicted"), "removals_url": d.url("/removed")}
+        connector = {**kv(d, "evicted"), "kv_events_medium": "CPU"}
         with engine(model, connector, ("--kv-events-config", config)) as s:
             s.complete(C)
             ours = lambda evs, t: [e for e in evs  # noqa: E731
-                                   if getattr(e, "medium", None) == "GDKV" and isinstance(e, t)]
+                                   if getattr(e, "ownership", None) == "gdkv"
+                                   and e.medium == "CPU" and isinstance(e, t)]
             events = received(sub, lambda evs: len(ours(evs, BlockStored)) >= 7)
             stored = [e.block_hashes for e in ours(events, BlockStored)]
             assert len(stored) == 7, events

@@ -278,34 +278,58 @@ void RemovalLog::add(uint32_t nsid, const Key& key) {
   if (records_.size() > capacity_) records_.pop_front();
 }
 
+RemovalLog::Slice RemovalLog::slice(std::optional<uint64_t> after, size_t max,
+                                    std::optional<uint32_t> nsid, size_t max_scan) const {
+  Slice out;
+  out.boot = boot_;
+  std::lock_guard lk(mu_);  // only copies: the data path's add() waits on this lock
+  out.last = last_;
+  out.first = records_.empty() ? last_ + 1 : records_.front().seq;
+  out.next = after ? std::min(*after, last_) : last_;
+  if (!after) return out;
+  out.lost = *after > last_ || out.first > *after + 1;
+  if (*after >= last_) return out;
+  // Records are consecutive: the one after `after` is at index after + 1 - first.
+  size_t i = *after + 1 > out.first ? static_cast<size_t>(*after + 1 - out.first) : 0;
+  out.records.reserve(std::min({max, max_scan, records_.size() - std::min(i, records_.size())}));
+  for (size_t scanned = 0; i < records_.size(); ++i, ++scanned) {
+    const Record& r = records_[i];
+    if (scanned == max_scan) break;
+    const bool match = !nsid || r.nsid == *nsid;
+    if (match && out.records.size() == max) break;
+    out.next = r.seq;
+    if (match) {
+      out.records.push_back(r);
+    } else if (r.nsid == 0) {
+      out.lost = true;
+    }
+  }
+  out.more = out.next < last_;
+  return out;
+}
+
 std::string RemovalLog::json(std::optional<uint64_t> after, size_t max) const {
-  std::lock_guard lk(mu_);
-  const uint64_t first = records_.empty() ? last_ + 1 : records_.front().seq;
-  const bool lost = after && (*after > last_ || first > *after + 1);
+  const Slice s = slice(after, max, std::nullopt, max);
   // Appended piece by piece (GCC 12 warns, wrongly, on chains of std::string operator+).
   std::string out = "{\"boot\": ";
-  out += std::to_string(boot_);
+  out += std::to_string(s.boot);
   out += ", \"last\": ";
-  out += std::to_string(last_);
+  out += std::to_string(s.last);
   out += ", \"first\": ";
-  out += std::to_string(first);
+  out += std::to_string(s.first);
   out += ", \"lost\": ";
-  out += lost ? "true" : "false";
+  out += s.lost ? "true" : "false";
   out += ", \"removed\": [";
-  if (after && *after < last_) {
-    // Records are consecutive: the one after `after` is at index after + 1 - first.
-    size_t i = *after + 1 > first ? static_cast<size_t>(*after + 1 - first) : 0;
-    for (size_t n = 0; i < records_.size() && n < max; ++i, ++n) {
-      const Record& r = records_[i];
-      if (n) out += ", ";
-      out += '[';
-      out += std::to_string(r.seq);
-      out += ", ";
-      out += std::to_string(r.nsid);
-      out += ", \"";
-      out += r.key.hex();
-      out += "\"]";
-    }
+  for (size_t n = 0; n < s.records.size(); ++n) {
+    const Record& r = s.records[n];
+    if (n) out += ", ";
+    out += '[';
+    out += std::to_string(r.seq);
+    out += ", ";
+    out += std::to_string(r.nsid);
+    out += ", \"";
+    out += r.key.hex();
+    out += "\"]";
   }
   out += "]}\n";
   return out;

@@ -9,6 +9,8 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
+#include <fstream>
 #include <map>
 #include <set>
 #include <sstream>
@@ -442,6 +444,90 @@ TEST(RemovedFeed, NotServedWithoutALog) {
                     0, [] { return MetricList{}; }, "127.0.0.1")
                     .value();
   EXPECT_TRUE(request(server->port(), "GET /removed HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 404"));
+}
+
+// A namespace's reader gets only its records, moves past the others' (next), hears of a record
+// with nsid 0 as lost, and reads a long run in bounded steps (more).
+TEST(RemovalLog, SliceOfOneNamespace) {
+  RemovalLog log(100);
+  auto key = [](int i) {
+    std::string name = std::to_string(i);
+    name.insert(name.begin(), 'k');
+    return *Key::from_string(name);
+  };
+  for (int i = 1; i <= 10; ++i) log.add(i % 2 ? 1 : 2, key(i));  // odd seqs: ns 1, even: ns 2
+  RemovalLog::Slice s = log.slice(0, 100, 2u);
+  EXPECT_EQ(s.last, 10u);
+  EXPECT_EQ(s.next, 10u);
+  EXPECT_FALSE(s.lost);
+  EXPECT_FALSE(s.more);
+  ASSERT_EQ(s.records.size(), 5u);
+  for (const auto& r : s.records) {
+    EXPECT_EQ(r.nsid, 2u);
+    EXPECT_EQ(r.seq % 2, 0u);
+  }
+  // At most 2 records: next stops before the third (past ns 2's seq 4), more follow.
+  s = log.slice(0, 2, 1u);
+  ASSERT_EQ(s.records.size(), 2u);
+  EXPECT_EQ(s.records[1].seq, 3u);
+  EXPECT_EQ(s.next, 4u);
+  EXPECT_TRUE(s.more);
+  // Bounded scan: 4 records looked at, 2 of them ns 1.
+  s = log.slice(0, 100, 1u, 4);
+  EXPECT_EQ(s.records.size(), 2u);
+  EXPECT_EQ(s.next, 4u);
+  EXPECT_TRUE(s.more);
+  // Nothing of ns 3: the cursor still moves to the end.
+  s = log.slice(4, 100, 3u);
+  EXPECT_TRUE(s.records.empty());
+  EXPECT_EQ(s.next, 10u);
+  EXPECT_FALSE(s.more);
+  // No cursor: the position only.
+  s = log.slice(std::nullopt, 100, 1u);
+  EXPECT_TRUE(s.records.empty());
+  EXPECT_EQ(s.next, 10u);
+  EXPECT_FALSE(s.lost);
+  // Missed removals (nsid 0) make every namespace's reader lose track.
+  log.add(0, Key{});
+  log.add(2, key(12));
+  s = log.slice(10, 100, 1u);
+  EXPECT_TRUE(s.lost);
+  EXPECT_TRUE(s.records.empty());
+  EXPECT_EQ(s.next, 12u);
+  s = log.slice(10, 100, 2u);
+  EXPECT_TRUE(s.lost);
+  ASSERT_EQ(s.records.size(), 1u);
+  // A cursor of another life or one the log no longer holds.
+  EXPECT_TRUE(log.slice(99, 100, 1u).lost);
+  RemovalLog small(2);
+  for (int i = 1; i <= 5; ++i) small.add(1, key(i));
+  s = small.slice(1, 100, 1u);
+  EXPECT_TRUE(s.lost);
+  EXPECT_EQ(s.records.size(), 2u);
+  EXPECT_EQ(s.first, 4u);
+}
+
+// Without a bind address the server listens on loopback only: /removed lists every namespace.
+TEST(MetricsServerSetup, DefaultBindIsLoopback) {
+  auto server = MetricsServer::start(0, [] { return MetricList{}; });
+  ASSERT_TRUE(server) << server.error();
+  const uint16_t port = (*server)->port();
+  char want[16];
+  std::snprintf(want, sizeof(want), "0100007F:%04X", port);  // 127.0.0.1, little-endian hex
+  std::ifstream tcp("/proc/net/tcp");
+  std::string line;
+  bool found = false;
+  while (std::getline(tcp, line)) {
+    std::istringstream in(line);
+    std::string sl, local;
+    in >> sl >> local;
+    if (local.size() > 5 && local.substr(local.size() - 5) == std::string(want + 8)) {
+      EXPECT_EQ(local, want) << line;
+      found = true;
+    }
+  }
+  EXPECT_TRUE(found) << "port " << port << " not in /proc/net/tcp";
+  EXPECT_TRUE(request(port, "GET /metrics HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 200"));
 }
 
 TEST(MetricsServerSetup, PortInUseIsAClearError) {

@@ -185,6 +185,8 @@ class Driver final : public VfioUserDevice {
   CmdResult admin(nvme::Sqe sqe, void* data, size_t len) override;
   CmdResult register_device_memory(const void* handle, uint64_t iova, uint64_t size) override;
   CmdResult unregister_device_memory(uint64_t iova, uint64_t size) override;
+  CmdResult removed(uint32_t nsid, std::optional<uint64_t> after, RemovedKeys* out,
+                    uint32_t max_records) override;
   bool device_memory_supported() const override { return devmem_; }
   bool doorbell_wakeups() const override { return doorbell_efd_.valid(); }
   bool completion_wakeups() const override { return options_.wakeups && wakeups_offered_; }
@@ -815,6 +817,50 @@ CmdResult Driver::register_device_memory(const void* handle, uint64_t iova, uint
   s.cdw10 = sizeof(req);
   s.key_length = static_cast<uint8_t>(kDevMemRegister);
   return admin(s, &req, sizeof(req));
+}
+
+CmdResult Driver::removed(uint32_t nsid, std::optional<uint64_t> after, RemovedKeys* out,
+                          uint32_t max_records) {
+  *out = RemovedKeys{};
+  if (max_records == 0 || max_records > kRemovalMaxRecords) {
+    return CmdResult{nvme::Status::kInvalidField, nvme::kSctGeneric, 0};
+  }
+  const size_t len = sizeof(RemovalLogHeader) + size_t{max_records} * sizeof(RemovalRecord);
+  std::vector<uint8_t> page(len);
+  const uint32_t numd = static_cast<uint32_t>(len / 4 - 1);
+  nvme::Sqe s{};
+  s.opcode = static_cast<uint8_t>(AdminOp::kGetLogPage);
+  s.nsid = nsid;
+  s.cdw10 = kLogRemovals | ((numd & 0xFFFF) << 16) | (after ? 0 : kRemovalNoCursor);
+  s.key_length = static_cast<uint8_t>(numd >> 16);  // CDW11 15:0: NUMDU
+  s.options = static_cast<uint8_t>(numd >> 24);
+  s.cdw12 = static_cast<uint32_t>(after.value_or(0));
+  s.cdw13 = static_cast<uint32_t>(after.value_or(0) >> 32);
+  const uint32_t cdw14 = kLogOffsetIsIndex;
+  std::memcpy(s.key_hi, &cdw14, sizeof(cdw14));
+  const CmdResult r = admin(s, page.data(), len);
+  if (!r.ok()) return r;
+  RemovalLogHeader h;
+  std::memcpy(&h, page.data(), sizeof(h));
+  if (h.record_bytes != sizeof(RemovalRecord) || h.count > max_records) {
+    return CmdResult{nvme::Status::kInternalError, nvme::kSctGeneric, 0};  // not this format
+  }
+  out->boot = h.boot;
+  out->last = h.last;
+  out->first = h.first;
+  out->next = h.next;
+  out->lost = h.flags & kRemovalsLost;
+  out->more = h.flags & kRemovalsMore;
+  out->records.reserve(h.count);
+  for (uint32_t i = 0; i < h.count; ++i) {
+    RemovalRecord rec;
+    std::memcpy(&rec, page.data() + sizeof(h) + size_t{i} * sizeof(rec), sizeof(rec));
+    if (rec.key_length < 1 || rec.key_length > sizeof(rec.key)) {
+      return CmdResult{nvme::Status::kInternalError, nvme::kSctGeneric, 0};
+    }
+    out->records.push_back({rec.seq, Key::from_bytes(rec.key, rec.key_length)});
+  }
+  return r;
 }
 
 CmdResult Driver::unregister_device_memory(uint64_t iova, uint64_t size) {

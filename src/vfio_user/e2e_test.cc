@@ -27,6 +27,7 @@
 #include "gdkv/backend.h"
 #include "gdkv/client.h"
 #include "gdkv/commands.h"
+#include "gdkv/metrics_server.h"
 #include "gdkv/vfio_user.h"
 #include "raw_host.h"
 #include "vfio_user/nvme_defs.h"
@@ -1301,6 +1302,251 @@ TEST(VfioUserServerSetup, Errors) {
   ASSERT_FALSE(bad);
   EXPECT_NE(bad.error().find("beyond the controller's 1"), std::string::npos) << bad.error();
   ctl.stop();
+}
+
+// ---- Removed keys per namespace (log page C0h) ----
+
+// The vendor flag kVendorRemovalLog of Identify Controller (the vendor area).
+bool offers_removal_log(VfioUserDevice& dev) {
+  using namespace vfio_user;  // NOLINT
+  IdentifyController id;
+  nvme::Sqe s{};
+  s.opcode = static_cast<uint8_t>(AdminOp::kIdentify);
+  s.cdw10 = kCnsController;
+  if (!dev.admin(s, &id, sizeof(id)).ok()) return false;
+  GdkvVendorInfo vi;
+  std::memcpy(&vi, id.vs, sizeof(vi));
+  return vi.flags & kVendorRemovalLog;
+}
+
+// Two tenants: A (another uid) has nsid 1 = backend namespace 1 and nsid 4; this process (B) has
+// nsid 1 = backend namespace 3 and nsid 2 = backend namespace 5. gdkvd's RemovalLog is fed by the
+// backend, as in gdkvd (tools/gdkvd/main.cc).
+class VfioUserRemovals : public ::testing::Test {
+ protected:
+  static constexpr size_t kLogCapacity = 64;
+
+  void SetUp() override {
+    ControllerOptions co;
+    co.reactors = 1;
+    co.namespaces = 8;
+    co.idle_spin_us = 1000;
+    MemoryBackendOptions mo;
+    mo.capacity_bytes = 256 << 10;
+    backend_ = make_memory_backend(mo);
+    backend_->set_removal_handler([this](uint32_t nsid, const Key& k) { log_.add(nsid, k); });
+    ctl_ = std::make_unique<Controller>(backend_, co);
+    const uint32_t me = ::getuid(), other = me + 4242;
+    VfioUserServerOptions so;
+    so.socket_dir = dir_.path();
+    so.log = [](const std::string&) {};
+    so.namespaces = {{1, 1, "a", {other}, {}},
+                     {1, 3, "b", {me}, {}},
+                     {2, 5, "b2", {me}, {}},
+                     {4, 4, "a-only", {other}, {}}};
+    so.removals = [this](uint32_t nsid, std::optional<uint64_t> after, size_t max) {
+      RemovalLog::Slice sl = log_.slice(after, max, nsid);
+      RemovedKeys out{sl.boot, sl.last, sl.first, sl.next, sl.lost, sl.more, {}};
+      for (const auto& r : sl.records) out.records.push_back({r.seq, r.key});
+      return out;
+    };
+    server_ = std::make_unique<VfioUserServer>(*ctl_, so);
+    server_->start().value();
+    local_ = std::make_unique<Client>(ctl_->create_queue().value(), nullptr, ctl_.get());
+  }
+  void TearDown() override {
+    local_.reset();
+    server_->stop();
+    ctl_->stop();
+    backend_->set_removal_handler(nullptr);
+  }
+
+  // Puts and deletes `n` keys named prefix+i in backend namespace `ns` (in-process, as tenant A's
+  // own connection would).
+  void churn(const char* prefix, int n, uint32_t ns) {
+    for (int i = 0; i < n; ++i) {
+      ASSERT_TRUE(local_->put(key_of(prefix, i), pattern(64, i), 0, ns).ok());
+      ASSERT_TRUE(local_->del(key_of(prefix, i), ns).ok());
+    }
+  }
+
+  TempDir dir_{"rm"};
+  RemovalLog log_{kLogCapacity};
+  std::shared_ptr<Backend> backend_;
+  std::unique_ptr<Controller> ctl_;
+  std::unique_ptr<VfioUserServer> server_;
+  std::unique_ptr<Client> local_;
+};
+
+TEST_F(VfioUserRemovals, ATenantsRemovalsNeverReachAnother) {
+  auto dev = VfioUserDevice::open(dir_.path()).value();
+  EXPECT_TRUE(offers_removal_log(*dev));
+  EXPECT_EQ(dev->namespaces(), (std::vector<uint32_t>{1, 2}));
+  RemovedKeys start;
+  ASSERT_TRUE(dev->removed(1, std::nullopt, &start).ok());
+  EXPECT_TRUE(start.records.empty());
+  EXPECT_EQ(start.next, start.last);
+  EXPECT_NE(start.boot, 0u);
+
+  churn("a-del", 5, 1);  // tenant A's deletes
+  churn("b-del", 3, 3);  // ours, nsid 1
+  // Tenant A's evictions: 64 KiB values into a 256 KiB store.
+  const std::vector<std::byte> big(64 << 10, std::byte{7});
+  for (int i = 0; i < 8; ++i) ASSERT_TRUE(local_->put(key_of("a-big", i), big, 0, 1).ok());
+
+  RemovedKeys page;
+  ASSERT_TRUE(dev->removed(1, start.next, &page).ok());
+  EXPECT_FALSE(page.lost);
+  EXPECT_FALSE(page.more);
+  EXPECT_EQ(page.next, page.last);  // past tenant A's records too
+  ASSERT_EQ(page.records.size(), 3u);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(page.records[i].key, key_of("b-del", i));
+  EXPECT_LT(page.records[0].seq, page.records[2].seq);
+  // Our other namespace saw nothing; the log did hold A's removals.
+  RemovedKeys two;
+  ASSERT_TRUE(dev->removed(2, start.next, &two).ok());
+  EXPECT_TRUE(two.records.empty());
+  EXPECT_GE(log_.slice(start.next, 100, 1u).records.size(), 5u + 1u);
+  // A's namespace 4, and namespaces that do not exist: invalid namespace.
+  for (uint32_t ns : {0u, 4u, 9u, 0xFFFFFFFFu}) {
+    EXPECT_EQ(dev->removed(ns, start.next, &page).status, Status::kInvalidNamespace) << ns;
+  }
+  // Paging: one record at a time, each page's next is the cursor of the one after.
+  uint64_t cursor = start.next;
+  std::vector<Key> seen;
+  for (int pages = 0; pages < 10; ++pages) {
+    ASSERT_TRUE(dev->removed(1, cursor, &page, 1).ok());
+    for (const auto& e : page.records) seen.push_back(e.key);
+    cursor = page.next;
+    if (!page.more) break;
+  }
+  ASSERT_EQ(seen.size(), 3u);
+  EXPECT_EQ(seen[2], key_of("b-del", 2));
+}
+
+TEST_F(VfioUserRemovals, OldOrForeignCursorsAreLost) {
+  auto dev = VfioUserDevice::open(dir_.path()).value();
+  RemovedKeys page;
+  churn("b", 3, 3);
+  ASSERT_TRUE(dev->removed(1, 0, &page).ok());
+  EXPECT_FALSE(page.lost);
+  EXPECT_EQ(page.records.size(), 3u);
+  // A cursor beyond the log's last: another boot's.
+  ASSERT_TRUE(dev->removed(1, page.last + 1000, &page).ok());
+  EXPECT_TRUE(page.lost);
+  EXPECT_TRUE(page.records.empty());
+  ASSERT_TRUE(dev->removed(1, UINT64_MAX, &page).ok());
+  EXPECT_TRUE(page.lost);
+  // More removals than the log keeps: a cursor from before them lost some.
+  churn("a", static_cast<int>(kLogCapacity), 1);
+  ASSERT_TRUE(dev->removed(1, 0, &page).ok());
+  EXPECT_TRUE(page.lost);
+  EXPECT_GT(page.first, 1u);
+}
+
+TEST_F(VfioUserRemovals, MalformedRequestsGetAClearStatus) {
+  auto dev = VfioUserDevice::open(dir_.path()).value();
+  using namespace vfio_user;  // NOLINT
+  RemovedKeys page;
+  EXPECT_EQ(dev->removed(1, 0, &page, 0).status, Status::kInvalidField);
+  EXPECT_EQ(dev->removed(1, 0, &page, kRemovalMaxRecords + 1).status, Status::kInvalidField);
+  std::vector<uint8_t> buf(64 << 10);
+  auto sqe = [](uint32_t nsid, uint32_t numd, uint32_t cdw14, uint64_t lpo, uint32_t lsp = 0) {
+    nvme::Sqe g{};
+    g.opcode = static_cast<uint8_t>(AdminOp::kGetLogPage);
+    g.nsid = nsid;
+    g.cdw10 = kLogRemovals | lsp | ((numd & 0xFFFF) << 16);
+    g.key_length = static_cast<uint8_t>(numd >> 16);
+    g.options = static_cast<uint8_t>(numd >> 24);
+    g.cdw12 = static_cast<uint32_t>(lpo);
+    g.cdw13 = static_cast<uint32_t>(lpo >> 32);
+    std::memcpy(g.key_hi, &cdw14, sizeof(cdw14));
+    return g;
+  };
+  const uint32_t ot = kLogOffsetIsIndex;
+  // Huge NUMD (4 GiB, and just over the 1 MiB limit): invalid field, nothing transferred.
+  EXPECT_EQ(dev->admin(sqe(1, 0xFFFFFFFF, ot, 0), buf.data(), buf.size()).status,
+            Status::kInvalidField);
+  EXPECT_EQ(dev->admin(sqe(1, (1u << 18), ot, 0), buf.data(), buf.size()).status,
+            Status::kInvalidField);
+  // Smaller than the header; LPO as a byte offset (OT clear); an unknown LSP bit.
+  EXPECT_EQ(dev->admin(sqe(1, 3, ot, 0), buf.data(), 16).status, Status::kInvalidField);
+  EXPECT_EQ(dev->admin(sqe(1, 1023, 0, 0), buf.data(), 4096).status, Status::kInvalidField);
+  EXPECT_EQ(dev->admin(sqe(1, 1023, 0, 3), buf.data(), 4096).status, Status::kInvalidField);
+  EXPECT_EQ(dev->admin(sqe(1, 1023, ot, 0, 1u << 9), buf.data(), 4096).status,
+            Status::kInvalidField);
+  // A namespace we may not use comes first, whatever else is wrong.
+  EXPECT_EQ(dev->admin(sqe(4, 0xFFFFFFFF, 0, 3), buf.data(), 4096).status,
+            Status::kInvalidNamespace);
+  // A header-sized page: the header, no records, `more` when there are some.
+  churn("b", 2, 3);
+  RemovalLogHeader h{};
+  ASSERT_TRUE(dev->admin(sqe(1, sizeof(h) / 4 - 1, ot, 0), &h, sizeof(h)).ok());
+  EXPECT_EQ(h.count, 0u);
+  EXPECT_EQ(h.record_bytes, sizeof(RemovalRecord));
+  EXPECT_EQ(h.next, 0u);
+  EXPECT_TRUE(h.flags & kRemovalsMore);
+  // An odd size: as many records as fit; the rest of the buffer zero.
+  const size_t odd = sizeof(h) + sizeof(RemovalRecord) + 12;
+  std::vector<uint8_t> b(odd, 0xEE);
+  ASSERT_TRUE(dev->admin(sqe(1, odd / 4 - 1, ot, 0), b.data(), b.size()).ok());
+  std::memcpy(&h, b.data(), sizeof(h));
+  EXPECT_EQ(h.count, 1u);
+  EXPECT_EQ(b.back(), 0);
+  // The connection still works.
+  ASSERT_TRUE(dev->removed(1, 0, &page).ok());
+  EXPECT_EQ(page.records.size(), 2u);
+}
+
+// Random field values for log page C0h: every one gets a status, none stalls or kills the
+// connection, and a success always carries a well-formed header.
+TEST_F(VfioUserRemovals, RandomFieldsNeverHurt) {
+  auto dev = VfioUserDevice::open(dir_.path()).value();
+  using namespace vfio_user;  // NOLINT
+  churn("b", 5, 3);
+  std::mt19937_64 g(7);
+  std::vector<uint8_t> buf(64 << 10);
+  const uint32_t nsids[] = {0, 1, 2, 3, 4, 0xFFFFFFFF};
+  int answered = 0;
+  for (int i = 0; i < 2000; ++i) {
+    nvme::Sqe s{};
+    s.opcode = static_cast<uint8_t>(AdminOp::kGetLogPage);
+    s.nsid = nsids[g() % std::size(nsids)];
+    // Mostly small NUMDs (so some succeed), sometimes any value.
+    const uint32_t numd = g() % 4 ? static_cast<uint32_t>(g() % (buf.size() / 4)) : uint32_t(g());
+    s.cdw10 = kLogRemovals | ((numd & 0xFFFF) << 16) | (g() % 2 ? uint32_t(g()) & 0xFF00 : 0);
+    s.key_length = static_cast<uint8_t>(g() % 8 ? 0 : numd >> 16);
+    s.options = static_cast<uint8_t>(g() % 8 ? 0 : numd >> 24);
+    s.cdw12 = static_cast<uint32_t>(g() % 2 ? g() % 8 : g());
+    s.cdw13 = static_cast<uint32_t>(g() % 4 ? 0 : g());
+    const uint32_t cdw14 = g() % 4 ? kLogOffsetIsIndex : uint32_t(g());
+    std::memcpy(s.key_hi, &cdw14, sizeof(cdw14));
+    const size_t len = std::min<size_t>(buf.size(), (size_t{numd & 0x3FFF} + 1) * 4);
+    const CmdResult r = dev->admin(s, buf.data(), len);
+    ASSERT_NE(r.status, Status::kAbortRequested) << i;  // the connection lives
+    if (!r.ok()) continue;
+    ++answered;
+    RemovalLogHeader h;
+    ASSERT_GE(len, sizeof(h));
+    std::memcpy(&h, buf.data(), sizeof(h));
+    EXPECT_EQ(h.record_bytes, sizeof(RemovalRecord));
+    EXPECT_LE(sizeof(h) + size_t{h.count} * sizeof(RemovalRecord), len);
+    EXPECT_LE(h.count, 5u);
+  }
+  EXPECT_GT(answered, 100);  // the valid corner was reached too
+  RemovedKeys page;
+  ASSERT_TRUE(dev->removed(1, 0, &page).ok());
+  EXPECT_EQ(page.records.size(), 5u);
+}
+
+// A gdkvd without a removal log does not serve the page (and says so in Identify).
+TEST_F(VfioUserE2E, RemovalLogPageNeedsALog) {
+  auto dev = VfioUserDevice::open(dir_.path()).value();
+  EXPECT_FALSE(offers_removal_log(*dev));
+  RemovedKeys page;
+  const CmdResult r = dev->removed(1, 0, &page);
+  EXPECT_EQ(r.status_type, nvme::kSctCommandSpecific);
+  EXPECT_EQ(static_cast<uint8_t>(r.status), vfio_user::sc::kInvalidLogPage);
 }
 
 // ---- Wake-ups (docs/vfio-user.md "Wake-ups") ----

@@ -239,8 +239,9 @@ uint16_t NvmeController::identify(const nvme::Sqe& sqe) {
       GdkvVendorInfo vi{};
       std::memcpy(vi.magic, "GDKV", 4);
       vi.version = 1;
-      vi.flags =
-          kVendorCounterDoorbells | kVendorWakeups | (config_.importer ? kVendorDeviceMemory : 0);
+      vi.flags = kVendorCounterDoorbells | kVendorWakeups |
+                 (config_.importer ? kVendorDeviceMemory : 0) |
+                 (config_.removals ? kVendorRemovalLog : 0);
       vi.max_value_bytes = config_.max_value_bytes;
       vi.msix_vectors = config_.msix_vectors;
       vi.max_queue_entries = config_.max_queue_entries;
@@ -323,10 +324,16 @@ uint16_t NvmeController::get_log_page(const nvme::Sqe& sqe) {
   const uint8_t lid = sqe.cdw10 & 0xFF;
   const uint32_t numdu = cdw11(sqe) & 0xFFFF;
   const uint64_t dwords = ((uint64_t{numdu} << 16) | (sqe.cdw10 >> 16)) + 1;
+  std::vector<uint8_t> page;
+  if (lid == kLogRemovals && config_.removals) {
+    // LPO is the subscriber's cursor, not a byte offset: the page is built for it, whole.
+    const uint16_t st = removal_log_page(sqe, dwords * 4, page);
+    if (st != 0) return st;
+    return admin_write(sqe, page.data(), page.size());
+  }
   if (dwords * 4 > kMaxLogBytes) return sf(Status::kInvalidField);
   const uint64_t offset = (uint64_t{sqe.cdw13} << 32) | sqe.cdw12;
   if (offset & 3) return sf(Status::kInvalidField);
-  std::vector<uint8_t> page;
   switch (lid) {
     case kLogErrorInfo:
       page.assign(64, 0);
@@ -389,6 +396,48 @@ uint16_t NvmeController::get_log_page(const nvme::Sqe& sqe) {
   const size_t n = std::min<size_t>(out.size(), page.size() - static_cast<size_t>(offset));
   std::memcpy(out.data(), page.data() + offset, n);
   return admin_write(sqe, out.data(), out.size());
+}
+
+uint16_t NvmeController::removal_log_page(const nvme::Sqe& sqe, uint64_t bytes,
+                                          std::vector<uint8_t>& page) {
+  // Only a namespace this connection may use: another tenant's removals are never read.
+  const NamespaceView* ns = find_ns(sqe.nsid);
+  if (ns == nullptr) return sf(Status::kInvalidNamespace);
+  if (!(bytes_of_cdw14(sqe) & kLogOffsetIsIndex) || bytes < sizeof(RemovalLogHeader) ||
+      bytes > kMaxLogBytes ||
+      (sqe.cdw10 & ~(0xFFFF00FFu | kRemovalNoCursor | kLogRetainAsyncEvent)) != 0) {
+    return sf(Status::kInvalidField);  // LPO must be a cursor; room for the header; LSP bit 0 only
+  }
+  const uint64_t room = (bytes - sizeof(RemovalLogHeader)) / sizeof(RemovalRecord);
+  const size_t max = static_cast<size_t>(std::min<uint64_t>(room, kRemovalMaxRecords));
+  std::optional<uint64_t> after;
+  if (!(sqe.cdw10 & kRemovalNoCursor)) after = (uint64_t{sqe.cdw13} << 32) | sqe.cdw12;
+  RemovedKeys got;
+  try {
+    got = config_.removals(ns->backend_nsid, after, max);
+  } catch (const std::exception&) {
+    return sf(Status::kInternalError);
+  }
+  const size_t count = std::min(got.records.size(), max);
+  RemovalLogHeader h{};
+  h.boot = got.boot;
+  h.last = got.last;
+  h.first = got.first;
+  h.next = got.next;
+  h.count = static_cast<uint32_t>(count);
+  h.flags = (got.lost ? kRemovalsLost : 0) | (got.more ? kRemovalsMore : 0);
+  h.record_bytes = sizeof(RemovalRecord);
+  page.assign(static_cast<size_t>(bytes), 0);
+  std::memcpy(page.data(), &h, sizeof(h));
+  for (size_t i = 0; i < count; ++i) {
+    const RemovedKeys::Entry& e = got.records[i];
+    RemovalRecord r{};
+    r.seq = e.seq;
+    r.key_length = e.key.len;
+    std::memcpy(r.key, e.key.bytes, sizeof(r.key));
+    std::memcpy(page.data() + sizeof(h) + i * sizeof(r), &r, sizeof(r));
+  }
+  return sf(0);
 }
 
 namespace {

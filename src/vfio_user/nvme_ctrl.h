@@ -94,7 +94,8 @@ struct NvmeControllerConfig {
   uint64_t max_value_bytes = uint64_t{64} << 20;
   std::vector<NamespaceView> namespaces;  // visible to this client
   DeviceMemoryImporter* importer = nullptr;
-  uint32_t reactor = 0;  // where the poller runs (for the owner)
+  RemovalSource removals;  // log page C0h; null: not served
+  uint32_t reactor = 0;    // where the poller runs (for the owner)
   // Bounce memory for message-only DMA maps, per connection. A command larger than this still
   // runs, alone.
   uint64_t message_bounce_bytes = uint64_t{256} << 20;
@@ -259,6 +260,8 @@ class NvmeController final : public Poller {
   uint16_t admin(const nvme::Sqe& sqe, uint32_t* dw0, bool* deferred);
   uint16_t identify(const nvme::Sqe& sqe);
   uint16_t get_log_page(const nvme::Sqe& sqe);
+  // Log page C0h (nvme_defs.h): fills `page` with the header and records.
+  uint16_t removal_log_page(const nvme::Sqe& sqe, uint64_t bytes, std::vector<uint8_t>& page);
   uint16_t set_features(const nvme::Sqe& sqe, uint32_t* dw0);
   uint16_t get_features(const nvme::Sqe& sqe, uint32_t* dw0);
   uint16_t create_cq(const nvme::Sqe& sqe);

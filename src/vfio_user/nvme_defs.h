@@ -11,6 +11,7 @@
 //     lists).
 //   - Admin opcode C0h: register or unregister device (GPU) memory by CUDA IPC handle.
 //   - Identify Controller vendor area (bytes 3072+): GdkvVendorInfo.
+//   - Log page C0h: the keys gdkvd's store removed from one namespace (RemovalLogHeader below).
 //   - Wake-ups (vendor flag kVendorWakeups, docs/vfio-user.md "Wake-ups"): once the host fetched
 //     BAR0's ioeventfd (DEVICE_GET_REGION_IO_FDS), gdkvd keeps the word at doorbell page offset
 //     kWakeSleepingOffset at 1 while the reactor serving the connection sleeps; a host that finds
@@ -152,6 +153,7 @@ inline constexpr uint8_t kLogErrorInfo = 0x01;
 inline constexpr uint8_t kLogSmart = 0x02;
 inline constexpr uint8_t kLogFirmwareSlot = 0x03;
 inline constexpr uint8_t kLogCommandEffects = 0x05;  // CSI in CDW14 bits 31:24
+inline constexpr uint8_t kLogRemovals = 0xC0;        // gdkv: removed keys, see below
 // Identify Controller LPA bit 1: the Commands Supported and Effects log is supported.
 inline constexpr uint8_t kLpaCommandEffects = 1u << 1;
 // Commands Supported and Effects log (05h): 256 admin then 256 I/O command entries (dwords).
@@ -265,6 +267,7 @@ static_assert(sizeof(GdkvVendorInfo) == 24);
 inline constexpr uint16_t kVendorCounterDoorbells = 1u << 0;
 inline constexpr uint16_t kVendorDeviceMemory = 1u << 1;
 inline constexpr uint16_t kVendorWakeups = 1u << 2;
+inline constexpr uint16_t kVendorRemovalLog = 1u << 3;  // log page C0h is served
 
 struct LbaFormat {
   uint16_t ms;
@@ -370,6 +373,49 @@ struct SmartLog {
 static_assert(sizeof(SmartLog) == 512);
 static_assert(offsetof(SmartLog, data_units_read) == 32);
 static_assert(offsetof(SmartLog, host_reads) == 64);
+
+// Log page C0h (gdkv): the keys the store removed (deleted, evicted) from ONE namespace, for a
+// subscriber that reports them (the vLLM connector's BlockRemoved). Command fields:
+//   NSID        a namespace this connection may use (else Invalid Namespace); records of other
+//               namespaces, and of other tenants, are never returned
+//   CDW10 7:0   C0h; bits 31:16 with CDW11 15:0 NUMD (0's based dwords): the page holds the
+//               header and as many records as fit, at most kRemovalMaxRecords; the buffer must
+//               hold at least the header (else Invalid Field)
+//   CDW10 8     (LSP bit 0) no cursor: no records, the header only (a new subscriber's start)
+//   CDW12, CDW13 (LPO) the cursor `after`: records with a greater sequence number are returned
+//   CDW14 23    (OT) must be 1: LPO is an index (a sequence number), not a byte offset
+// A subscriber keeps (boot, next): a different boot means gdkvd restarted and its cursor is void.
+inline constexpr uint32_t kRemovalNoCursor = 1u << 8;       // CDW10: LSP bit 0
+inline constexpr uint32_t kLogOffsetIsIndex = 1u << 23;     // CDW14: OT
+inline constexpr uint32_t kLogRetainAsyncEvent = 1u << 15;  // CDW10: RAE (no events: ignored)
+inline constexpr uint32_t kRemovalMaxRecords = 4096;
+struct RemovalLogHeader {
+  uint64_t boot;          // this removal log's life (a new one after a gdkvd restart)
+  uint64_t last;          // the newest sequence number given, all namespaces (0: none yet)
+  uint64_t first;         // the oldest kept (last + 1 when none)
+  uint64_t next;          // the cursor to pass next: the newest sequence number this answer covered
+  uint32_t count;         // records that follow the header
+  uint32_t flags;         // kRemovals* bits
+  uint16_t record_bytes;  // sizeof(RemovalRecord)
+  uint8_t reserved[22];
+};
+static_assert(sizeof(RemovalLogHeader) == 64);
+static_assert(offsetof(RemovalLogHeader, next) == 24);
+static_assert(offsetof(RemovalLogHeader, count) == 32);
+static_assert(offsetof(RemovalLogHeader, flags) == 36);
+static_assert(offsetof(RemovalLogHeader, record_bytes) == 40);
+// Records were missed: dropped before they were read, a cursor from another boot or from the
+// future, or a backend that lost track (a broken RADOS watch). Treat every key as possibly gone.
+inline constexpr uint32_t kRemovalsLost = 1u << 0;
+inline constexpr uint32_t kRemovalsMore = 1u << 1;  // records after `next` remain: read again
+struct RemovalRecord {
+  uint64_t seq;
+  uint8_t key_length;  // 1..16
+  uint8_t reserved[7];
+  uint8_t key[16];
+};
+static_assert(sizeof(RemovalRecord) == 32);
+static_assert(offsetof(RemovalRecord, key) == 16);
 
 // Admin C0h (gdkv): the data buffer (CDW10 = its length) holds this; CDW11 = kDevMem* operation.
 inline constexpr uint32_t kDevMemRegister = 0;

@@ -127,6 +127,7 @@ vfio_user::SessionConfig VfioUserServer::Impl::session_config(const ucred& peer,
   n.msix_vectors = options.msix_vectors;
   n.max_value_bytes = ctl.options().max_value_bytes;
   n.importer = options.device_memory;
+  n.removals = options.removals;
   n.reactor = next_reactor++ % ctl.reactor_count();
   const std::vector<uint32_t> gids = peer_groups(peer);
   std::vector<VfioUserNamespace> spaces = options.namespaces;

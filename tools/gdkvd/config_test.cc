@@ -25,6 +25,16 @@ int run(std::vector<std::string> args, Config& c, std::string* err) {
   return load(static_cast<int>(argv.size()), argv.data(), c, err);
 }
 
+// /removed lists every namespace's removed keys: gdkvd serves it on loopback unless told.
+TEST(Config, MetricsListenOnLoopbackByDefault) {
+  EXPECT_EQ(Config{}.daemon.metrics_bind, "127.0.0.1");
+  Config c;
+  std::string err;
+  ::unsetenv(gdkv_tools_env("--metrics-bind").c_str());
+  ASSERT_EQ(run({}, c, &err), 0) << err;
+  EXPECT_EQ(c.daemon.metrics_bind, "127.0.0.1");
+}
+
 TEST(Config, Toml) {
   Config c;
   std::string err;

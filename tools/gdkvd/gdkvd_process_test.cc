@@ -35,6 +35,7 @@ namespace {
 
 using gdkv::CmdResult;
 using gdkv::Key;
+using gdkv::RemovedKeys;
 using gdkv::nvme::Status;
 using gdkv::vfio_user::test::TempDir;
 using Clock = std::chrono::steady_clock;
@@ -532,6 +533,76 @@ TEST(GdkvdProcess, TenantsSeeOnlyTheirNamespaces) {
                                  : 1;
                     }),
             0);
+  EXPECT_EQ(d.stop(), 0);
+}
+
+// Each tenant reads the removed keys of its own namespaces over its connection (log page C0h):
+// A's deletes never reach B, and A cannot ask for B's namespace.
+TEST(GdkvdProcess, TenantsReadOnlyTheirRemovals) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to run clients as other users";
+  TempDir dir("procremoved");
+  const std::string conf = dir.path() + "/gdkvd.toml";
+  {
+    std::ofstream f(conf);
+    f << "[backend]\nkind = \"memory\"\n"
+         "[[namespace]]\nnsid = 1\nbackend_namespace = 1\nname = \"tenant-a\"\nuids = [4101]\n"
+         "[[namespace]]\nnsid = 1\nbackend_namespace = 2\nname = \"tenant-b\"\nuids = [4102]\n"
+         "[[namespace]]\nnsid = 2\nbackend_namespace = 3\nname = \"tenant-b-2\"\n"
+         "uids = [4102]\n";
+  }
+  Daemon d(dir.path(), {"--config", conf});
+  ASSERT_TRUE(d.wait_ready()) << d.log();
+  const std::string sock = d.socket_dir();
+  // (The children are forked: each reads from cursor 0, the log's start.)
+  ASSERT_EQ(as_user(4101,
+                    [&] {
+                      auto dev = gdkv::VfioUserDevice::open(sock).value();
+                      RemovedKeys start;
+                      if (!dev->removed(1, std::nullopt, &start).ok()) return 1;
+                      auto c = dev->make_client().value();
+                      for (const char* name : {"a-1", "a-2", "shared"}) {
+                        const Key k = *Key::from_string(name);
+                        if (!c->put(k, pattern(50, 1), 0, 1).ok() || !c->del(k, 1).ok()) return 2;
+                      }
+                      RemovedKeys mine;
+                      if (!dev->removed(1, start.next, &mine).ok() || mine.records.size() != 3) {
+                        return 3;
+                      }
+                      // B's second namespace does not exist for A.
+                      if (dev->removed(2, start.next, &mine).status != Status::kInvalidNamespace) {
+                        return 4;
+                      }
+                      return 0;
+                    }),
+            0);
+  EXPECT_EQ(as_user(4102,
+                    [&] {
+                      auto dev = gdkv::VfioUserDevice::open(sock).value();
+                      RemovedKeys page;
+                      // B's nsid 1 (backend namespace 2): none of A's three deletes.
+                      if (!dev->removed(1, 0, &page).ok()) return 1;
+                      if (!page.records.empty() || page.lost) return 2;
+                      auto c = dev->make_client().value();
+                      const Key k = *Key::from_string("shared");
+                      if (!c->put(k, pattern(50, 2), 0, 1).ok() || !c->del(k, 1).ok()) return 3;
+                      if (!dev->removed(1, page.next, &page).ok()) return 4;
+                      if (page.records.size() != 1 || !(page.records[0].key == k)) return 5;
+                      if (!dev->removed(2, 0, &page).ok() || !page.records.empty()) {
+                        return 6;
+                      }
+                      return 0;
+                    }),
+            0);
+  // A stranger has no namespace: no page either.
+  EXPECT_EQ(
+      as_user(4103,
+              [&] {
+                auto dev = gdkv::VfioUserDevice::open(sock).value();
+                RemovedKeys page;
+                return dev->removed(1, std::nullopt, &page).status == Status::kInvalidNamespace ? 0
+                                                                                                : 1;
+              }),
+      0);
   EXPECT_EQ(d.stop(), 0);
 }
 

@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -112,6 +113,14 @@ int main(int argc, char** argv) {
 
     gdkv::VfioUserServerOptions so = cfg.daemon.server;
     so.log = log;
+    // Log page C0h: each tenant reads its own namespaces' removals over its connection.
+    so.removals = [&removals](uint32_t nsid, std::optional<uint64_t> after, size_t max) {
+      gdkv::RemovalLog::Slice s = removals.slice(after, max, nsid);
+      gdkv::RemovedKeys out{s.boot, s.last, s.first, s.next, s.lost, s.more, {}};
+      out.records.reserve(s.records.size());
+      for (const auto& r : s.records) out.records.push_back({r.seq, r.key});
+      return out;
+    };
 #ifdef GDKVD_WITH_CUDA
     std::unique_ptr<gdkv::DeviceMemoryImporter> importer;
     if (cfg.daemon.gpu && gdkv::gpu::device_count() > 0) {
@@ -138,7 +147,7 @@ int main(int argc, char** argv) {
                     cfg.daemon.metrics_bind, &removals)
                     .value();
       log("metrics on http://" + cfg.daemon.metrics_bind + ":" + std::to_string(metrics->port()) +
-          "/metrics, removed keys at /removed");
+          "/metrics, every namespace's removed keys at /removed");
     }
     log("ready: backend " + cfg.store.backend.kind + ", " + std::to_string(co.reactors) +
         " reactors, cache " + std::to_string(cfg.store.cache.capacity_bytes) + " bytes, socket " +

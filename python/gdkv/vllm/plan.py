@@ -27,9 +27,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("gdkv.vllm")
 
 
-# The medium of the KV events the connector sends (vLLM's own are GPU or CPU).
-MEDIUM = "GDKV"
-# How often gdkvd's removals (removals_url) are read.
+# The `ownership` of the connector's KV events: vLLM's field naming the offloading tier that
+# generated them (its own tiers name theirs, e.g. "kvcr"). Their medium and locality are the
+# connector keys kv_events_medium and kv_events_locality (gdkv.config.VLLM_KEYS).
+OWNERSHIP = "gdkv"
+# How often gdkvd's removals are read.
 REMOVALS_POLL_S = 0.5
 REMOVALS_PENDING_KEYS = 1 << 16   # removed keys waiting for take_events, at most
 # How long a planned save's event waits for the workers' reports before it is given up.
@@ -141,9 +143,12 @@ class Plan:
                              "layers (a value is one block of the window)")
         self.layer_names = [n for g in self.groups for n in g.layer_names]
         # KV events (vLLM's --kv-events-config): the values gdkv holds, reported as BlockStored
-        # and BlockRemoved with medium "GDKV" once every worker has put its part.
+        # and BlockRemoved once every worker has put its part, in vLLM's vocabulary for an
+        # offloading tier: medium STORAGE (or CPU), locality LOCAL, ownership "gdkv".
         ev = getattr(vllm_config, "kv_events_config", None)
         self.events = bool(ev is not None and ev.enable_kv_cache_events)
+        self.event_tier = dict(medium=extra["kv_events_medium"],
+                               locality=extra["kv_events_locality"], ownership=OWNERSHIP)
         # kv_role: a kv_producer (a prefill engine) saves and never loads, a kv_consumer (a
         # decode engine) loads and never saves; kv_both does both.
         ktc = vllm_config.kv_transfer_config

