@@ -56,7 +56,15 @@ struct RadosBackendOptions {
   // watchers are the live nodes that split eviction. Empty: no watch, no notifications.
   std::string events_object = "gdkv.events";
   // Per-namespace limits (backend.h): bytes a RADOS namespace may hold in the pool, counted as
-  // eviction counts them (one copy). Default: none.
+  // eviction counts them (one copy: the objects' sizes). Default: none. A Store larger than its
+  // namespace's quota fails at once with 81h. Held to by evicting nodes (`evict` on; a backend
+  // with it off, a one-shot tool, only refuses those Stores): every evict_interval_ms each node
+  // measures its slice of every quota'd namespace and adds the other nodes' last reports
+  // (xattrs of `<events_object>.evictors`); a namespace over its quota loses its own coldest
+  // blocks until it is back at evict_low_percent of it, each node trimming its own slice in
+  // proportion. Periodic, so a namespace can pass its quota by what is stored into it in about
+  // two intervals and a pass. Pool-wide eviction takes blocks of namespaces within their quota
+  // last. Every node should be given the same quotas.
   NamespaceQuotas quotas;
 };
 

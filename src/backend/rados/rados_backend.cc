@@ -52,8 +52,15 @@ nvme::Status rados_status(int rc) noexcept {
 
 namespace rados_detail {
 
-RadosBackend::RadosBackend(const RadosBackendOptions& o) : options_(o) {
+RadosBackend::RadosBackend(const RadosBackendOptions& o) : options_(o), quotas_(o.quotas.size()) {
   if (options_.ceph_timeout_ms == 0) throw std::runtime_error("rados: ceph_timeout_ms must be > 0");
+  size_t qi = 0;
+  for (const auto& [nsid, limit] : options_.quotas) {
+    quotas_[qi].nsid = nsid;
+    quotas_[qi].nspace = options_.namespace_prefix + std::to_string(nsid);
+    quotas_[qi].limit = limit;
+    ++qi;
+  }
   if (options_.evict && (options_.evict_high_percent == 0 || options_.evict_high_percent > 100 ||
                          options_.evict_low_percent >= options_.evict_high_percent ||
                          options_.evict_interval_ms == 0)) {
@@ -143,7 +150,16 @@ void RadosBackend::submit(BackendOp* op) {
   ops_.fetch_add(1, std::memory_order_relaxed);
   const auto kind_index = static_cast<size_t>(op->kind);
   if (kind_index < kKinds) kind_ops_[kind_index].fetch_add(1, std::memory_order_relaxed);
-  if (Status s = validate(*op); s != Status::kSuccess) {
+  Status s = validate(*op);
+  // A value larger than its namespace's quota could never be held: refused now, not evicted
+  // by the next pass (eviction counts an object's size, the value's bytes).
+  if (s == Status::kSuccess && op->kind == BackendOpKind::kPut) {
+    const auto q = options_.quotas.find(op->nsid);
+    if (q != options_.quotas.end() && op->value.size() > q->second) {
+      s = Status::kCapacityExceeded;
+    }
+  }
+  if (s != Status::kSuccess) {
     count_status(s);
     op->complete(s, 0);
     return;

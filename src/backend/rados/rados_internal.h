@@ -22,6 +22,7 @@
 #include <shared_mutex>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -221,7 +222,17 @@ class RadosBackend final : public Backend {
   bool pool_df(uint64_t* stored, uint64_t* max_avail) const;
   Fill read_fill() const;
   uint64_t pool_quota() const;
-  bool membership(size_t* index, size_t* count);
+  bool membership(size_t* index, size_t* count, std::vector<uint64_t>* ids);
+
+  // A namespace with a quota (options_.quotas). The vector holding them is sized once at
+  // construction and never changes, so collect() reads the atomics without a lock.
+  struct NsQuota {
+    uint32_t nsid = 0;
+    std::string nspace;                  // its RADOS namespace
+    uint64_t limit = 0;                  // bytes
+    std::atomic<uint64_t> held{0};       // the namespace's bytes on all nodes, as last measured
+    std::atomic<uint64_t> evictions{0};  // its blocks this node evicted (quota or pool-wide)
+  };
 
   struct Candidate {
     std::string nspace;
@@ -232,8 +243,18 @@ class RadosBackend final : public Backend {
     int stat_rc = 0;
     int atime_rc = 0;
     uint64_t atime_ms = 0;
+    NsQuota* quota = nullptr;  // its namespace's quota, if it has one
+    bool removed = false;
   };
 
+  NsQuota* quota_of(const std::string& nspace);
+  bool list_slice(const std::string& nspace, size_t index, size_t count,
+                  std::vector<Candidate>* out);
+  static constexpr std::string_view kHeldXattr = "gdkv.held.";  // + client id, on the evictors
+  void add_others_held(const std::vector<uint64_t>& members, std::vector<uint64_t>* held,
+                       std::vector<std::string>* stale);
+  void publish_held(const std::vector<uint64_t>& mine, const std::vector<std::string>& stale);
+  uint64_t remove_coldest(const std::vector<Candidate*>& order, uint64_t to_free);
   void report_eviction(const Candidate& c);
   librados::IoCtx& evict_ioctx(const std::string& nspace);
   // Defined in rados_evict.cc, its only user.
@@ -287,6 +308,7 @@ class RadosBackend final : public Backend {
   std::thread maintainer_;
   std::unordered_map<std::string, std::unique_ptr<librados::IoCtx>> evict_ns_;  // its thread's
 
+  std::vector<NsQuota> quotas_;         // one per options_.quotas entry, in nsid order
   std::atomic<bool> full_seen_{false};  // a Store got 81h since the last pass
   std::atomic<uint64_t> fill_ppm_{0};
   std::atomic<uint64_t> capacity_bytes_{0};
