@@ -3,7 +3,9 @@
 // payload checksum) appended to fixed-size segments with O_DIRECT writes through io_uring; an
 // in-memory index key → (segment, offset, length) is rebuilt at open by scanning the segments.
 // A Store is acknowledged once its record is durable; concurrent Stores share one write and one
-// flush (group commit). When full, the oldest segment is reclaimed (this is a cache).
+// flush (group commit). When full, the oldest segment is reclaimed (this is a cache); the live
+// values in it of a namespace with a quota are first copied forward, so only that namespace's own
+// Stores can push them out (it evicts its oldest values to stay within its quota).
 //
 // Thread safety: as every Backend (see backend.h).
 #pragma once
@@ -31,7 +33,10 @@ struct LocalBackendOptions {
   // the lock until the kernel has torn down its io_uring (usually milliseconds), so a restart
   // right after a crash waits briefly instead of failing. 0: fail at once if the store is in use.
   uint32_t lock_wait_ms = 2000;
-  NamespaceQuotas quotas;  // per-namespace limits within capacity_bytes (backend.h; default none)
+  // Per-namespace limits within capacity_bytes (backend.h; default none). A namespace's values
+  // count their bytes as the log holds them plus a 64-byte record each. Open fails when the quotas
+  // sum to more than (segments - 2) x 15/16 of segment_bytes (docs/local-store.md, "Quotas").
+  NamespaceQuotas quotas;
 };
 
 // Opens (creating if needed) the store and rebuilds its index. An Error (gdkv/result.h) with a

@@ -210,6 +210,8 @@ struct Trace {
   std::vector<Event> events;
   std::vector<Op> ops;
   uint32_t keys = 0;
+  uint32_t quota_keys = 0;  // keys below this live in kQuotaNs
+  double copied = 0;  // bytes the live store copied forward (local_copied_forward_bytes_total)
   LocalBackendOptions options;  // path is replaced per state
 };
 
@@ -228,7 +230,29 @@ struct WorkloadSpec {
   // page-aligned buffers, so each is written straight from its buffer by a write of its own.
   int large_in_10 = 0;
   int max_ops = 8;  // concurrent ops per step: 1 to this many
+  // Keys below this live in namespace kQuotaNs, which has a quota far above what they can hold
+  // (values of at most 16 KiB): reclaim must copy them forward, never drop them, so in every
+  // state they read back exactly as the rest of the keys do, but never as missing by reclaim.
+  uint32_t quota_keys = 0;
 };
+
+constexpr uint32_t kQuotaNs = 2;
+constexpr uint64_t kQuotaBytes = 1u << 20;
+uint32_t nsid_of(uint32_t key, uint32_t quota_keys) { return key < quota_keys ? kQuotaNs : 1; }
+
+// A value of a key in kQuotaNs: empty, inline, one block or a few.
+uint32_t pick_small_len(std::mt19937_64& rng) {
+  switch (rng() % 4) {
+    case 0:
+      return static_cast<uint32_t>(rng() % 16);
+    case 1:
+      return static_cast<uint32_t>(16 + rng() % 1009);
+    case 2:
+      return 4096;
+    default:
+      return static_cast<uint32_t>(1025 + rng() % 15360);
+  }
+}
 
 // Every size class the store treats differently: empty, inline (<= 1 KiB), one block, a few
 // blocks, tens of KiB, and (when the segment allows) >= 256 KiB written straight from the
@@ -299,6 +323,8 @@ struct Step {
 Trace record(const WorkloadSpec& w, const fs::path& dir, uint64_t seed) {
   Trace t;
   t.keys = w.keys;
+  t.quota_keys = w.quota_keys;
+  if (w.quota_keys > 0) t.options.quotas[kQuotaNs] = kQuotaBytes;
   t.options.segment_bytes = w.segment_bytes;
   t.options.capacity_bytes = w.capacity_bytes;
   t.options.path = dir.string();
@@ -312,6 +338,7 @@ Trace record(const WorkloadSpec& w, const fs::path& dir, uint64_t seed) {
     rec.pass(false);
     if (prev) prev->finish(t);
     prev.reset();
+    t.copied += metric(*store, "local_copied_forward_bytes_total");
     store.reset();
     store = open();
   };
@@ -323,13 +350,22 @@ Trace record(const WorkloadSpec& w, const fs::path& dir, uint64_t seed) {
     auto cur = std::make_unique<Step>(n);
     for (size_t i = 0; i < n; ++i) {
       Op op;
-      op.key = static_cast<uint32_t>(rng() % w.keys);
+      if (w.quota_keys == 0) {
+        op.key = static_cast<uint32_t>(rng() % w.keys);
+      } else {
+        // Keys with a quota are written one op in 6, so their values live long enough to be
+        // copied forward, often more than once.
+        op.key = rng() % 6 == 0
+                     ? static_cast<uint32_t>(rng() % w.quota_keys)
+                     : w.quota_keys + static_cast<uint32_t>(rng() % (w.keys - w.quota_keys));
+      }
       op.put = rng() % 5 != 0;
       op.version = ++version;
-      if (op.put) op.len = pick_len(rng, w);
+      if (op.put) op.len = op.key < w.quota_keys ? pick_small_len(rng) : pick_len(rng, w);
       Call& c = cur->calls[i];
       c.op.kind = op.put ? BackendOpKind::kPut : BackendOpKind::kDelete;
       c.op.key = int_key(op.key);
+      c.op.nsid = nsid_of(op.key, w.quota_keys);
       if (op.put) {
         cur->values.push_back(std::make_unique<AlignedValue>(value_of(op.key, op.version, op.len)));
         c.op.value = std::span<const std::byte>(cur->values.back()->p, cur->values.back()->n);
@@ -374,6 +410,7 @@ Trace record(const WorkloadSpec& w, const fs::path& dir, uint64_t seed) {
   }
   rec.pass(false);
   if (prev) prev->finish(t);
+  t.copied += metric(*store, "local_copied_forward_bytes_total");
   store.reset();
   t.events = rec.take();
   return t;
@@ -442,13 +479,13 @@ struct CheckCounts {
 
 // All keys' Gets at once (each into a page-aligned buffer of the value's length): one round trip
 // to the store's I/O thread instead of one per key. REQUIRES: calls.size() == keys.
-void get_all(Backend& b, std::vector<Call>& calls, uint32_t keys) {
+void get_all(Backend& b, std::vector<Call>& calls, uint32_t keys, uint32_t quota_keys) {
   std::vector<std::future<void>> fut;
   for (uint32_t k = 0; k < keys; ++k) {
     Call& c = calls[k];
     c.op.kind = BackendOpKind::kGet;
     c.op.key = int_key(k);
-    c.op.nsid = 1;
+    c.op.nsid = nsid_of(k, quota_keys);
     c.op.sink = &Call::sink;
     c.op.user = &c;
     c.op.done = &Call::on_done;
@@ -795,7 +832,7 @@ class CrashChecker {
       return std::string("open failed: ") + e.what();
     }
     std::vector<Call> calls(t_.keys);
-    get_all(*store, calls, t_.keys);
+    get_all(*store, calls, t_.keys, t_.quota_keys);
     size_t present = 0;
     for (uint32_t k = 0; k < t_.keys; ++k) {
       const Call& c = calls[k];
@@ -808,7 +845,9 @@ class CrashChecker {
       if (r.status == Status::kSuccess) ++present;
       if (std::string why = allowed(k, cut, r); !why.empty()) return why;
     }
-    if (list(*store, Key{}, 1u << 20).size() != present) return "List disagrees with the Gets";
+    size_t listed = list(*store, Key{}, 1u << 20).size();
+    if (t_.quota_keys > 0) listed += list(*store, Key{}, 1u << 20, kQuotaNs).size();
+    if (listed != present) return "List disagrees with the Gets";
     if (metric(*store, "local_checksum_failures_total") != 0) return "checksum failures";
     // Writing resumes where recovery left off.
     const uint32_t probe = t_.keys + 1;
@@ -845,8 +884,9 @@ class CrashChecker {
         counts_.acked_reads += l.put;
         return "";
       }
-      // Reclaimed: the segment holding it has a new header in this state (whole or torn).
-      if (l.put && gone_[*last] < cut && applied_[gone_[*last]] &&
+      // Reclaimed: the segment holding it has a new header in this state (whole or torn). Not a
+      // key of the namespace with a quota: reclaim copies those forward first.
+      if (l.put && k >= t_.quota_keys && gone_[*last] < cut && applied_[gone_[*last]] &&
           r.status == Status::kKeyNotExist) {
         return "";
       }
@@ -1028,6 +1068,11 @@ RunResult run_workload(const WorkloadSpec& w, const RunOptions& o) {
       u(st.attempts - st.states), u(res.counts.keys), u(res.counts.acked_reads), u(st.violations),
       secs);
   std::fflush(stdout);
+  if (w.quota_keys > 0) {
+    std::printf("[%s] keys 0-%u in a namespace with a quota: %.1f KiB copied forward\n", w.name,
+                w.quota_keys - 1, t.copied / 1024);
+    if (t.copied <= 0) ADD_FAILURE() << w.name << ": nothing was copied forward";
+  }
   EXPECT_EQ(st.violations, 0u);
   // The run checked what it claims.
   if (res.acked == 0) ADD_FAILURE() << w.name << ": no op was acknowledged";
@@ -1056,23 +1101,25 @@ uint64_t share(uint64_t percent) { return std::max<uint64_t>(20, g_states * perc
 // values written straight from the caller's buffer, several per batch), overwrites, deletes, and a
 // clean reopen (index rebuild) every 5 steps.
 TEST(LocalCrash, StatesAcrossRolloverEverySizeAndRebuild) {
-  run_workload({"rollover", 2u << 20, 64u << 20, 24, 12, 5, 600u << 10, 0, 5, 10}, {share(35)});
+  run_workload({"rollover", 2u << 20, 64u << 20, 24, 12, 5, 600u << 10, 0, 5, 10, 0}, {share(35)});
 }
 
 // A 4-segment log (2 MiB segments) written several times over: the oldest segment is reclaimed
 // again and again (reclaim is the store's garbage collection), with tombstones, overwrites and
-// reopens; batches of up to ~7 values of 256-288 KiB.
+// reopens; batches of up to ~7 values of 256-288 KiB. Keys 0-7 are in a namespace with a quota:
+// each reclaim first copies them forward, and no state may lose them.
 TEST(LocalCrash, StatesAcrossReclaim) {
-  run_workload({"reclaim", 2u << 20, 8u << 20, 24, 50, 20, 288u << 10, 0, 7, 10}, {share(30)});
+  run_workload({"reclaim", 2u << 20, 8u << 20, 24, 50, 20, 288u << 10, 0, 7, 10, 8}, {share(30)});
 }
 
 // A power loss while the first batch of a reclaimed segment's new life was being written: the old
 // header may survive while some of the new batch's sectors land over the old life's values. The
 // old records must then not come back pointing at overwritten bytes (found by the long run: Gets
 // failed with 88h). Every state is a subset (whole writes, or some torn) of such an epoch (at least
-// 5 in the trace).
+// 5 in the trace). Keys 0-7 are in a namespace with a quota, so the first batch of a new life is
+// often the copy-forward of those keys out of the segment being reclaimed.
 TEST(LocalCrash, PowerLossWhileReusingASegment) {
-  run_workload({"reuse", 2u << 20, 8u << 20, 24, 40, 1000, 288u << 10, 0, 7, 10},
+  run_workload({"reuse", 2u << 20, 8u << 20, 24, 40, 1000, 288u << 10, 0, 7, 10, 8},
                {share(15), true});
 }
 
@@ -1080,7 +1127,7 @@ TEST(LocalCrash, PowerLossWhileReusingASegment) {
 // EIO (its ops get 06h, the store zeroes the failed batch's header and reuses its place), then a
 // power loss anywhere around it.
 TEST(LocalCrash, StatesAroundFailedBatches) {
-  run_workload({"faults", 2u << 20, 8u << 20, 24, 24, 8, 600u << 10, 3, 5, 10}, {share(20)});
+  run_workload({"faults", 2u << 20, 8u << 20, 24, 24, 8, 600u << 10, 3, 5, 10, 0}, {share(20)});
 }
 
 // ---- injected I/O errors ------------------------------------------------------------------------

@@ -558,6 +558,214 @@ TEST_F(LocalStore, FullFileSystemKeepsServingAndStaysConsistent) {
   EXPECT_EQ(WEXITSTATUS(rc), 0) << cmd;
 }
 
+// ---- quotas -------------------------------------------------------------------------------------
+
+// What a value holds of its namespace's quota: its bytes as the log lays them out (inline up to
+// 1 KiB, else whole 4 KiB blocks) and its 64-byte record.
+uint64_t charge(uint64_t len) { return 64 + (len <= 1024 ? len : (len + 4095) / 4096 * 4096); }
+
+double ns_metric(Backend& b, const std::string& name, uint32_t nsid) {
+  const std::pair<std::string, std::string> l{"namespace", std::to_string(nsid)};
+  return metric(b, name, &l);
+}
+
+// A tenant (namespace 1) writes 10x the store's capacity in 500 KB values; tenant B (namespace 2,
+// with a quota) stored values of every size class first and rewrites one in the middle of the
+// flood. Every B value stays readable byte-exact, also after a reopen: reclaim copies them forward
+// instead of dropping them. With `a_quota`, A has a quota too and makes room by evicting its own
+// oldest values: what it keeps is the newest that fit, everything else reported as removed once,
+// and a reopen keeps exactly that (the evictions' tombstones are durable).
+class LocalQuota : public LocalStore {
+ public:
+  void flood(std::optional<uint64_t> a_quota) {
+    constexpr uint64_t kQuotaB = 4u << 20;
+    auto o = options(1u << 20, 16u << 20);  // 16 segments of 1 MiB
+    o.quotas[2] = kQuotaB;
+    if (a_quota) o.quotas[1] = *a_quota;
+    Backend& b = open(o);
+    std::mutex mu;
+    std::map<uint32_t, std::vector<Key>> removed;  // per namespace, in order
+    b.set_removal_handler([&](uint32_t nsid, const Key& k) {
+      std::lock_guard lk(mu);
+      removed[nsid].push_back(k);
+    });
+    const size_t sizes[] = {0, 100, 1024, 4096, 60000, 250000, 300000};
+    constexpr uint32_t kB = 21;
+    std::map<uint32_t, std::pair<uint64_t, size_t>> bvals;  // key -> (version, length)
+    uint64_t b_held = 0;
+    for (uint32_t k = 0; k < kB; ++k) {
+      const size_t len = sizes[k % 7];
+      const auto v = len >= 16 ? make_value(k, 1, len) : std::vector<std::byte>(len, std::byte{7});
+      ASSERT_EQ(put(b, int_key(k), v, 0, 2), Status::kSuccess) << k;
+      bvals[k] = {1, len};
+      b_held += charge(len);
+    }
+    ASSERT_LE(b_held, kQuotaB);
+    constexpr size_t kLenA = 500000;
+    const uint32_t kA = 10 * (16u << 20) / kLenA;  // 10x the capacity
+    for (uint32_t k = 0; k < kA; ++k) {
+      ASSERT_EQ(put(b, int_key(k), make_value(k, 1, kLenA)), Status::kSuccess) << k;
+      if (k == kA / 2) {  // B rewrites a value mid-flood: the new one is copied forward later
+        ASSERT_EQ(put(b, int_key(5), make_value(5, 2, 250000), 0, 2), Status::kSuccess);
+        b_held += charge(250000) - charge(bvals[5].second);
+        bvals[5] = {2, 250000};
+      }
+    }
+    auto check_b = [&](Backend& s, const char* when) {
+      for (const auto& [k, vl] : bvals) {
+        const GetResult r = get(s, int_key(k), SinkMode::kAligned, 2);
+        ASSERT_EQ(r.status, Status::kSuccess) << when << ": B's key " << k << " was lost";
+        const auto want = vl.second >= 16 ? make_value(k, vl.first, vl.second)
+                                          : std::vector<std::byte>(vl.second, std::byte{7});
+        ASSERT_EQ(r.data, want) << when << ": B's key " << k;
+      }
+      EXPECT_EQ(list(s, Key{}, 1000, 2).size(), bvals.size()) << when;
+      EXPECT_EQ(ns_metric(s, "namespace_held_bytes", 2), static_cast<double>(b_held)) << when;
+      EXPECT_EQ(ns_metric(s, "namespace_evictions_total", 2), 0) << when;
+      EXPECT_EQ(metric(s, "local_checksum_failures_total"), 0) << when;
+    };
+    check_b(b, "after the flood");
+    EXPECT_GE(metric(b, "local_segments_reclaimed_total"), 100);
+    EXPECT_GE(metric(b, "local_copied_forward_bytes_total"), static_cast<double>(b_held) * 5)
+        << "B's values were copied forward on (nearly) every lap of the log";
+    EXPECT_EQ(metric(b, "local_copy_forward_dropped_total"), 0);
+    // A: what is left is the newest of what it wrote, byte-exact, and the rest was reported.
+    std::set<uint32_t> kept;
+    for (const Key& k : list(b, Key{}, 100000, 1)) {
+      uint32_t n;
+      std::memcpy(&n, k.bytes + 4, 4);
+      kept.insert(n);
+    }
+    ASSERT_FALSE(kept.empty());
+    EXPECT_EQ(*kept.rbegin(), kA - 1);
+    EXPECT_EQ(kept.size(), kA - *kept.begin()) << "A lost values other than its oldest";
+    for (uint32_t k : kept) ASSERT_EQ(get(b, int_key(k)).data, make_value(k, 1, kLenA)) << k;
+    const double a_held = ns_metric(b, "namespace_held_bytes", 1);
+    EXPECT_EQ(a_held, static_cast<double>(kept.size() * charge(kLenA)));
+    b.set_removal_handler(nullptr);
+    {
+      std::lock_guard lk(mu);
+      EXPECT_EQ(removed.count(2), 0u) << "B lost values";
+      ASSERT_EQ(removed[1].size(), kA - kept.size()) << "a removal missing or reported twice";
+      std::set<Key> once(removed[1].begin(), removed[1].end());
+      EXPECT_EQ(once.size(), removed[1].size());
+      for (uint32_t k = 0; k < *kept.begin(); ++k) EXPECT_TRUE(once.contains(int_key(k))) << k;
+    }
+    if (a_quota) {
+      // A's own quota, not reclaim, decided: it keeps as much as fits, and evicted the rest.
+      EXPECT_LE(a_held, static_cast<double>(*a_quota));
+      EXPECT_GT(a_held + static_cast<double>(charge(kLenA)), static_cast<double>(*a_quota));
+      EXPECT_EQ(ns_metric(b, "namespace_evictions_total", 1),
+                static_cast<double>(kA - kept.size()));
+    } else {
+      EXPECT_EQ(ns_metric(b, "namespace_evictions_total", 1), 0);
+    }
+    // A reopen finds the same: B whole, A's survivors (evicted values stay evicted).
+    Backend& r = reopen(o);
+    check_b(r, "after reopen");
+    std::set<uint32_t> kept2;
+    for (const Key& k : list(r, Key{}, 100000, 1)) {
+      uint32_t n;
+      std::memcpy(&n, k.bytes + 4, 4);
+      kept2.insert(n);
+    }
+    EXPECT_EQ(kept2, kept);
+    EXPECT_EQ(ns_metric(r, "namespace_held_bytes", 1), a_held);
+  }
+};
+
+TEST_F(LocalQuota, AFloodWithoutAQuotaLeavesEveryValueOfANamespaceWithAQuota) {
+  flood(std::nullopt);
+}
+
+TEST_F(LocalQuota, ANamespaceOverItsQuotaEvictsItsOwnOldestOnly) { flood(uint64_t{3} << 20); }
+
+TEST_F(LocalQuota, AValueLargerThanItsQuotaIsRefused) {
+  auto o = options(1u << 20, 16u << 20);
+  o.quotas[2] = 100000;
+  Backend& b = open(o);
+  ASSERT_EQ(put(b, skey("small"), make_value(1, 1, 50000), 0, 2), Status::kSuccess);
+  // 99,000 bytes take 25 blocks and a record in the log: 102,464 bytes, over 100,000.
+  EXPECT_EQ(put(b, skey("big"), make_value(2, 1, 99000), 0, 2), Status::kCapacityExceeded);
+  EXPECT_EQ(put(b, skey("bigger"), make_value(3, 1, 200000), 0, 2), Status::kCapacityExceeded);
+  EXPECT_EQ(put(b, skey("big"), make_value(2, 1, 99000), 0, 1), Status::kSuccess);  // no quota
+  // Refused, nothing evicted for it.
+  EXPECT_EQ(get(b, skey("small"), SinkMode::kAligned, 2).data, make_value(1, 1, 50000));
+  EXPECT_EQ(ns_metric(b, "namespace_evictions_total", 2), 0);
+  EXPECT_EQ(ns_metric(b, "namespace_held_bytes", 2), static_cast<double>(charge(50000)));
+  // The largest that fits: 95,000 bytes (24 blocks, 98,368 with its record) replaces "small".
+  ASSERT_EQ(put(b, skey("fits"), make_value(4, 1, 95000), 0, 2), Status::kSuccess);
+  EXPECT_EQ(get(b, skey("small"), SinkMode::kAligned, 2).status, Status::kKeyNotExist);
+  EXPECT_EQ(get(b, skey("fits"), SinkMode::kAligned, 2).data, make_value(4, 1, 95000));
+  EXPECT_EQ(ns_metric(b, "namespace_evictions_total", 2), 1);
+  EXPECT_EQ(ns_metric(b, "namespace_held_bytes", 2), static_cast<double>(charge(95000)));
+  EXPECT_EQ(ns_metric(b, "namespace_held_bytes", 1), static_cast<double>(charge(99000)));
+}
+
+TEST_F(LocalQuota, OpenRefusesQuotasTheLogCannotKeep) {
+  // 16 segments of 1 MiB: quotas may sum to 14 x 15/16 MiB = 13,762,560 bytes.
+  auto o = options(1u << 20, 16u << 20);
+  o.quotas[1] = 8u << 20;
+  o.quotas[2] = 13762560 - (8u << 20) + 1;
+  auto r = make_local_backend(o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().find("quotas sum to 13762561 bytes"), std::string::npos) << r.error();
+  o.quotas[2] -= 1;
+  EXPECT_TRUE(make_local_backend(o).ok());
+  auto two = options(1u << 20, 2u << 20);  // two segments leave no room for any quota
+  two.quotas[3] = 1;
+  EXPECT_FALSE(make_local_backend(two).ok());
+}
+
+// Evictions are durable: the evicted values do not come back at the next open (their tombstones
+// went out in the batch after the eviction), and the namespace is within its quota from the start.
+TEST_F(LocalQuota, EvictedValuesStayGoneAfterReopen) {
+  auto o = options(1u << 20, 16u << 20);
+  o.quotas[1] = 10 * charge(20000);
+  Backend& b = open(o);
+  for (uint32_t k = 0; k < 25; ++k) {
+    ASSERT_EQ(put(b, int_key(k), make_value(k, 1, 20000)), Status::kSuccess);
+  }
+  EXPECT_EQ(ns_metric(b, "namespace_evictions_total", 1), 15);
+  EXPECT_EQ(list(b, Key{}, 100).size(), 10u);
+  b.drain();
+  Backend& r = reopen(o);
+  const auto keys = list(r, Key{}, 100);
+  ASSERT_EQ(keys.size(), 10u);
+  for (uint32_t k = 15; k < 25; ++k) EXPECT_EQ(get(r, int_key(k)).data, make_value(k, 1, 20000));
+  EXPECT_EQ(ns_metric(r, "namespace_held_bytes", 1), static_cast<double>(10 * charge(20000)));
+}
+
+// Copy-forward copies live values only: a deleted key of a namespace with a quota stays deleted
+// while its put's segment and then its tombstone's are reclaimed, and a live one is kept.
+TEST_F(LocalQuota, CopyForwardNeverResurrectsADeletedKey) {
+  auto o = options(1u << 20, 8u << 20);
+  o.quotas[2] = 1u << 20;
+  Backend& b = open(o);
+  ASSERT_EQ(put(b, skey("victim"), make_value(998, 1, 5000), 0, 2), Status::kSuccess);
+  ASSERT_EQ(put(b, skey("keeper"), make_value(999, 1, 70000), 0, 2), Status::kSuccess);
+  uint32_t n = 0;
+  auto fill = [&](Backend& s, int count) {
+    for (int i = 0; i < count; ++i, ++n) {
+      ASSERT_EQ(put(s, int_key(n), make_value(n, 1, 50000)), Status::kSuccess);
+    }
+  };
+  fill(b, 10);
+  ASSERT_EQ(simple(b, BackendOpKind::kDelete, skey("victim"), 2), Status::kSuccess);
+  double reclaimed = 0;
+  for (int round = 0; round < 8; ++round) {
+    fill(*store_, 40);  // 2 MB: a quarter of the log, so every segment is reclaimed in 4 rounds
+    reclaimed += metric(*store_, "local_segments_reclaimed_total");
+    Backend& r = reopen(o);
+    EXPECT_EQ(get(r, skey("victim"), SinkMode::kAligned, 2).status, Status::kKeyNotExist)
+        << "round " << round;
+    EXPECT_EQ(get(r, skey("keeper"), SinkMode::kAligned, 2).data, make_value(999, 1, 70000))
+        << "round " << round;
+  }
+  EXPECT_GE(reclaimed, 8);
+  EXPECT_EQ(metric(*store_, "local_copy_forward_dropped_total"), 0);
+}
+
 // ---- restart ------------------------------------------------------------------------------------
 
 TEST_F(LocalStore, ReopenWith100000KeysRebuildsTheIndex) {

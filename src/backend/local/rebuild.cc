@@ -255,6 +255,7 @@ void LocalStore::rebuild() {
   for (uint32_t i = nseg_; i-- > 0;) {
     if (!used[i]) free_.push_back(i);
   }
+  account_index();
   keys_.store(index_.size());
   index_bytes_.store(index_.memory_bytes());
   bytes_used_.store(bytes);

@@ -25,7 +25,7 @@ namespace gdkv::local {
 // ================================================================================================
 
 LocalStore::LocalStore(const LocalBackendOptions& o, IoHook* hook)
-    : preallocate_(o.preallocate), hook_(hook) {
+    : preallocate_(o.preallocate), quotas_(o.quotas), hook_(hook) {
   if (o.segment_bytes < 16 * kBlock || o.segment_bytes % kBlock != 0 ||
       o.segment_bytes > (1u << 31)) {
     throw std::runtime_error(
@@ -39,6 +39,12 @@ LocalStore::LocalStore(const LocalBackendOptions& o, IoHook* hook)
   try {
     open_file(o);
     load_or_create_superblock(o);
+    check_quotas(o);
+    for (const auto& [nsid, quota] : quotas_) {
+      NsState& n = ns_[nsid];
+      n.limited = true;
+      n.quota = quota;
+    }
     arena_bytes_ =
         size_t{kStageChunks} * kStageBytes + size_t{kBounceCount} * kBounceBytes + kBlock;
     void* a = ::mmap(nullptr, arena_bytes_, PROT_READ | PROT_WRITE,
@@ -228,6 +234,27 @@ void LocalStore::load_or_create_superblock(const LocalBackendOptions& o) {
   capacity_.store(uint64_t{nseg_} * seg_bytes_);
 }
 
+// Copy-forward (write_path.cc) must always end: the values of limited namespaces, packed by the
+// copies into full batches, must leave room in the log beside the head and the segment being
+// reclaimed. Rule: the quotas sum to at most (segments - 2) x (segment_bytes - segment_bytes/16),
+// the 1/16 for segment and batch headers and the header blocks of batches.
+void LocalStore::check_quotas(const LocalBackendOptions& o) const {
+  if (quotas_.empty()) return;
+  uint64_t sum = 0;
+  for (const auto& [nsid, q] : quotas_) sum += q;
+  const uint64_t room = nseg_ > 2 ? uint64_t{nseg_ - 2} * (seg_bytes_ - seg_bytes_ / 16) : 0;
+  if (sum > room) {
+    throw std::runtime_error(
+        "local store: " + file_ + ": the namespace quotas sum to " + std::to_string(sum) +
+        " bytes, more than the " + std::to_string(room) + " bytes the log can keep for them (" +
+        std::to_string(nseg_) + " segments of " + std::to_string(seg_bytes_) +
+        " bytes: quotas may sum to at most (segments - 2) x 15/16 of a segment, so that the "
+        "values of namespaces with a quota can always be copied forward out of the segment being "
+        "reclaimed); lower the quotas or raise capacity_bytes (configured " +
+        std::to_string(o.capacity_bytes) + ")");
+  }
+}
+
 // The number of segments: what capacity_bytes asks for, but no more than the file system can hold
 // (the file's own blocks plus its free space, at this open: every process that opens the store
 // learns it, so none tries to grow into space that is not there), and never fewer than the file
@@ -292,6 +319,12 @@ void LocalStore::submit(BackendOp* op) {
       if (!op->key.valid()) return op->complete(Status::kInvalidKeySize);
       if (op->value.size() > max_value_) return op->complete(Status::kInvalidValueSize);
       if (op->store_options & ~nvme::kStoreOptionsValid) return op->complete(Status::kInvalidField);
+      if (!quotas_.empty()) {
+        const auto q = quotas_.find(op->nsid);
+        if (q != quotas_.end() && held_charge(op->value.size()) > q->second) {
+          return op->complete(Status::kCapacityExceeded);  // never fits its namespace's quota
+        }
+      }
       break;
     default:
       if (!op->key.valid()) return op->complete(Status::kInvalidKeySize);
@@ -318,6 +351,10 @@ void LocalStore::drain() {
 }
 
 void LocalStore::finish(BackendOp* op, Status s, uint64_t len) {
+  if (is_internal(op)) {
+    delete internal(op);  // its effect, if it had one, was applied by commit_batch
+    return;
+  }
   op->complete(s, len);
   completed_.fetch_add(1);
   if (drain_waiters_.load() > 0) {
@@ -397,6 +434,24 @@ void LocalStore::collect(MetricList& out) const {
       G, static_cast<double>(invalid_headers_));
   add("local_truncated_segments", "segments whose log ended early at open (corruption)", G,
       static_cast<double>(truncated_segments_));
+  add("local_copied_forward_bytes_total",
+      "value bytes of namespaces with a quota copied forward out of a reclaimed segment", C,
+      ld(copied_bytes_));
+  add("local_copy_forward_dropped_total",
+      "values of namespaces with a quota that reclaim dropped instead of copying forward", C,
+      ld(copy_dropped_));
+  {
+    MetricWriter nw(out, {{"tier", "local"}});
+    std::lock_guard lk(ns_mu_);
+    for (const auto& [nsid, n] : ns_) {
+      const MetricLabels l{{"namespace", std::to_string(nsid)}};
+      nw.gauge("namespace_held_bytes",
+               "bytes the backend namespace holds (values as laid out, and 64-byte records)",
+               n.held, l);
+      nw.counter("namespace_evictions_total", "values of the backend namespace its quota evicted",
+                 n.evictions, l);
+    }
+  }
   add("local_direct_io", "1 when the store uses O_DIRECT", G, direct_io_ ? 1 : 0);
   add("local_registered_buffers", "1 when the I/O buffers are registered with io_uring", G,
       registered_ ? 1 : 0);
@@ -443,7 +498,8 @@ void LocalStore::run(unsigned entries, std::promise<void>& ready) {
     batch.clear();
     form_batch();
     pump_waiting();
-    const bool idle = pending_.empty() && !batch_.active && jobs_active_ == 0 && waiting_.empty();
+    const bool idle = pending_.empty() && !batch_.active && jobs_active_ == 0 && waiting_.empty() &&
+                      copies_.empty() && clean_seg_ == kNone;
     bool more;
     sleeping_.store(true);
     {
@@ -497,6 +553,9 @@ void LocalStore::on_cqe(IoTag* t, int res) {
       break;
     case IoTag::kClearHeader:
       on_clear_header(res);
+      break;
+    case IoTag::kCleanClear:
+      on_clean_clear(res);
       break;
     case IoTag::kDirect:
     case IoTag::kChunk:

@@ -14,6 +14,11 @@
 // fdatasync). Only one batch is in flight, which is what makes recovery simple: only the last
 // batch of the newest segment can be torn, and the index is always current when a batch forms,
 // so conditional Stores are decided against durable state.
+//
+// Quotas (write_path.cc, docs/local-store.md "Quotas"): a namespace over its quota evicts its own
+// oldest values when a batch commits (tombstones in the next batch). With any quota set, one
+// segment is kept free: taking the last free one reclaims the oldest at once, after its values of
+// namespaces with a quota are copied into the fresh head (alone, durable) and its header is zeroed.
 #pragma once
 
 #include <liburing.h>
@@ -27,9 +32,11 @@
 #include <cstring>
 #include <deque>
 #include <future>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <new>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -95,6 +102,7 @@ struct IoTag {
     kFsync,
     kInvalidate,
     kClearHeader,
+    kCleanClear,
     kDirect,
     kChunk,
     kScan
@@ -113,6 +121,44 @@ struct SegState {
   // flushed before the new life's first batch, so a power loss in that batch cannot leave the
   // old header over a half-overwritten old log (whose records would point at new bytes).
   bool stale_header = false;
+};
+
+// What a value holds of its namespace's quota: its record entry (64 bytes, the key included) and
+// its bytes as the log lays them out (inline up to kInlineMax, else whole blocks).
+inline uint64_t held_charge(uint64_t len) {
+  return sizeof(RecordEntry) + (len <= kInlineMax ? len : round_up(len, kBlock));
+}
+
+// A live value's place in the log: segment sequence number, then offset (oldest first). A
+// zero-length value shares its offset with the next inline value, hence the key.
+struct LogPos {
+  uint64_t seq;
+  uint32_t off;
+  Key key;
+  friend bool operator<(const LogPos& a, const LogPos& b) noexcept {
+    if (a.seq != b.seq) return a.seq < b.seq;
+    if (a.off != b.off) return a.off < b.off;
+    return a.key < b.key;
+  }
+};
+
+// Per backend namespace (docs/local-store.md, "Quotas"). held and evictions are read by collect().
+struct NsState {
+  bool limited = false;  // has a quota
+  uint64_t quota = 0;
+  std::atomic<uint64_t> held{0};  // held_charge of its live values
+  std::atomic<uint64_t> evictions{0};
+  std::set<LogPos> order;  // limited only: its live values, oldest first
+};
+
+// A write the store makes on its own behalf: a value copied forward out of the segment being
+// reclaimed, or the tombstone of a value its namespace's quota evicted. Never counted by drain().
+struct InternalOp {
+  BackendOp op;
+  bool copy = false;     // else an eviction tombstone
+  uint32_t src_seg = 0;  // copy: where the value was
+  uint32_t src_off = 0;
+  AlignedBuf buf;  // copy: the value, read back from the log
 };
 
 // One Get in progress. The value's bytes arrive in two parts: a prefix read with O_DIRECT straight
@@ -190,6 +236,9 @@ class LocalStore final : public Backend {
   void dispatch(BackendOp* op);
   void on_cqe(IoTag* t, int res);
   void finish(BackendOp* op, Status s, uint64_t len = 0);
+  static void internal_done(BackendOp*, Status, uint64_t) {}
+  static bool is_internal(const BackendOp* op) { return op->done == &internal_done; }
+  static InternalOp* internal(BackendOp* op) { return static_cast<InternalOp*>(op->user); }
   void do_list(BackendOp* op);
 
   // writes
@@ -201,6 +250,19 @@ class LocalStore final : public Backend {
   int reserve(uint32_t s);
   void cap_segments();
   void reclaim(uint32_t s);
+  // quotas
+  NsState& ns(uint32_t nsid);
+  void held_add(uint32_t nsid, const Key& k, const Location& loc);
+  void held_sub(uint32_t nsid, const Key& k, const Location& loc);
+  void account_index();  // at open, from the rebuilt index
+  void enforce_quota(uint32_t nsid, NsState& n);
+  void queue_tombstone(uint32_t nsid, const Key& k);
+  bool cleaning_wanted() const;
+  void start_cleaning();
+  void form_copy_batch();
+  void finish_cleaning();
+  void on_clean_clear(int res);
+  void check_quotas(const LocalBackendOptions& o) const;
   void start_batch(uint64_t inline_bytes, uint64_t data_bytes);
   uint32_t fill_stage(std::byte* dst, uint32_t max);
   void pump_writes();
@@ -250,6 +312,7 @@ class LocalStore final : public Backend {
   uint64_t file_size_ = 0;
   uint64_t max_value_ = 0;
   uint64_t configured_bytes_ = 0;  // capacity_bytes asked for, in whole segments
+  NamespaceQuotas quotas_;         // read by submit() too: never changed after open
   IoHook* hook_ = nullptr;
 
   std::unique_ptr<Uring> ring_;  // created, used and destroyed by the I/O thread only
@@ -277,6 +340,19 @@ class LocalStore final : public Backend {
   uint64_t last_sealed_seq_ = 0;
   uint32_t last_sealed_end_ = 0;
   bool degraded_ = false;  // a failed batch could not be invalidated: refuse writes until reopen
+
+  // Quotas: per namespace, and the reclaim in progress of the oldest segment whose values of
+  // limited namespaces are being copied forward (kNone: none). ns_ changes shape under ns_mu_,
+  // on the I/O thread only; collect() reads it under ns_mu_.
+  std::map<uint32_t, NsState> ns_;
+  mutable std::mutex ns_mu_;
+  uint32_t clean_seg_ = kNone;
+  bool clean_clearing_ = false;  // its header is being zeroed and flushed
+  int clean_clear_left_ = 0;
+  bool clean_clear_failed_ = false;
+  IoTag clean_tag_{IoTag::kCleanClear};
+  std::deque<BackendOp*> copies_;  // copy-forward writes not yet in a batch
+  uint32_t cleanings_ = 0;         // started since a batch last took a caller's op
 
   std::deque<BackendOp*> pending_;                      // Stores and Deletes waiting for a batch
   std::unordered_map<NsKey, bool, NsKeyHash> overlay_;  // per forming batch: key present after it
@@ -364,6 +440,7 @@ class LocalStore final : public Backend {
   std::atomic<uint64_t> batch_max_{0};
   std::atomic<uint64_t> keys_{0}, bytes_used_{0}, capacity_{0}, segments_used_{0};
   std::atomic<uint64_t> index_bytes_{0};
+  std::atomic<uint64_t> copied_bytes_{0}, copy_dropped_{0};
   uint64_t rebuild_ns_ = 0, rebuild_records_ = 0;
   uint64_t torn_dropped_ = 0, invalid_headers_ = 0, truncated_segments_ = 0;
 };

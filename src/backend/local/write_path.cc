@@ -18,19 +18,30 @@ bool LocalStore::head_fits(uint64_t need) const {
 }
 
 void LocalStore::form_batch() {
-  if (batch_.active || pending_.empty()) return;
+  if (batch_.active || clean_clearing_) return;
   if (degraded_) {
     while (!pending_.empty()) {
       BackendOp* op = pending_.front();
       pending_.pop_front();
       finish(op, Status::kInternalError);
     }
+    while (!copies_.empty()) {
+      finish(copies_.front(), Status::kInternalError);
+      copies_.pop_front();
+    }
+    clean_seg_ = kNone;
     return;
   }
   if (head_ != kNone && head_wait_readers_) {
     if (segments_[head_].readers > 0) return;
     head_wait_readers_ = false;
   }
+  // Copy-forward goes first, alone: while it runs, the head takes nothing else, so the copies of
+  // the oldest segment fit in the fresh head (they pack at least as tightly as the original).
+  if (clean_seg_ != kNone && copies_.empty()) finish_cleaning();
+  if (clean_seg_ == kNone && cleaning_wanted()) start_cleaning();
+  if (clean_seg_ != kNone) return form_copy_batch();
+  if (pending_.empty()) return;
   auto header_area = [](uint64_t n, uint64_t inl) {
     return round_up(sizeof(BatchHeader) + n * sizeof(RecordEntry) + inl, kBlock);
   };
@@ -77,6 +88,9 @@ void LocalStore::form_batch() {
         return;
       }
       if (head_wait_readers_) return;  // the reclaimed segment is still being read
+      // The free segment just taken was the last: the oldest is reclaimed now, its values of
+      // limited namespaces copied into the fresh head before anything else goes there.
+      if (cleaning_wanted()) return form_batch();
     }
     bool present;
     if (auto it = overlay_.find(k); it != overlay_.end()) {
@@ -96,7 +110,8 @@ void LocalStore::form_batch() {
       }
       overlay_[k] = true;
     } else {
-      if (!present) {
+      if (!present &&
+          !is_internal(op)) {  // an eviction's tombstone: its key left the index already
         finish(op, Status::kKeyNotExist);
         continue;
       }
@@ -449,23 +464,49 @@ void LocalStore::commit_batch() {
   Batch& b = batch_;
   SegState& g = segments_[b.seg];
   uint64_t value_bytes = 0;
+  bool callers = false;         // the batch carried a caller's op
+  std::vector<uint32_t> grown;  // limited namespaces a Store added to
   for (size_t i = 0; i < b.recs.size(); ++i) {
-    const BackendOp* op = b.recs[i];
+    BackendOp* op = b.recs[i];
+    const InternalOp* in = is_internal(op) ? internal(op) : nullptr;
+    callers |= in == nullptr;
     Location old;
     if (op->kind == BackendOpKind::kPut) {
+      if (in != nullptr) {
+        // A copy replaces the value it copied, and nothing newer (copies go alone, so nothing
+        // newer can have come; checked all the same).
+        const Location* cur = index_.find(op->nsid, op->key);
+        if (cur == nullptr || cur->segment != in->src_seg || cur->offset != in->src_off) continue;
+      }
       Location loc;
       loc.segment = b.seg;
       loc.offset = b.value_off[i];
       loc.length = static_cast<uint32_t>(op->value.size());
       loc.set_checksum(b.checksum[i]);
-      if (index_.upsert(op->nsid, op->key, loc, &old)) --segments_[old.segment].live;
+      if (index_.upsert(op->nsid, op->key, loc, &old)) {
+        --segments_[old.segment].live;
+        held_sub(op->nsid, op->key, old);
+      }
       ++g.live;
-      value_bytes += op->value.size();
+      held_add(op->nsid, op->key, loc);
+      if (in != nullptr) {
+        copied_bytes_.fetch_add(op->value.size());
+      } else {
+        value_bytes += op->value.size();
+        if (ns(op->nsid).limited) grown.push_back(op->nsid);
+      }
     } else if (index_.erase(op->nsid, op->key, &old)) {
       --segments_[old.segment].live;
-      removals_(op->nsid, op->key);
+      held_sub(op->nsid, op->key, old);
+      if (in == nullptr) removals_(op->nsid, op->key);  // an eviction was reported when it happened
     }
   }
+  if (callers) cleanings_ = 0;
+  // A namespace over its quota now gives up its own oldest values (the Stores just made durable
+  // are its newest): they leave the index at once, their tombstones go in the next batch.
+  std::sort(grown.begin(), grown.end());
+  grown.erase(std::unique(grown.begin(), grown.end()), grown.end());
+  for (uint32_t nsid : grown) enforce_quota(nsid, ns(nsid));
   const uint64_t new_end = uint64_t{b.stream_start} + b.stream_len;
   bytes_used_.fetch_add(new_end - g.end);
   g.end = static_cast<uint32_t>(new_end);
@@ -561,7 +602,10 @@ void LocalStore::reclaim(uint32_t s) {
       if (loc.segment == s) victims.push_back(NsKey{nsid, k});
     });
     for (const NsKey& k : victims) {
-      index_.erase(k.nsid, k.key, nullptr);
+      Location old;
+      index_.erase(k.nsid, k.key, &old);
+      held_sub(k.nsid, k.key, old);
+      if (ns(k.nsid).limited) copy_dropped_.fetch_add(1);
       removals_(k.nsid, k.key);
     }
     keys_.store(index_.size());
@@ -581,7 +625,7 @@ Status LocalStore::switch_segment() {
     const int e = reserve(s);
     if (e == 0) {
       free_.pop_back();
-      start_head(s, false);
+      start_head(s, segments_[s].readers > 0);  // reclaimed by copy-forward: may still be read
       return Status::kSuccess;
     }
     ++write_errors_;
@@ -608,6 +652,196 @@ Status LocalStore::switch_segment() {
   }
   start_head(v, segments_[v].readers > 0);
   return Status::kSuccess;
+}
+
+// ---- quotas ----------------------------------------------------------------------------------
+
+NsState& LocalStore::ns(uint32_t nsid) {
+  if (auto it = ns_.find(nsid); it != ns_.end()) return it->second;  // only this thread inserts
+  std::lock_guard lk(ns_mu_);
+  return ns_[nsid];
+}
+
+void LocalStore::held_add(uint32_t nsid, const Key& k, const Location& loc) {
+  NsState& n = ns(nsid);
+  n.held.fetch_add(held_charge(loc.length), std::memory_order_relaxed);
+  if (n.limited) n.order.insert(LogPos{segments_[loc.segment].seq, loc.offset, k});
+}
+
+void LocalStore::held_sub(uint32_t nsid, const Key& k, const Location& loc) {
+  NsState& n = ns(nsid);
+  n.held.fetch_sub(held_charge(loc.length), std::memory_order_relaxed);
+  if (n.limited) n.order.erase(LogPos{segments_[loc.segment].seq, loc.offset, k});
+}
+
+// At open: what each namespace holds, and the quotas enforced (a crash may have brought back
+// values evicted before their tombstones were durable).
+void LocalStore::account_index() {
+  index_.for_each(
+      [&](uint32_t nsid, const Key& k, const Location& loc) { held_add(nsid, k, loc); });
+  for (auto& [nsid, n] : ns_) {
+    if (n.limited) enforce_quota(nsid, n);
+  }
+}
+
+void LocalStore::enforce_quota(uint32_t nsid, NsState& n) {
+  while (n.held.load(std::memory_order_relaxed) > n.quota && !n.order.empty()) {
+    const Key k = n.order.begin()->key;
+    Location old;
+    if (!index_.erase(nsid, k, &old)) {
+      n.order.erase(n.order.begin());  // not reached: the order mirrors the index
+      continue;
+    }
+    --segments_[old.segment].live;
+    held_sub(nsid, k, old);
+    n.evictions.fetch_add(1, std::memory_order_relaxed);
+    removals_(nsid, k);
+    queue_tombstone(nsid, k);
+  }
+  keys_.store(index_.size());
+}
+
+// The tombstone goes ahead of every op still pending (all of them came after the eviction), so a
+// later Store of the key is never undone by it. Until it is durable, a crash may bring the
+// evicted value back: its last value, as after a reclaim.
+void LocalStore::queue_tombstone(uint32_t nsid, const Key& k) {
+  auto* t = new InternalOp;
+  t->op.kind = BackendOpKind::kDelete;
+  t->op.nsid = nsid;
+  t->op.key = k;
+  t->op.done = &internal_done;
+  t->op.user = t;
+  pending_.push_front(&t->op);
+}
+
+// When the last free segment has become the head, the oldest is reclaimed at once (so a free
+// segment is always there for the next switch), and its live values of limited namespaces are
+// first copied into the head. Only when a write waits: a store opened with no free segment
+// reclaims nothing until something is written.
+bool LocalStore::cleaning_wanted() const {
+  return !quotas_.empty() && free_.empty() && !pending_.empty() && head_ != kNone &&
+         fifo_.size() >= 2 &&
+         cleanings_ <= nseg_;  // a caller's batch that finds no room after a lap: plain reclaim
+}
+
+void LocalStore::start_cleaning() {
+  const uint32_t o = fifo_.front();
+  const uint64_t seq = segments_[o].seq;
+  ++cleanings_;
+  clean_seg_ = o;
+  for (auto& [nsid, n] : ns_) {
+    if (!n.limited) continue;
+    // The oldest segment's values come first in every namespace's order.
+    for (auto it = n.order.begin(); it != n.order.end() && it->seq == seq; ++it) {
+      const Location* loc = index_.find(nsid, it->key);
+      if (loc == nullptr || loc->segment != o) continue;
+      auto c = std::make_unique<InternalOp>();
+      const uint64_t start = round_down(loc->offset, io_align_);
+      const uint64_t end = round_up(uint64_t{loc->offset} + loc->length, io_align_);
+      c->buf = alloc_aligned(std::max<uint64_t>(end - start, 1), std::max(mem_align_, kBlock));
+      bool good = true;
+      for (uint64_t got = 0; good && got < end - start;) {
+        const ssize_t r = ::pread(fd_, c->buf.get() + got, end - start - got,
+                                  static_cast<off_t>(seg_base(o) + start + got));
+        if (r <= 0) {
+          ++read_errors_;
+          good = false;
+        } else {
+          got += static_cast<uint64_t>(r);
+        }
+      }
+      const std::byte* v = c->buf.get() + (loc->offset - start);
+      if (good && checksum64(v, loc->length) != loc->checksum()) {
+        ++checksum_failures_;
+        good = false;
+      }
+      if (!good) continue;  // left in the segment: reclaim drops it (counted)
+      c->copy = true;
+      c->src_seg = o;
+      c->src_off = loc->offset;
+      c->op.kind = BackendOpKind::kPut;
+      c->op.nsid = nsid;
+      c->op.key = it->key;
+      c->op.value = {v, loc->length};
+      c->op.done = &internal_done;
+      c->op.user = c.get();
+      copies_.push_back(&c.release()->op);
+    }
+  }
+  if (copies_.empty()) finish_cleaning();
+}
+
+void LocalStore::form_copy_batch() {
+  auto header_area = [](uint64_t n, uint64_t inl) {
+    return round_up(sizeof(BatchHeader) + n * sizeof(RecordEntry) + inl, kBlock);
+  };
+  batch_.recs.clear();
+  uint64_t entries = 0, inline_bytes = 0, data_bytes = 0;
+  while (!copies_.empty()) {
+    BackendOp* op = copies_.front();
+    const uint64_t len = op->value.size();
+    const bool inl = len <= kInlineMax;
+    const uint64_t n_entries = entries + 1;
+    const uint64_t n_inline = inline_bytes + (inl ? len : 0);
+    const uint64_t n_data = data_bytes + (inl ? 0 : round_up(len, kBlock));
+    const uint64_t need = header_area(n_entries, n_inline) + n_data;
+    if (entries > 0 && (n_entries > kMaxBatchRecords || n_inline > kMaxInlineBytesPerBatch ||
+                        need > kMaxBatchBytes || !head_fits(need))) {
+      break;
+    }
+    if (entries == 0 && !head_fits(need)) {
+      // The head is full and no segment is free (a store that got its quotas with a full log,
+      // or a full file system): the copies left are given up, and the reclaim drops their values.
+      if (free_.empty() || switch_segment() != Status::kSuccess) {
+        while (!copies_.empty()) {
+          finish(copies_.front(), Status::kCapacityExceeded);
+          copies_.pop_front();
+        }
+        finish_cleaning();
+        return form_batch();
+      }
+      if (head_wait_readers_) return;
+    }
+    copies_.pop_front();
+    batch_.recs.push_back(op);
+    entries = n_entries;
+    inline_bytes = n_inline;
+    data_bytes = n_data;
+  }
+  if (!batch_.recs.empty()) start_batch(inline_bytes, data_bytes);
+}
+
+// The copies are durable (or given up): the segment's header is zeroed and flushed, then it is
+// reclaimed (what is left in it, of namespaces without a quota, is dropped) and becomes the free
+// segment the next switch takes. Zeroed first, so a reopen cannot find the dropped keys again
+// (its reuse then has no old header to clear: the same one write and flush, done earlier).
+void LocalStore::finish_cleaning() {
+  clean_clearing_ = true;
+  clean_clear_left_ = 2;
+  clean_clear_failed_ = false;
+  io_uring_sqe* s = ring_->sqe();
+  prep_write(s, zero_block(), kBlock, seg_base(clean_seg_), &clean_tag_);
+  s->flags |= IOSQE_IO_LINK;
+  s = ring_->sqe();
+  ring_->prep_fdatasync(s, fd_, &clean_tag_);
+  ++sqe_inflight_;
+}
+
+void LocalStore::on_clean_clear(int res) {
+  if (res < 0) clean_clear_failed_ = true;
+  if (--clean_clear_left_ > 0) return;
+  clean_clearing_ = false;
+  if (clean_clear_failed_) ++write_errors_;
+  const uint32_t o = clean_seg_;
+  clean_seg_ = kNone;
+  if (o == kNone || fifo_.empty() || fifo_.front() != o || o == head_) return;  // not reached
+  fifo_.pop_front();
+  reclaim(o);
+  // Not cleared: its reuse zeroes the old header first, as after a plain reclaim.
+  segments_[o].stale_header = clean_clear_failed_;
+  free_.push_back(o);
+  std::sort(free_.begin(), free_.end(), std::greater<>());
+  segments_used_.store(fifo_.size());
 }
 
 }  // namespace gdkv::local
