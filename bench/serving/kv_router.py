@@ -68,7 +68,8 @@ class KvRouter:
         if isinstance(ev, AllBlocksCleared):
             self.local[engine].clear()
             return
-        held = self.store if ev.medium == "GDKV" else self.local[engine]
+        # gdkv's events name it as their owner (medium STORAGE or CPU, as vLLM's own tiers).
+        held = self.store if getattr(ev, "ownership", None) == "gdkv" else self.local[engine]
         if isinstance(ev, BlockRemoved):
             held.difference_update(ev.block_hashes)
             return

@@ -19,7 +19,7 @@ built model, every engine's compute pinned to the same cores (``gdkv_demo.vllm_d
   later ones load.
 - ``gdkv-routed``: ``gdkv`` with a KV-aware router (``kv_router.py``) instead of round robin:
   every engine publishes vLLM's KV events (``--kv-events-config``), the gdkv connector's among
-  them (medium GDKV; with gdkvd's removals, ``removals_url``), and each request goes to the
+  them (medium STORAGE, ownership gdkv, with gdkvd's removals), and each request goes to the
   least busy engine whose cache holds the longest prefix of it (a prefix in gdkv counts for
   every engine).
 - ``gdkv-tiered``: the same through tiered gdkvds (a local store in front of a RADOS pool), one
@@ -481,9 +481,7 @@ def system(name: str, a: argparse.Namespace, work: Path,
                     {"enable_kv_cache_events": True, "publisher": "zmq",
                      "endpoint": f"tcp://*:{p}", "topic": "kv"})) for p in ports]
                 # gdkvd's removals (evictions, deletes) reach the router as the connectors'
-                # BlockRemoved.
-                for c in kv:
-                    c["removals_url"] = f"http://127.0.0.1:{daemons[0].metrics_port}/removed"
+                # BlockRemoved: each connector follows its namespace's over its connection.
                 router = KvRouter([f"tcp://127.0.0.1:{p}" for p in ports], BLOCK)
                 stack.callback(router.close)
         elif name == "mooncake":

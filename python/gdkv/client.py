@@ -83,16 +83,17 @@ class Client:
 
     # ---- single keys ----
     def put(self, key: Key, value: Buffer, *, must_exist: bool = False,
-            must_not_exist: bool = False) -> None:
+            must_not_exist: bool = False, low_priority: bool = False) -> None:
         """Stores ``value`` (read in place) under ``key``.
 
         >>> c.put(b"block-0", torch.zeros(1024))
 
         ``must_exist``: only replace (else KeyNotFoundError); ``must_not_exist``: only create
-        (else KeyExistsError).
+        (else KeyExistsError); ``low_priority``: evicted before ordinary values of its namespace
+        (the host cache and the memory backend; a read makes it ordinary).
         """
         _cuda_sync(value)
-        self._core.put(key, value, must_exist, must_not_exist)
+        self._core.put(key, value, must_exist, must_not_exist, low_priority)
 
     def get(self, key: Key, *, size_hint: int = 65536) -> bytes:
         """The whole value as bytes (one copy; see get_view and get_into for none). KeyError if
@@ -211,16 +212,17 @@ class Client:
         ``missing_ok``), else its error (KeyNotFoundError for a missing key)."""
         return self._core.delete_many(list(keys), missing_ok)
 
-    def put_many(self, items: Iterable[tuple[Key, Buffer]]) -> list[Optional[Error]]:
+    def put_many(self, items: Iterable[tuple[Key, Buffer]], *,
+                 low_priority: bool = False) -> list[Optional[Error]]:
         """Stores every (key, value): None for each stored, else its error (a full store's
-        CapacityError, say); the others are stored all the same.
+        CapacityError, say); the others are stored all the same. ``low_priority`` as in put.
 
         >>> gdkv.raise_first(c.put_many(zip(keys, blocks)))   # raises if any failed
         """
         pairs = list(items)
         values = [v for _, v in pairs]
         _cuda_sync(*values)
-        return self._core.put_many([k for k, _ in pairs], values)
+        return self._core.put_many([k for k, _ in pairs], values, low_priority)
 
     def get_many(self, keys: Iterable[Key], *, size_hint: int = 65536) -> list[Optional[bytes]]:
         """Each key's value, None where it does not exist; raises for the first that failed.
@@ -350,8 +352,8 @@ class Client:
     async def adelete(self, key: Key, **kw) -> bool:
         return await self._run(self.delete, key, **kw)
 
-    async def aput_many(self, items: Iterable[tuple[Key, Buffer]]) -> list[Optional[Error]]:
-        return await self._run(self.put_many, list(items))
+    async def aput_many(self, items: Iterable[tuple[Key, Buffer]], **kw) -> list[Optional[Error]]:
+        return await self._run(self.put_many, list(items), **kw)
 
     async def aget_many(self, keys: Iterable[Key], **kw) -> list[Optional[bytes]]:
         return await self._run(self.get_many, list(keys), **kw)

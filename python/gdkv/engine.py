@@ -3,7 +3,8 @@
 - gdkv.config: every connector key, declared once, and :func:`~gdkv.config.read_config`;
 - gdkv.keys: :class:`~gdkv.keys.KeySpace`, block hashes to salted gdkv keys;
 - gdkv.fingerprint: :func:`~gdkv.fingerprint.weights_fingerprint`, a model folder's weights;
-- gdkv.removals: :class:`~gdkv.removals.RemovalFeed`, gdkvd's ``/removed`` feed;
+- gdkv.removals: :class:`~gdkv.removals.RemovalFeed`, the keys gdkvd removed (one namespace,
+  over a connection; or every namespace, from the metrics port's ``/removed``);
 - here: :class:`Stats`, a connector's counters (one convention for all three), and
   :class:`EngineStore`, the connection and the transfers.
 
@@ -365,13 +366,15 @@ class EngineStore:
                     0x85, keys[i]), "load")
         return whole, held
 
-    def put(self, client: Client, keys: list[bytes], value: Callable[[int], Any]) -> list[bool]:
-        """Stores ``value(i)`` under ``keys[i]`` in one batch; whether each was stored. (The vLLM
-        and SGLang connectors ask :meth:`present` first and put only what is missing; LMCache's
-        sends every chunk.)"""
+    def put(self, client: Client, keys: list[bytes], value: Callable[[int], Any], *,
+            low_priority: bool = False) -> list[bool]:
+        """Stores ``value(i)`` under ``keys[i]`` in one batch; whether each was stored (with
+        ``low_priority``: values evicted first, Client.put). (The vLLM and SGLang connectors ask
+        :meth:`present` first and put only what is missing; LMCache's sends every chunk.)"""
         if not keys:
             return []
-        res = self._noted(client.put_many([(k, value(i)) for i, k in enumerate(keys)]), "put")
+        res = self._noted(client.put_many([(k, value(i)) for i, k in enumerate(keys)],
+                                          low_priority=low_priority), "put")
         return [r is None for r in res]
 
     def reaches(self, client: Client, buffers: Iterable[Any]) -> bool:

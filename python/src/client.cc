@@ -57,7 +57,8 @@ nb::ndarray<nb::memview, const uint8_t, nb::ndim<1>> view_of(
 
 }  // namespace
 
-void PyClient::put(nb::handle key, nb::handle value, bool must_exist, bool must_not_exist) {
+void PyClient::put(nb::handle key, nb::handle value, bool must_exist, bool must_not_exist,
+                   bool low_priority) {
   const Key k = to_key(key);
   if (must_exist && must_not_exist) raise_value("must_exist and must_not_exist exclude each other");
   Buffer v = get_buffer(value, false, "value");
@@ -65,6 +66,7 @@ void PyClient::put(nb::handle key, nb::handle value, bool must_exist, bool must_
   uint8_t opts = 0;
   if (must_exist) opts |= gdkv::nvme::kStoreMustExist;
   if (must_not_exist) opts |= gdkv::nvme::kStoreMustNotExist;
+  if (low_priority) opts |= gdkv::nvme::kStoreLowPriority;
   CmdResult r = run([&](gdkv::Client& c) { return c.put(k, {v.ptr, v.len}, opts, nsid_); });
   check("put", &k, r);
 }
@@ -190,7 +192,7 @@ nb::list PyClient::delete_many(nb::handle keys_obj, bool missing_ok) {
       missing_ok ? Status::kKeyNotExist : Status::kSuccess);
 }
 
-nb::list PyClient::put_many(nb::handle keys_obj, nb::handle values_obj) {
+nb::list PyClient::put_many(nb::handle keys_obj, nb::handle values_obj, bool low_priority) {
   std::vector<Key> keys = to_keys(keys_obj);
   std::vector<Buffer> values;
   for (nb::handle h : values_obj) values.push_back(get_buffer(h, false, "value"));
@@ -206,7 +208,7 @@ nb::list PyClient::put_many(nb::handle keys_obj, nb::handle values_obj) {
   }
   std::vector<CmdResult> r;
   (void)run([&](gdkv::Client& c) {
-    r = c.put_many(keys, spans, 0, nsid_);
+    r = c.put_many(keys, spans, low_priority ? gdkv::nvme::kStoreLowPriority : 0, nsid_);
     return CmdResult{};
   });
   return per_key("put_many", keys, r, [](size_t) { return Py_NewRef(Py_None); });

@@ -38,7 +38,8 @@ class PyClient {
         timeout_ms_(timeout_ms) {}
 
   // ---- single commands ----
-  void put(nb::handle key, nb::handle value, bool must_exist, bool must_not_exist);
+  void put(nb::handle key, nb::handle value, bool must_exist, bool must_not_exist,
+           bool low_priority);
 
   // One Retrieve whatever the value's length (Client::get_value: received in memory gdkvd
   // writes in place), then the one copy a bytes object needs. `size_hint` is no longer used.
@@ -77,7 +78,7 @@ class PyClient {
 
   nb::list delete_many(nb::handle keys_obj, bool missing_ok);
 
-  nb::list put_many(nb::handle keys_obj, nb::handle values_obj);
+  nb::list put_many(nb::handle keys_obj, nb::handle values_obj, bool low_priority);
 
   // Client::get_values: one Retrieve per key where the memory allows (see its comment). Each
   // value is copied into its bytes object as its command completes, while the controller works

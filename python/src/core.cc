@@ -143,7 +143,7 @@ void define_module(nb::module_& m) {
 
   nb::class_<PyClient>(m, "Core")
       .def("put", &PyClient::put, nb::arg("key"), nb::arg("value"), nb::arg("must_exist"),
-           nb::arg("must_not_exist"))
+           nb::arg("must_not_exist"), nb::arg("low_priority"))
       .def("get", &PyClient::get, nb::arg("key"), nb::arg("size_hint"))
       .def("get_view", &PyClient::get_view, nb::arg("key"))
       .def("get_into", &PyClient::get_into, nb::arg("key"), nb::arg("out"), nb::arg("partial"))
@@ -156,7 +156,8 @@ void define_module(nb::module_& m) {
       .def("removed", &PyClient::removed, nb::arg("after").none(), nb::arg("nsid"),
            nb::arg("max_records"))
       .def("delete_many", &PyClient::delete_many, nb::arg("keys"), nb::arg("missing_ok"))
-      .def("put_many", &PyClient::put_many, nb::arg("keys"), nb::arg("values"))
+      .def("put_many", &PyClient::put_many, nb::arg("keys"), nb::arg("values"),
+           nb::arg("low_priority"))
       .def("get_many", &PyClient::get_many, nb::arg("keys"), nb::arg("size_hint"))
       .def("get_many_view", &PyClient::get_many_view, nb::arg("keys"))
       .def("get_many_into", &PyClient::get_many_into, nb::arg("keys"), nb::arg("outs"),

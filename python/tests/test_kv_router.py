@@ -21,9 +21,14 @@ from gdkv_demo.vllm_demo import free_port  # noqa: E402
 BS = 4
 
 
-def stored(hashes: list[bytes], tokens: list[int], parent=None, medium="GPU") -> BlockStored:
+def stored(hashes: list[bytes], tokens: list[int], parent=None, gdkv=False) -> BlockStored:
+    """An engine's own block, or (gdkv=True) one the gdkv connector announces."""
     return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
-                       block_size=BS, lora_id=None, medium=medium, lora_name=None)
+                       block_size=BS, lora_id=None, medium="STORAGE" if gdkv else "GPU",
+                       lora_name=None, **GDKV if gdkv else {})
+
+
+GDKV = {"locality": "LOCAL", "ownership": "gdkv"}
 
 
 @pytest.fixture
@@ -46,13 +51,13 @@ def test_the_longest_prefix_wins_among_the_least_busy(router):
     router.done(1)
     # gdkv holds 3 blocks: both engines can load them; engine 0's own 2 are shorter.
     with router.lock:
-        router._apply(1, stored([b"c"], prompt[8:12], parent=b"b", medium="GDKV"))
-        router._apply(0, stored([b"a", b"b"], prompt[:8], medium="GDKV"))
+        router._apply(1, stored([b"c"], prompt[8:12], parent=b"b", gdkv=True))
+        router._apply(0, stored([b"a", b"b"], prompt[:8], gdkv=True))
     assert router.route(prompt) == 0 and router.decisions["gdkv"] == 1
     router.done(0)
     # Removed from gdkv and cleared from engine 0: engine 1's own block decides.
     with router.lock:
-        router._apply(0, BlockRemoved(block_hashes=[b"a"], medium="GDKV"))
+        router._apply(0, BlockRemoved(block_hashes=[b"a"], medium="STORAGE", **GDKV))
         router._apply(0, AllBlocksCleared())
     assert router.route(prompt) == 1
 

@@ -86,7 +86,9 @@ def test_prometheus_scrapes_gdkvd_and_answers_every_dashboard_query(tmp_path):
                 c.put(b"monitoring-%d" % i, bytes([i]) * 4096)
             for i in range(8):
                 assert c.get(b"monitoring-%d" % i) == bytes([i]) * 4096
-            assert c.get(b"monitoring-none") is None
+            assert not c.exists(b"monitoring-none")
+            with pytest.raises(KeyError):
+                c.get(b"monitoring-none")
         exported = {name.split("{")[0] for name in d.metrics()}
 
         for title, expr in dashboard_queries():

@@ -256,6 +256,40 @@ def test_a_prompt_vllm_holds_whole_is_not_saved_again(model_dir, extra, kv_role)
     inst.close()
 
 
+def test_a_request_chooses_whether_and_how_it_is_saved(model_dir, tmp_path, monkeypatch, caplog):
+    """kv_transfer_params: "gdkv_save": false saves nothing of the request, "gdkv_priority":
+    "low" saves its values as low-priority Stores; a bad value is logged and the default kept."""
+    inst = Instance(model_dir, {"backend": "memory", "namespace": str(tmp_path)})
+    puts: list[bool] = []
+    real = gdkv.Client.put_many
+    monkeypatch.setattr(gdkv.Client, "put_many", lambda self, items, low_priority=False:
+                        puts.append(low_priority) or real(self, items, low_priority=low_priority))
+    w = inst.worker.stats
+    inst.add("skip", PROMPT_A, {"gdkv_save": False, "other_connector": 1})
+    inst.run()
+    inst.worker.drain()
+    assert w["saved_values"] == 0 and puts == []
+    client = inst.connector.store.client()
+    assert not client.exists(inst.worker.spaces[0].key(inst.requests["skip"].block_hashes[0]))
+
+    b = inst.add("low", PROMPT_B, {"gdkv_priority": "low"})
+    inst.run()
+    inst.worker.drain()
+    # vLLM's own cache holds the 10 blocks B shares with A: B saves its 3 others, low priority.
+    assert w["saved_values"] == 3 * len(inst.worker.slots) and puts and all(puts)
+    assert all(client.exists(inst.worker.spaces[0].key(h)) for h in b.block_hashes[10:13])
+
+    puts.clear()
+    with caplog.at_level(logging.WARNING, logger="gdkv.vllm"):
+        inst.add("bad", list(range(1000, 1100)), {"gdkv_save": "no", "gdkv_priority": "urgent"})
+        inst.run()
+        inst.worker.drain()
+    assert puts and not any(puts)
+    assert "gdkv_save must be true or false, not 'no'" in caplog.text
+    assert "gdkv_priority must be one of normal, low, not 'urgent'" in caplog.text
+    inst.close()
+
+
 # ---- kv_role: a producer (prefill engine) never loads, a consumer (decode engine) never saves
 def test_producer_saves_and_never_loads(model_dir, tmp_path):
     cfg = {"backend": "memory", "namespace": str(tmp_path)}

@@ -106,8 +106,11 @@ class Instance:
         self.on_layer = None
         self.skip_wait: set[int] = set()
 
-    def add(self, rid: str, tokens: list[int]) -> Request:
-        r = Request(rid, tokens, SamplingParams(max_tokens=3), None, block_hasher=HASHER)
+    def add(self, rid: str, tokens: list[int], kv_transfer_params: dict | None = None) -> Request:
+        """A request; ``kv_transfer_params`` as a client sends them in its request body."""
+        sp = SamplingParams(max_tokens=3, extra_args={"kv_transfer_params": kv_transfer_params}
+                            if kv_transfer_params is not None else None)
+        r = Request(rid, tokens, sp, None, block_hasher=HASHER)
         self.requests[rid] = r
         self.scheduler.add_request(r)
         return r

@@ -11,7 +11,8 @@ which vLLM then recomputes; a gdkvd that is down gives no external hits and drop
 an error to vLLM. ``kv_producer`` saves and never loads, ``kv_consumer`` loads and never saves;
 an engine without prefix caching only saves. The extra config (gdkv.engine's keys and
 ``blocks_per_value``, ``model_id``, ``save_queue_bytes``, ``load_mode``, ``layers_per_value``,
-``removals_url``, ``heads_per_value``), the modes, KV events and ``GDKV_VLLM_STATS``:
+``removals_url``, ``heads_per_value``, ``kv_events_medium``, ``kv_events_locality``), the modes, KV
+events and ``GDKV_VLLM_STATS``:
 docs/integrations.md ("vLLM").
 
 The package: ``plan`` (the KV cache groups and layout, values and keys, what travels to the

@@ -36,6 +36,26 @@ REMOVALS_POLL_S = 0.5
 REMOVALS_PENDING_KEYS = 1 << 16   # removed keys waiting for take_events, at most
 # How long a planned save's event waits for the workers' reports before it is given up.
 EVENT_WAIT_S = 10.0
+# A request's caching choices, in its kv_transfer_params: "gdkv_save": false saves none of its
+# values; "gdkv_priority": "low" saves them to be evicted first (Client.put's low_priority).
+PRIORITIES = ("normal", "low")
+
+
+def caching_choices(request: "Request") -> tuple[bool, bool]:
+    """(save, low_priority) from the request's kv_transfer_params. A value of the wrong type or
+    an unknown priority is logged and the default (save, normal) kept: a request is never failed
+    for it."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    save, priority = params.get("gdkv_save", True), params.get("gdkv_priority", "normal")
+    if not isinstance(save, bool):
+        log.warning("gdkv: request %s: gdkv_save must be true or false, not %r: saved",
+                    request.request_id, save)
+        save = True
+    if priority not in PRIORITIES:
+        log.warning("gdkv: request %s: gdkv_priority must be one of %s, not %r: normal",
+                    request.request_id, ", ".join(PRIORITIES), priority)
+        priority = "normal"
+    return save, priority == "low"
 
 
 @dataclass
@@ -48,6 +68,7 @@ class Transfer:
     req_id: str
     hashes: list[bytes] = field(default_factory=list)
     block_ids: list[list[int]] = field(default_factory=list)
+    low_priority: bool = False   # a save the request asked to be evicted first
 
 
 @dataclass

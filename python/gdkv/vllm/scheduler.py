@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from ..engine import UNAVAILABLE, EngineStore
 from ..removals import RemovalFeed
 from .plan import (EVENT_WAIT_S, REMOVALS_PENDING_KEYS, REMOVALS_POLL_S, GdkvMetadata,
-                   GdkvWorkerMeta, Plan, Transfer)
+                   GdkvWorkerMeta, Plan, Transfer, caching_choices)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -277,13 +277,18 @@ class SchedulerSide:
         return meta
 
     def _save(self, st: RequestState, tokens: int) -> Optional[Transfer]:
-        """The full values the request has computed (once this step ran) and gdkv lacks."""
+        """The full values the request has computed (once this step ran) and gdkv lacks; none
+        when the request opted out (plan.caching_choices)."""
         p = self.plan
         ready = p.hashed_values(st.request, tokens)
         if ready <= st.planned or self.manager is None:
             return None
+        save_it, low = caching_choices(st.request)
+        if not save_it:
+            st.planned = ready
+            return None
         ids = self.manager.get_blocks(st.request.request_id).get_block_ids()
-        save = Transfer(st.request.request_id)
+        save = Transfer(st.request.request_id, low_priority=low)
         for v in range(st.planned, ready):
             save.hashes.append(p.value_hash(st.request, v))
             save.block_ids.append(self._blocks(ids, v))

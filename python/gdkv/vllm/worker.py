@@ -459,7 +459,7 @@ class WorkerSide:
                 self.stats.add(dropped_saves=len(t.hashes) - keep)
             if keep == 0:
                 continue
-            t = Transfer(t.req_id, t.hashes[:keep], t.block_ids[:keep])
+            t = Transfer(t.req_id, t.hashes[:keep], t.block_ids[:keep], t.low_priority)
             items = self._items(t, owned, save=True)
             size = sum(sl.value_bytes for _, sl in items)
             if not size:
@@ -492,7 +492,7 @@ class WorkerSide:
                 event.synchronize()
             # A dropped save (gdkv unavailable, the store full...) is a later miss.
             keys = [sl.space.key(t.hashes[v]) for v, sl in items]
-            stored = self.store.call(lambda c: self._put(c, keys, bufs), set(),
+            stored = self.store.call(lambda c: self._put(c, keys, bufs, t.low_priority), set(),
                                      f"save of {t.req_id}")
             # A block counts once: by its values of the first layers (a layerwise save puts
             # each chunk of layers apart).
@@ -515,7 +515,8 @@ class WorkerSide:
             self.stats.add(save_s=time.perf_counter() - t0, saves_queued=-1)
             self.write_stats()
 
-    def _put(self, client, keys: list[bytes], bufs: list[torch.Tensor]) -> set[bytes]:
+    def _put(self, client, keys: list[bytes], bufs: list[torch.Tensor],
+             low_priority: bool = False) -> set[bytes]:
         """Puts the values ``bufs`` under ``keys`` that neither this worker nor gdkv has yet
         (EngineStore.present, .put): a value whose Exist failed is put again (a Store replaces
         it), and one whose Store failed is saved by a later request. Returns the keys it put."""
@@ -523,7 +524,8 @@ class WorkerSide:
             fresh = [i for i, k in enumerate(keys) if k not in self.saved]
         have = self.store.present(client, [keys[i] for i in fresh])
         todo = [i for i, there in zip(fresh, have) if not there]
-        stored = self.store.put(client, [keys[i] for i in todo], lambda j: bufs[todo[j]])
+        stored = self.store.put(client, [keys[i] for i in todo], lambda j: bufs[todo[j]],
+                                low_priority=low_priority)
         with self.lock:
             done = set(keys) - {keys[i] for i, ok in zip(todo, stored) if not ok}
             for k in keys:
