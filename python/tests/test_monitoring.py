@@ -76,7 +76,7 @@ def test_prometheus_scrapes_gdkvd_and_answers_every_dashboard_query(tmp_path):
     conf = require_ceph()
     prometheus = tool("prometheus")
     d = Gdkvd("--backend", "tiered", "--store", str(tmp_path / "store"), "--capacity",
-              str(64 << 20), "--ceph-conf", conf, "--pool", "gdkv-rep3", "--cache-bytes",
+              str(64 << 20), "--segment-bytes", str(8 << 20), "--ceph-conf", conf, "--pool", "gdkv-rep3", "--cache-bytes",
               str(16 << 20), "--namespace", "nsid=1,backend_namespace=41,capacity_bytes=8388608",
               metrics=True)
     prom = None

@@ -1,4 +1,4 @@
-"""Tenants with quotas through a real gdkvd: a tenant writing ten times its quota leaves every
+"""Tenants with quotas through a real gdkvd: a tenant writing sixteen times its quota leaves every
 value of another tenant readable, byte for byte, in the memory, local and tiered backends (with
 the host cache in front); the flooding tenant loses only its own oldest values; a value larger
 than its namespace's quota is refused; the per-namespace metrics say so."""
@@ -24,8 +24,8 @@ def value(tenant: int, i: int) -> bytes:
 def daemon(kind: str, tmp_path) -> Gdkvd:
     tenants = ["--namespace", f"nsid=1,backend_namespace=61,capacity_bytes={QUOTA}",
                "--namespace", f"nsid=2,backend_namespace=62,capacity_bytes={QUOTA}"]
-    store = ["--store", str(tmp_path / "store"), "--capacity", str(24 << 20),
-             "--segment-bytes", str(1 << 20)]
+    store = ["--store", str(tmp_path / "store"), "--capacity", str(48 << 20),
+             "--segment-bytes", str(8 << 20)]
     args = {"memory": ["--memory-capacity", str(16 << 20)],
             "local": store,
             "tiered": store + ["--ceph-conf", require_ceph() if kind == "tiered" else "",
@@ -53,7 +53,7 @@ def test_a_flooding_tenant_never_evicts_another(kind, tmp_path):
             kept = {run + b"/b-%d" % i: value(2, i) for i in range(QUOTA // VALUE // 2)}
             for k, v in kept.items():
                 b.put(k, v)
-            flood = 10 * QUOTA // VALUE
+            flood = 16 * QUOTA // VALUE   # more than the local store's log: it wraps
             for i in range(flood):
                 last = value(1, i)
                 a.put(run + b"/a-%d" % i, last)
