@@ -91,6 +91,20 @@ struct BackendOp {
 // capacity_bytes; every backend and the host cache hold it.
 using NamespaceQuotas = std::map<uint32_t, uint64_t>;
 
+// The samples every tier (host cache, memory, local, rados) reports per backend namespace, with
+// labels namespace and tier: declared once, so names and help texts agree. A tier reports
+// namespaces up to kMaxMetricNamespace (bounded label sets).
+inline constexpr uint32_t kMaxMetricNamespace = 1024;
+inline void add_namespace_metrics(MetricList& out, const char* tier, uint32_t nsid,
+                                  double held_bytes, double evictions) {
+  MetricWriter w(out, {{"namespace", std::to_string(nsid)}, {"tier", tier}});
+  w.gauge("namespace_held_bytes",
+          "bytes of the backend namespace the tier holds, counted as its quota counts them",
+          held_bytes);
+  w.counter("namespace_evictions_total", "values of the backend namespace the tier evicted",
+            evictions);
+}
+
 // Sizes a backend reports for `gdkv stat` (0 where unknown).
 struct BackendInfo {
   std::string name;

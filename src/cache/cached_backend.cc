@@ -50,14 +50,6 @@ using cache::Buffer;
 using cache::SlabAllocator;
 using nvme::Status;
 
-// Per-namespace metrics are kept for backend namespaces up to this one (bounded label sets).
-constexpr uint32_t kMaxMetricNamespace = 1024;
-// One help text per name for both tiers that report it (the memory backend's are the same).
-constexpr const char* kHeldHelp =
-    "bytes of the backend namespace held in the tier (memory: key and value bytes; cache: value "
-    "bytes)";
-constexpr const char* kEvictedHelp =
-    "values of the backend namespace the tier evicted (for its quota or for the capacity)";
 
 // The eviction policy of a group of `capacity_bytes` (the cache's, or a namespace's quota).
 using PolicyFactory = std::function<std::unique_ptr<cache::HintedPolicy>(uint64_t capacity_bytes)>;
@@ -176,9 +168,7 @@ class CachedBackend final : public Backend {
       for (uint32_t nsid = 0; nsid < ns_.size(); ++nsid) {
         const NsStat& st = ns_[nsid];
         if (!st.used && !st.limited) continue;
-        MetricLabels l{{"namespace", std::to_string(nsid)}, {"tier", "cache"}};
-        add("namespace_held_bytes", kHeldHelp, kG, d(st.held), l);
-        add("namespace_evictions_total", kEvictedHelp, kC, d(st.evictions), std::move(l));
+        add_namespace_metrics(out, "cache", nsid, d(st.held), d(st.evictions));
       }
     }
     inner_->collect(out);

@@ -441,15 +441,11 @@ void LocalStore::collect(MetricList& out) const {
       "values of namespaces with a quota that reclaim dropped instead of copying forward", C,
       ld(copy_dropped_));
   {
-    MetricWriter nw(out, {{"tier", "local"}});
     std::lock_guard lk(ns_mu_);
     for (const auto& [nsid, n] : ns_) {
-      const MetricLabels l{{"namespace", std::to_string(nsid)}};
-      nw.gauge("namespace_held_bytes",
-               "bytes the backend namespace holds (values as laid out, and 64-byte records)",
-               n.held, l);
-      nw.counter("namespace_evictions_total", "values of the backend namespace its quota evicted",
-                 n.evictions, l);
+      if (nsid > kMaxMetricNamespace) break;
+      add_namespace_metrics(out, "local", nsid, static_cast<double>(n.held.load()),
+                            static_cast<double>(n.evictions.load()));
     }
   }
   add("local_direct_io", "1 when the store uses O_DIRECT", G, direct_io_ ? 1 : 0);

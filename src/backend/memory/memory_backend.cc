@@ -42,14 +42,6 @@ struct Value {
   std::shared_ptr<const void> keep;
 };
 using Clock = std::chrono::steady_clock;
-// Per-namespace metrics are kept for backend namespaces up to this one (bounded label sets).
-constexpr uint32_t kMaxMetricNamespace = 1024;
-// One help text per name for both tiers that report it (the host cache's are the same).
-constexpr const char* kHeldHelp =
-    "bytes of the backend namespace held in the tier (memory: key and value bytes; cache: value "
-    "bytes)";
-constexpr const char* kEvictedHelp =
-    "values of the backend namespace the tier evicted (for its quota or for the capacity)";
 
 class MemoryBackend final : public Backend {
  public:
@@ -441,14 +433,12 @@ class MemoryBackend final : public Backend {
 
   // Each namespace with a quota, and each that has held a value (up to kMaxMetricNamespace).
   void collect_namespaces(MetricList& out) const {
-    MetricWriter w(out, {{"tier", "memory"}});
     std::lock_guard lk(mu_);
     for (const auto& [nsid, sp] : spaces_) {
       if (nsid > kMaxMetricNamespace) break;
       if (!sp.used && !sp.pool->limited) continue;
-      const MetricLabels l{{"namespace", std::to_string(nsid)}};
-      w.gauge("namespace_held_bytes", kHeldHelp, static_cast<double>(sp.held), l);
-      w.counter("namespace_evictions_total", kEvictedHelp, static_cast<double>(sp.evictions), l);
+      add_namespace_metrics(out, "memory", nsid, static_cast<double>(sp.held),
+                            static_cast<double>(sp.evictions));
     }
   }
 

@@ -73,12 +73,8 @@ void RadosBackend::collect(MetricList& out) const {
         static_cast<double>(inflight_.load(std::memory_order_relaxed)));
   // Namespaces with a quota, labelled as every tier labels them.
   for (const auto& q : quotas_) {
-    MetricWriter nw(out, {{"namespace", std::to_string(q.nsid)}, {"tier", "rados"}});
-    nw.gauge("namespace_held_bytes",
-             "a quota'd namespace's bytes in the tier (rados: on all nodes, at the last pass)",
-             q.held);
-    nw.counter("namespace_evictions_total",
-               "values of a quota'd namespace evicted (rados: by this node)", q.evictions);
+    add_namespace_metrics(out, "rados", q.nsid, static_cast<double>(q.held.load()),
+                          static_cast<double>(q.evictions.load()));
   }
 }
 
