@@ -145,7 +145,7 @@ def fail_for(client, monkeypatch, method: str, bad: bytes, err: gdkv.Error | Non
             n, e = real(keys[:at])
             return (n, e) if n < at else (at, err)
         if method == "put_many":
-            res = real(items[:at] + items[at + 1:])
+            res = real(items[:at] + items[at + 1:], *args, **kw)
             return res[:at] + [err] + res[at:]
         res = real(items, *args, **kw)
         return res[:at] + [err] + res[at + 1:]

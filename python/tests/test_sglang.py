@@ -233,10 +233,10 @@ def test_a_page_is_found_only_once_all_its_values_are_stored(gdkvd, monkeypatch)
     put_many = c.put_many
     rounds: list[list[bytes]] = []
 
-    def recording(items):
+    def recording(items, **kw):
         items = list(items)
         rounds.append([k for k, _ in items])
-        return put_many(items)
+        return put_many(items, **kw)
 
     c.put_many = recording
     assert s.batch_set_v1(keys, indices([0, 1, 2])) == [True] * 3

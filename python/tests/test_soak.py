@@ -71,7 +71,9 @@ def test_a_store_that_lost_acknowledged_writes_fails_the_soak():
                              "--test-roll-back-store", "--stop-on-failure")
     assert rc == 1, report
     assert r["lost"] > 100, report
-    assert r["restarts"][0]["lost"] == r["restarts"][0]["unknown"] == 0, report
+    # The first restart loses nothing (values the store reclaimed after the feed's last read
+    # before the kill are "unknown", not lost: a reclaimed segment's keys stay gone at reopen).
+    assert r["restarts"][0]["lost"] == 0, report
     assert "values lost" in r["failures"][0], report
     assert r["wrong"] == 0
 

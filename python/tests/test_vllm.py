@@ -727,10 +727,10 @@ def blocking_put_many(client, monkeypatch):
     release = threading.Event()
     real = client.put_many
 
-    def put_many(items):
+    def put_many(items, **kw):
         items = list(items)
         release.wait(30)
-        return real(items)
+        return real(items, **kw)
 
     monkeypatch.setattr(client, "put_many", put_many)
     return release
