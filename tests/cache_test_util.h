@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -257,6 +258,23 @@ inline double metric(const Backend& b, const std::string& name, const std::strin
   MetricList ms;
   b.collect(ms);
   return metric(ms, name, label);
+}
+
+// The quota tests' keys and values: "<tag><i, 4 digits>" (5 bytes), and `n` bytes that differ for
+// every (tag, i), so byte-exact checks mean something.
+inline Key nkey(char tag, int i) {
+  char buf[8];
+  std::snprintf(buf, sizeof buf, "%c%04d", tag, i % 10000);
+  return *Key::from_string(buf);
+}
+inline std::string nvalue(char tag, int i, size_t n = 1024) {
+  std::string v(n, '\0');
+  uint32_t x = static_cast<uint32_t>(tag) * 2654435761u ^ static_cast<uint32_t>(i) * 40503u;
+  for (char& c : v) {
+    x = x * 1664525u + 1013904223u;
+    c = static_cast<char>(x >> 24);
+  }
+  return v;
 }
 
 // The per-namespace sample `name` (namespace_held_bytes, namespace_evictions_total) of backend

@@ -435,11 +435,12 @@ TEST(Controller, CountsHitsMissesAndBytesWrittenPerNamespace) {
     ASSERT_EQ(x.labels.size(), 1u);
     got[x.name + "/" + x.labels[0].second] = x.value;
   }
-  const std::map<std::string, double> want = {
-      {"namespace_hits_total/1", 0},   {"namespace_misses_total/1", 2},
-      {"namespace_written_bytes_total/1", 100},
-      {"namespace_hits_total/3", 2},   {"namespace_misses_total/3", 1},
-      {"namespace_written_bytes_total/3", 350}};
+  const std::map<std::string, double> want = {{"namespace_hits_total/1", 0},
+                                              {"namespace_misses_total/1", 2},
+                                              {"namespace_written_bytes_total/1", 100},
+                                              {"namespace_hits_total/3", 2},
+                                              {"namespace_misses_total/3", 1},
+                                              {"namespace_written_bytes_total/3", 350}};
   EXPECT_EQ(got, want);
 }
 

@@ -50,7 +50,6 @@ using cache::Buffer;
 using cache::SlabAllocator;
 using nvme::Status;
 
-
 // The eviction policy of a group of `capacity_bytes` (the cache's, or a namespace's quota).
 using PolicyFactory = std::function<std::unique_ptr<cache::HintedPolicy>(uint64_t capacity_bytes)>;
 

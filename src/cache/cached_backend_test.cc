@@ -891,22 +891,8 @@ TEST(CacheWrites, AStoreFailingInTheBackendLeavesTheCacheUnchanged) {
 
 constexpr uint32_t kA = 1, kB = 2, kC = 3;
 constexpr uint64_t kKiB = 1024;
-
-Key nkey(char tag, int i) {
-  char buf[8];
-  std::snprintf(buf, sizeof buf, "%c%04d", tag, i % 10000);
-  return key(buf);
-}
-// 1 KiB that differs from every other (tag, i).
-std::string nvalue(char tag, int i, size_t n = kKiB) {
-  std::string v(n, '\0');
-  uint32_t x = static_cast<uint32_t>(tag) * 2654435761u ^ static_cast<uint32_t>(i) * 40503u;
-  for (char& c : v) {
-    x = x * 1664525u + 1013904223u;
-    c = static_cast<char>(x >> 24);
-  }
-  return v;
-}
+using test::nkey;
+using test::nvalue;
 double ns_metric(const Backend& b, const char* name, uint32_t nsid) {
   return test::ns_metric(b, name, nsid, "cache");
 }

@@ -465,19 +465,24 @@ int as_user(uint32_t id, F body) {
   }));
 }
 
+// "--config FILE" for a memory-backend gdkvd whose file holds `namespaces` ([[namespace]] tables).
+std::vector<std::string> tenant_config(const TempDir& dir, const std::string& namespaces) {
+  const std::string conf = dir.path() + "/gdkvd.toml";
+  std::ofstream(conf) << "[backend]\nkind = \"memory\"\n" << namespaces;
+  return {"--config", conf};
+}
+
 TEST(GdkvdProcess, TenantsSeeOnlyTheirNamespaces) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root to run clients as other users";
   TempDir dir("proctenant");
-  const std::string conf = dir.path() + "/gdkvd.toml";
-  {
-    std::ofstream f(conf);
-    f << "[backend]\nkind = \"memory\"\n"
-         "[[namespace]]\nnsid = 1\nbackend_namespace = 1\nname = \"tenant-a\"\nuids = [4101]\n"
-         "[[namespace]]\nnsid = 2\nbackend_namespace = 2\nname = \"tenant-b\"\nuids = [4102]\n"
-         "[[namespace]]\nnsid = 1\nbackend_namespace = 3\nname = \"tenant-b-default\"\n"
-         "uids = [4102]\n";
-  }
-  Daemon d(dir.path(), {"--config", conf});
+  Daemon d(dir.path(),
+           tenant_config(dir,
+                         "[[namespace]]\nnsid = 1\nbackend_namespace = 1\nname = \"tenant-a\"\n"
+                         "uids = [4101]\n"
+                         "[[namespace]]\nnsid = 2\nbackend_namespace = 2\nname = \"tenant-b\"\n"
+                         "uids = [4102]\n"
+                         "[[namespace]]\nnsid = 1\nbackend_namespace = 3\n"
+                         "name = \"tenant-b-default\"\nuids = [4102]\n"));
   ASSERT_TRUE(d.wait_ready()) << d.log();
   const std::string sock = d.socket_dir();
   // Tenant A: namespace 1 only; B's namespace 2 does not exist for it.
@@ -541,16 +546,14 @@ TEST(GdkvdProcess, TenantsSeeOnlyTheirNamespaces) {
 TEST(GdkvdProcess, TenantsReadOnlyTheirRemovals) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root to run clients as other users";
   TempDir dir("procremoved");
-  const std::string conf = dir.path() + "/gdkvd.toml";
-  {
-    std::ofstream f(conf);
-    f << "[backend]\nkind = \"memory\"\n"
-         "[[namespace]]\nnsid = 1\nbackend_namespace = 1\nname = \"tenant-a\"\nuids = [4101]\n"
-         "[[namespace]]\nnsid = 1\nbackend_namespace = 2\nname = \"tenant-b\"\nuids = [4102]\n"
-         "[[namespace]]\nnsid = 2\nbackend_namespace = 3\nname = \"tenant-b-2\"\n"
-         "uids = [4102]\n";
-  }
-  Daemon d(dir.path(), {"--config", conf});
+  Daemon d(dir.path(),
+           tenant_config(dir,
+                         "[[namespace]]\nnsid = 1\nbackend_namespace = 1\nname = \"tenant-a\"\n"
+                         "uids = [4101]\n"
+                         "[[namespace]]\nnsid = 1\nbackend_namespace = 2\nname = \"tenant-b\"\n"
+                         "uids = [4102]\n"
+                         "[[namespace]]\nnsid = 2\nbackend_namespace = 3\nname = \"tenant-b-2\"\n"
+                         "uids = [4102]\n"));
   ASSERT_TRUE(d.wait_ready()) << d.log();
   const std::string sock = d.socket_dir();
   // (The children are forked: each reads from cursor 0, the log's start.)

@@ -201,23 +201,8 @@ TEST(MemoryBackend, ViewOfAnEvictedValueStaysValid) {
 
 constexpr uint32_t kA = 1, kB = 2, kC = 3;
 constexpr uint64_t kKiB = 1024;
-
-// "<tag><i, 4 digits>": 5-byte keys.
-Key nkey(char tag, int i) {
-  char buf[8];
-  std::snprintf(buf, sizeof buf, "%c%04d", tag, i % 10000);
-  return key(buf);
-}
-// A value of `n` bytes that differs from every other (tag, i): byte-exact checks mean something.
-std::string nvalue(char tag, int i, size_t n) {
-  std::string v(n, '\0');
-  uint32_t x = static_cast<uint32_t>(tag) * 2654435761u ^ static_cast<uint32_t>(i) * 40503u;
-  for (char& c : v) {
-    x = x * 1664525u + 1013904223u;
-    c = static_cast<char>(x >> 24);
-  }
-  return v;
-}
+using test::nkey;
+using test::nvalue;
 // Key and value: exactly 1 KiB as the backend counts it.
 std::string kib_value(char tag, int i) { return nvalue(tag, i, kKiB - 5); }
 
